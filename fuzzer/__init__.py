@@ -1,0 +1,36 @@
+"""A coverage-guided serving-latency fuzzer for OpenAI-compatible LLM inference servers."""
+
+from fuzzer.errors import (
+    FuzzError,
+    NotBuiltError,
+    NotFoundError,
+    OutputError,
+    StoreError,
+    TargetError,
+    TraceError,
+    UnsupportedError,
+)
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, Target
+from fuzzer.trace import FORMAT_VERSION, Request, Trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ExecutionResult",
+    "FuzzError",
+    "MetricSample",
+    "NotBuiltError",
+    "NotFoundError",
+    "Outcome",
+    "OutputError",
+    "Request",
+    "RequestResult",
+    "StoreError",
+    "Target",
+    "TargetError",
+    "Trace",
+    "TraceError",
+    "UnsupportedError",
+    "__version__",
+]

@@ -1,0 +1,167 @@
+"""What one execution of a trace produced: the value types of the target seam (SPEC §12).
+
+The HTTP executor (a live server) and the simulator's virtual-time runner both
+return an :class:`ExecutionResult`, so the oracle, the campaign and the
+minimizer never know which one they drive.
+
+Times are in seconds. ``*_s`` fields of a request are measured from the moment
+that request was sent, except ``scheduled_s`` and ``sent_s``, which are offsets
+from the start of the execution (t0, when the first request was due).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, runtime_checkable
+
+from fuzzer.trace import Trace
+
+
+class Outcome(enum.StrEnum):
+    """How a request ended. A failure is data, never an exception."""
+
+    OK = "ok"
+    #: Closed by the client after ``cancel_after_tokens`` tokens, as the trace asked.
+    CANCELLED = "cancelled"
+    #: The server answered 5xx.
+    HTTP_ERROR = "http-error"
+    #: The server answered 4xx for a request the trace describes correctly.
+    REJECTED = "rejected"
+    #: The server answered 4xx because it does not support a feature the request uses.
+    UNSUPPORTED = "unsupported"
+    #: Connection refused or reset before the response ended.
+    CONNECTION_ERROR = "connection-error"
+    #: No complete answer within the client timeout.
+    TIMEOUT = "timeout"
+    #: A stream event that is not valid SSE/JSON, or a body that is not valid JSON.
+    MALFORMED = "malformed"
+    #: The stream ended without ``data: [DONE]``.
+    MISSING_DONE = "missing-done"
+    #: The number of generated tokens contradicts ``max_tokens`` with ``ignore_eos``.
+    TOKEN_MISMATCH = "token-mismatch"
+
+    @property
+    def failed(self) -> bool:
+        return self not in (Outcome.OK, Outcome.CANCELLED)
+
+
+#: Which finding kind (SPEC §7) a failed outcome is evidence of.
+FAILURE_KIND: Mapping[Outcome, str] = {
+    Outcome.HTTP_ERROR: "error",
+    Outcome.CONNECTION_ERROR: "error",
+    Outcome.TIMEOUT: "hang",
+    Outcome.MALFORMED: "protocol",
+    Outcome.MISSING_DONE: "protocol",
+    Outcome.TOKEN_MISMATCH: "protocol",
+}
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What the client measured for one request of a trace."""
+
+    request_id: str
+    #: The X-Request-Id header sent (trace request id + execution-unique suffix).
+    x_request_id: str
+    #: Planned send time, offset from t0 (``at_ms / 1000``).
+    scheduled_s: float
+    #: Actual send time, offset from t0.
+    sent_s: float
+    outcome: Outcome
+    #: First event carrying non-empty text; None for non-streaming requests or no token.
+    ttft_s: float | None = None
+    #: First event of any kind (a role-only chunk counts here, not in ttft_s).
+    first_event_s: float | None = None
+    #: Arrival of every content-bearing event of choice 0, from send.
+    token_times_s: tuple[float, ...] = ()
+    #: Send to the end of the response (or to the cancel); None when it never ended.
+    e2e_s: float | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    http_status: int | None = None
+    #: A short human-readable detail for failures (the server's error message, say).
+    detail: str | None = None
+
+    @property
+    def dispatch_lateness_s(self) -> float:
+        """Client-side lag: how late the request left compared with its schedule."""
+        return self.sent_s - self.scheduled_s
+
+    @property
+    def itl_s(self) -> tuple[float, ...]:
+        """Gaps between consecutive content-bearing events (one event may carry several tokens)."""
+        t = self.token_times_s
+        return tuple(b - a for a, b in zip(t, t[1:]))
+
+    @property
+    def max_itl_s(self) -> float | None:
+        gaps = self.itl_s
+        return max(gaps) if gaps else None
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    """One scrape of the server's metrics, mapped onto common names by the server adapter.
+
+    Common names: running, waiting, kv_usage (0-1), preemptions, prefix_cache_hits,
+    prefix_cache_queries, prompt_tokens, generation_tokens (counters are cumulative).
+    """
+
+    t_s: float
+    values: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    """One run of one trace against one target."""
+
+    trace_hash: str
+    #: Where it ran: a base URL, or ``sim+virtual://...`` for the in-process simulator.
+    target: str
+    #: Wall-clock start (epoch seconds) from the injected clock; virtual targets use virtual time.
+    started_at: float
+    duration_s: float
+    requests: tuple[RequestResult, ...]
+    samples: tuple[MetricSample, ...] = ()
+    #: How long the server had been idle before this execution started; None when unknown.
+    idle_before_s: float | None = None
+    #: Whether the server returned to idle after every request ended; None when unknown.
+    idle_after: bool | None = None
+    #: Harness warnings: prompt-length mismatches, dispatch lateness, ... (client trouble).
+    warnings: tuple[str, ...] = ()
+    #: Simulator ground truth (request id -> pathologies that delayed it). Filled only by the
+    #: in-process simulator, for tests and benchmarks; the oracle never reads it.
+    ground_truth: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def request(self, request_id: str) -> RequestResult:
+        for r in self.requests:
+            if r.request_id == request_id:
+                return r
+        raise KeyError(request_id)
+
+    @property
+    def failures(self) -> tuple[RequestResult, ...]:
+        return tuple(r for r in self.requests if r.outcome.failed)
+
+
+@runtime_checkable
+class Target(Protocol):
+    """Something a trace can be executed against (SPEC §12).
+
+    Implementations: the HTTP executor (``fuzzer.executor``) and the simulator's
+    virtual-time runner (``fuzzer.sim``).
+    """
+
+    #: A short description for reports: the base URL, or the simulator's configuration.
+    name: str
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        """Run the trace once and measure every request. Never raises for a request's failure."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections and processes."""
+        ...
