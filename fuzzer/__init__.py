@@ -1,6 +1,7 @@
 """A coverage-guided serving-latency fuzzer for OpenAI-compatible LLM inference servers."""
 
 from fuzzer.errors import (
+    ConfigError,
     FuzzError,
     NotBuiltError,
     NotFoundError,
@@ -16,6 +17,7 @@ from fuzzer.trace import FORMAT_VERSION, Request, Trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigError",
     "FORMAT_VERSION",
     "ExecutionResult",
     "FuzzError",

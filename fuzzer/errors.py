@@ -11,6 +11,7 @@ and never prints.
     ├── TargetError         the target server is unreachable or misbehaves
     │   └── UnsupportedError  the target rejects a feature the trace needs
     ├── OutputError         an output folder or file cannot be written
+    ├── ConfigError         a bad option value (unknown pathology, bad duration, ...)
     └── NotBuiltError       a capability of the CLI that does not exist yet
 """
 
@@ -56,6 +57,10 @@ class UnsupportedError(TargetError):
 
 class OutputError(FuzzError):
     """An output path cannot be written."""
+
+
+class ConfigError(FuzzError):
+    """An option or setting has a value the fuzzer cannot use."""
 
 
 class NotBuiltError(FuzzError):

@@ -1,0 +1,5 @@
+"""``python -m fuzzer`` is ``fuzz``."""
+
+from fuzzer.cli import main
+
+main()
