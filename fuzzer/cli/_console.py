@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Piped output (CI logs, `| less`) gets room for the widest table instead of rich's 80 columns.
+_PIPE_WIDTH = 160
+
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _PIPE_WIDTH)
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH)

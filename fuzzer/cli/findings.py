@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
-from fuzzer.cli._notbuilt import not_built
+from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, json_option
+from fuzzer.cli._render import finding_summary, findings_table
+from fuzzer.store import Store
 
 
 @click.command("findings")
@@ -18,4 +22,13 @@ def command(db_path, as_json) -> None:
     Example:
         fuzz findings --db night.db --json
     """
-    raise not_built("findings", "the findings list")
+    with Store.open(db_path, create=False) as store:
+        findings = store.list_findings()
+    if as_json:
+        click.echo(json.dumps([finding_summary(f) for f in findings], indent=1))
+        return
+    if not findings:
+        _console.out.print(f"no findings in {db_path}")
+        return
+    _console.out.print(findings_table(findings))
+    _console.out.print("next: fuzz show ID, fuzz minimize ID, fuzz export ID")

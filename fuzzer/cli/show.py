@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
-from fuzzer.cli._notbuilt import not_built
+from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, json_option
+from fuzzer.cli._render import finding_summary, trace_table, when
+from fuzzer.store import Store
 
 
 @click.command("show")
@@ -19,4 +23,29 @@ def command(finding_id, db_path, as_json) -> None:
     Example:
         fuzz show 3 --db night.db
     """
-    raise not_built("show", "the finding view")
+    with Store.open(db_path, create=False) as store:
+        finding = store.get_finding(finding_id)
+        trace = store.get_trace(finding.trace_hash)
+        minimized = store.get_trace(finding.minimized_trace_hash) if finding.minimized else None
+    if as_json:
+        data = {
+            **finding_summary(finding),
+            "verdict": dict(finding.verdict),
+            "details": dict(finding.details),
+            "trace": trace.to_dict(),
+            "minimized_trace": minimized.to_dict() if minimized else None,
+        }
+        click.echo(json.dumps(data, indent=1))
+        return
+    out = _console.out
+    out.print(f"[bold]finding {finding.id}[/bold]: {finding.kind}, found {when(finding.created_at)}")
+    out.print(f"signature: {finding.signature}")
+    if finding.slowdown is not None:
+        out.print(f"slowdown: {finding.slowdown:.1f}x, reproduced {finding.reproduced or '-'}")
+    out.print(trace_table(trace, title=f"trace {finding.trace_hash[:12]} ({len(trace.requests)} requests)"))
+    if minimized:
+        out.print(trace_table(minimized, title=f"minimized {finding.minimized_trace_hash[:12]}"))
+    if finding.verdict:
+        out.print("verdict: " + json.dumps(dict(finding.verdict), indent=1))
+    if finding.details:
+        out.print("details: " + json.dumps(dict(finding.details), indent=1))

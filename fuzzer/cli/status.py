@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
-from fuzzer.cli._notbuilt import not_built
+from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, json_option
+from fuzzer.store import Store
 
 
 @click.command("status")
@@ -18,4 +21,15 @@ def command(db_path, as_json) -> None:
     Example:
         fuzz status --db night.db
     """
-    raise not_built("status", "the campaign statistics")
+    with Store.open(db_path, create=False) as store:
+        stats = {
+            "database": db_path,
+            "schema_version": store.schema_version,
+            "executions": store.count_executions(),
+            "findings": len(store.list_findings()),
+        }
+    if as_json:
+        click.echo(json.dumps(stats, indent=1))
+        return
+    for key, value in stats.items():
+        _console.out.print(f"{key:>15}: {value}")

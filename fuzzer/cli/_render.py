@@ -1,0 +1,77 @@
+"""Tables the CLI shows (rich), shared by several commands."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+from rich.table import Table
+
+from fuzzer.store import StoredFinding
+from fuzzer.trace import Trace
+
+
+def finding_summary(f: StoredFinding) -> dict[str, Any]:
+    """The fields of SPEC §9 (`fuzz findings --json`), plus what identifies the finding."""
+    return {
+        "id": f.id,
+        "kind": f.kind,
+        "slowdown": f.slowdown,
+        "reproduced": f.reproduced,
+        "requests": f.requests,
+        "minimized": f.minimized,
+        "signature": f.signature,
+        "trace_hash": f.trace_hash,
+        "created_at": f.created_at,
+        "campaign_id": f.campaign_id,
+    }
+
+
+def findings_table(findings: list[StoredFinding]) -> Table:
+    table = Table(title=f"{len(findings)} finding(s)")
+    for name, justify in (
+        ("id", "right"),
+        ("kind", "left"),
+        ("slowdown", "right"),
+        ("reproduced", "right"),
+        ("requests", "right"),
+        ("minimized", "left"),
+        ("found", "left"),
+    ):
+        table.add_column(name, justify=justify)
+    for f in findings:
+        table.add_row(
+            str(f.id),
+            f.kind,
+            "-" if f.slowdown is None else f"{f.slowdown:.1f}x",
+            f.reproduced or "-",
+            str(f.requests),
+            "yes" if f.minimized else "no",
+            when(f.created_at),
+        )
+    return table
+
+
+def trace_table(trace: Trace, *, title: str | None = None) -> Table:
+    table = Table(title=title or (trace.name or "trace"))
+    for name in ("id", "at_ms", "prompt", "prefix", "max_tokens", "stream", "api", "cancel", "n", "logprobs"):
+        table.add_column(name, justify="left" if name in ("id", "prefix", "api", "stream") else "right")
+    for r in trace.requests:
+        prefix = f"{r.prefix}({trace.prefixes[r.prefix]})" if r.prefix else "-"
+        table.add_row(
+            r.id,
+            f"{r.at_ms:g}",
+            str(r.prompt_tokens),
+            prefix,
+            str(r.max_tokens),
+            "yes" if r.stream else "no",
+            r.api,
+            "-" if r.cancel_after_tokens is None else str(r.cancel_after_tokens),
+            str(r.n),
+            "-" if r.logprobs is None else str(r.logprobs),
+        )
+    return table
+
+
+def when(epoch_s: float) -> str:
+    return _dt.datetime.fromtimestamp(epoch_s).strftime("%Y-%m-%d %H:%M:%S")
