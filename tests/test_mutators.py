@@ -1,0 +1,96 @@
+"""Mutators only produce valid traces, record how, and stay within the target's limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fuzzer import trace as tf
+from fuzzer.mutators import OPERATORS, Limits, Mutator, NullMutator, OperatorStats, generate, splice
+from fuzzer.strategies import traces
+
+LIMITS = Limits(max_model_len=16384, max_output_tokens=512)
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces(max_prompt_tokens=8192, max_output_tokens=512), st.sampled_from(sorted(OPERATORS)), st.integers(0, 2**32))
+def test_every_operator_yields_a_valid_trace_or_none(trace, name, seed):
+    out = OPERATORS[name](trace, random.Random(seed), LIMITS)
+    if out is not None:
+        assert tf.validate(out) == out
+        assert len(out.requests) <= LIMITS.max_requests or len(out.requests) <= len(trace.requests)
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces(max_prompt_tokens=8192, max_output_tokens=512), traces(max_prompt_tokens=8192), st.integers(0, 2**32))
+def test_havoc_and_splice_children_are_valid_and_new(parent, other, seed):
+    rng = random.Random(seed)
+    child = Mutator(LIMITS, splice_rate=0.5).mutate(parent, rng, other)
+    assert tf.validate(child.trace) == child.trace
+    assert child.operators
+    assert child.trace.content_hash() != parent.content_hash()
+    assert set(child.operators) <= set(OPERATORS) | {"splice", "generate"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(traces(), traces(), st.integers(0, 2**32))
+def test_splice_keeps_ids_unique(a, b, seed):
+    out = splice(a, b, random.Random(seed), LIMITS)
+    if out is not None:
+        ids = [r.id for r in out.requests]
+        assert len(ids) == len(set(ids))
+        assert tf.validate(out) == out
+
+
+def test_generation_is_reproducible_from_the_seed():
+    a = [generate(random.Random(7), LIMITS).content_hash() for _ in range(3)]
+    assert len(set(a)) == 1
+    assert generate(random.Random(8), LIMITS).content_hash() != a[0]
+
+
+def test_null_mutator_ignores_its_parent(seed_trace):
+    other = seed_trace.with_requests(seed_trace.requests[:1])
+    for s in range(20):
+        a = NullMutator(LIMITS).mutate(seed_trace, random.Random(s)).trace
+        b = NullMutator(LIMITS).mutate(other, random.Random(s)).trace
+        assert a == b and a.name == "generated"
+
+
+def test_unsupported_features_are_avoided(seed_trace):
+    limits = Limits(unsupported=frozenset({"chat", "n", "logprobs"}))
+    m = Mutator(limits)
+    rng = random.Random(3)
+    for _ in range(300):
+        child = m.mutate(seed_trace, rng).trace
+        assert all(r.api == "completions" and r.n == 1 and r.logprobs is None for r in child.requests)
+
+
+def test_snap_prompt_reaches_block_and_budget_boundaries(seed_trace):
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(400):
+        out = OPERATORS["snap_prompt"](seed_trace, rng, LIMITS)
+        seen.update(r.prompt_tokens for r in out.requests)
+    assert {2047, 2048, 2049} <= seen
+    assert {127, 128, 129} <= seen
+
+
+def test_operator_choice_learns_from_success():
+    stats = OperatorStats()
+    for _ in range(50):
+        stats.record(("storm",), True)
+        stats.record(("reorder",), False)
+    rng = random.Random(0)
+    picks = [stats.choose(["storm", "reorder"], rng) for _ in range(1000)]
+    assert picks.count("storm") > 3 * picks.count("reorder")
+    assert picks.count("reorder") > 0  # never starved
+    assert OperatorStats.from_dict(stats.to_dict()).to_dict() == stats.to_dict()
+
+
+@pytest.mark.parametrize("name", ["storm", "fill", "squeeze", "duplicate_request", "add_request", "cancel_and_retry"])
+def test_growing_operators_respect_max_requests(seed_trace, name):
+    limits = Limits(max_requests=6)
+    assert OPERATORS[name](seed_trace, random.Random(0), limits) is None
