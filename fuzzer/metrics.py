@@ -1,0 +1,241 @@
+"""The server's /metrics: parse, map to common names, sample, wait for idle (SPEC §4).
+
+``parse`` turns Prometheus text (read with prometheus-client's parser) into the
+common names of :data:`COMMON_NAMES` through a server adapter. ``Scraper`` fetches
+and parses one page; ``Sampler`` polls on an absolute schedule while a trace runs;
+``wait_idle`` is the barrier before an execution and ``settles_idle`` the check
+after it (did running + waiting return to 0?).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Mapping
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from fuzzer.errors import TargetError
+from fuzzer.execution import MetricSample
+from fuzzer.servers import Adapter
+
+#: Common metric names every adapter maps onto (counters are cumulative).
+COMMON_NAMES = (
+    "running",
+    "waiting",
+    "kv_usage",
+    "preemptions",
+    "prefix_cache_hits",
+    "prefix_cache_queries",
+    "prompt_tokens",
+    "generation_tokens",
+)
+
+#: SPEC §4: poll /metrics every 50 ms during an execution.
+DEFAULT_INTERVAL_S = 0.05
+# The idle barrier polls faster than the sampler: it only delays the next execution.
+IDLE_POLL_S = 0.02
+# A server is called idle after this many consecutive idle scrapes, so one scrape
+# taken between two engine steps does not count as idle.
+IDLE_CONFIRMATIONS = 2
+# Without metrics the barrier can only wait a quiet period after the client's own
+# requests ended: long enough for an engine to finish an aborted step.
+QUIET_PERIOD_S = 0.25
+# A scrape slower than this is a stuck server, not a measurement.
+SCRAPE_TIMEOUT_S = 5.0
+
+
+def parse(text: str, adapter: Adapter) -> dict[str, float]:
+    """Prometheus text exposition -> {common name: value} for the names the adapter maps.
+
+    Samples of the chosen wire name are summed over labels (several engines or
+    models), or averaged for ``mean`` metrics. Raises :class:`TargetError` when the
+    text is not Prometheus exposition format.
+    """
+    totals: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                totals.setdefault(sample.name, []).append(float(sample.value))
+    except (ValueError, TypeError, IndexError) as e:
+        raise TargetError(f"the /metrics page is not Prometheus text: {e}") from None
+    values: dict[str, float] = {}
+    for common, metric in adapter.metrics.items():
+        for name in metric.names:
+            if name in totals:
+                found = totals[name]
+                values[common] = sum(found) / len(found) if metric.mean else sum(found)
+                break
+    return values
+
+
+def busy(values: Mapping[str, float]) -> float | None:
+    """running + waiting, or None when the server does not export them."""
+    if "running" not in values and "waiting" not in values:
+        return None
+    return values.get("running", 0.0) + values.get("waiting", 0.0)
+
+
+class Scraper:
+    """Fetches and parses one /metrics page with a shared session."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, adapter: Adapter, *, headers: Mapping[str, str]):
+        if adapter.metrics_path is None:
+            raise TargetError(f"a {adapter.kind} server has no /metrics to scrape")
+        self._session = session
+        self._url = base_url + adapter.metrics_path
+        self._adapter = adapter
+        self._headers = dict(headers)
+        self._timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+
+    async def __call__(self) -> dict[str, float]:
+        try:
+            async with self._session.get(self._url, headers=self._headers, timeout=self._timeout) as resp:
+                text = (await resp.read()).decode("utf-8", "replace")
+                if resp.status != 200:
+                    raise TargetError(f"GET {self._url} answered HTTP {resp.status}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise TargetError(f"GET {self._url} failed: {e.__class__.__name__}") from None
+        return parse(text, self._adapter)
+
+
+Scrape = Callable[[], Awaitable[Mapping[str, float]]]
+
+
+@dataclass(frozen=True)
+class IdleReport:
+    """What the idle barrier saw."""
+
+    #: How long the server had been seen idle when the barrier let go; None without metrics.
+    idle_s: float | None
+    #: False when the barrier gave up waiting.
+    reached: bool
+    last: Mapping[str, float]
+
+
+async def wait_idle(
+    scrape: Scrape | None,
+    *,
+    timeout_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    poll_s: float = IDLE_POLL_S,
+    quiet_s: float = QUIET_PERIOD_S,
+) -> IdleReport:
+    """Wait until running + waiting = 0 on IDLE_CONFIRMATIONS scrapes in a row.
+
+    Without a scrape (a server without metrics) this waits a quiet period and
+    reports the idle time as unknown. Gives up after ``timeout_s`` with
+    ``reached=False`` (the caller records a warning) rather than raising: a server
+    that never drains is a finding (``leak``), not a harness error.
+    """
+    if scrape is None:
+        await sleep(quiet_s)
+        return IdleReport(idle_s=None, reached=True, last={})
+    start = clock()
+    idle_since: float | None = None
+    seen = 0
+    last: Mapping[str, float] = {}
+    while True:
+        asked = clock()
+        try:
+            last = await scrape()
+        except TargetError:
+            seen, idle_since = 0, None
+        else:
+            load = busy(last)
+            if load is None:
+                # Metrics, but no running/waiting gauges: fall back to a quiet period.
+                await sleep(quiet_s)
+                return IdleReport(idle_s=None, reached=True, last=last)
+            if load == 0:
+                idle_since = asked if idle_since is None else idle_since
+                seen += 1
+                if seen >= IDLE_CONFIRMATIONS:
+                    return IdleReport(idle_s=clock() - idle_since, reached=True, last=last)
+            else:
+                seen, idle_since = 0, None
+        if clock() - start >= timeout_s:
+            return IdleReport(idle_s=None, reached=False, last=last)
+        await sleep(poll_s)
+
+
+async def settles_idle(
+    scrape: Scrape | None,
+    *,
+    timeout_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    poll_s: float = IDLE_POLL_S,
+) -> bool | None:
+    """After the last request ended: does the server return to idle within ``timeout_s``?
+
+    None when the server exports no running/waiting gauges (unknown).
+    """
+    if scrape is None:
+        return None
+    report = await wait_idle(scrape, timeout_s=timeout_s, clock=clock, sleep=sleep, poll_s=poll_s)
+    if report.reached and busy(report.last) is None:
+        return None
+    return report.reached
+
+
+class Sampler:
+    """Polls /metrics every ``interval_s`` on an absolute schedule while an execution runs.
+
+    A tick that comes due while the previous scrape is still running is skipped
+    (no catch-up burst). Each sample is stamped at the middle of its scrape, as an
+    offset from ``t0``.
+    """
+
+    def __init__(
+        self,
+        scrape: Scrape,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self._scrape = scrape
+        self._interval_s = interval_s
+        self._clock = clock
+        self._sleep = sleep
+        self._samples: list[MetricSample] = []
+        self._failures = 0
+        self._task: asyncio.Task[None] | None = None
+        self._t0 = 0.0
+
+    def start(self, t0: float) -> None:
+        self._t0 = t0
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> tuple[tuple[MetricSample, ...], int]:
+        """Stop polling; returns (samples, failed scrapes)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        return tuple(self._samples), self._failures
+
+    async def _run(self) -> None:
+        start = self._clock()
+        tick = 0
+        while True:
+            asked = self._clock()
+            try:
+                values = await self._scrape()
+            except TargetError:
+                self._failures += 1
+            else:
+                got = self._clock()
+                self._samples.append(MetricSample(t_s=(asked + got) / 2 - self._t0, values=dict(values)))
+            now = self._clock()
+            tick = max(tick + 1, int((now - start) / self._interval_s) + 1)
+            await self._sleep(max(0.0, start + tick * self._interval_s - now))
