@@ -1,0 +1,391 @@
+"""Expectations: what a reasonable FCFS chunked-prefill scheduler would give each request (SPEC §7).
+
+"Slow" means nothing without a model. Given the calibrated step-time model of a
+target and the scheduler parameters it is assumed to run with, this module replays
+a trace through an idealised continuous-batching scheduler on paper:
+
+- every step has a token budget; running decodes are scheduled first (one token per
+  sequence), then prefill chunks in first-come-first-served order, first the
+  partially prefilled running requests, then waiting ones, up to ``max_num_seqs``;
+- a step takes ``overhead + prefill tokens x cost + decode sequences x cost +
+  context tokens x cost`` (the calibrated :class:`StepModel`);
+- the first token of a request comes out at the end of the step that finishes its
+  prefill; a prefix shared with an earlier request of the same trace is a cache hit
+  once that request has computed the prefix's full KV blocks.
+
+For every request it gives two expectations: *idle* (the request alone on an idle
+server: what the user would call normal) and the *FCFS bound* (given the work that
+arrived before it). Slowdown versus idle is what users feel; excess over the FCFS
+bound is what by-design queueing does not explain.
+
+The scheduler parameters the server does not expose (the per-step token budget,
+above all) come from the server adapter's documented defaults and can be overridden
+by the user; :meth:`SchedulerAssumption.describe` says in every verdict which were used.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from fuzzer.errors import ConfigError
+from fuzzer.execution import ExecutionResult
+from fuzzer.trace import Trace
+from fuzzer.verdict import Metric
+
+# vLLM's API server defaults (vllm/config/scheduler.py, research/servers.md §3): a token
+# budget of 2048 per step on GPUs under 70 GiB (8192 above), 256 running sequences, KV
+# blocks of 16 tokens. The budget cannot be read from a server, so it is an assumption.
+DEFAULT_TOKEN_BUDGET = 2048
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_BLOCK_SIZE = 16
+
+# A trace whose paper schedule needs more steps than this is not a fuzzing input
+# (a million steps is hours of decoding); stop rather than spin.
+MAX_MODEL_STEPS = 1_000_000
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Calibrated cost of one engine step, plus the latency outside the engine."""
+
+    overhead_s: float
+    prefill_token_s: float
+    decode_seq_s: float
+    context_token_s: float
+    #: Send-to-engine and engine-to-client time of a request (HTTP, tokenization, detokenize).
+    request_overhead_s: float = 0.0
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        return (
+            self.overhead_s
+            + self.prefill_token_s * prefill_tokens
+            + self.decode_seq_s * decode_seqs
+            + self.context_token_s * context_tokens
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "overhead_s": self.overhead_s,
+            "prefill_token_s": self.prefill_token_s,
+            "decode_seq_s": self.decode_seq_s,
+            "context_token_s": self.context_token_s,
+            "request_overhead_s": self.request_overhead_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StepModel":
+        return cls(**{k: float(data[k]) for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class SchedulerAssumption:
+    """Scheduler parameters the expectation needs and the server does not expose."""
+
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    prefix_caching: bool = True
+    #: Where the values come from, for the verdict ("vLLM default", "user override").
+    source: str = "vLLM API-server default"
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"scheduler assumption {name} must be a positive integer, got {value!r}")
+
+    def describe(self) -> str:
+        return (
+            f"max_num_batched_tokens={self.token_budget}, max_num_seqs={self.max_num_seqs}, "
+            f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'} ({self.source})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "token_budget": self.token_budget,
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": self.block_size,
+            "prefix_caching": self.prefix_caching,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SchedulerAssumption":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+#: Names under which engines document the per-step token budget (server adapters'
+#: ``scheduler_defaults``). A tuple value lists the documented choices; the first (the
+#: smaller GPU's default) is taken, and the verdict says so.
+_BUDGET_KEYS = ("max_num_batched_tokens", "chunked_prefill_size", "max_batch_prefill_tokens", "n_batch")
+_SEQS_KEYS = ("max_num_seqs", "max_concurrent_requests")
+
+
+def assumption_for(
+    kind: str,
+    defaults: Mapping[str, Any],
+    *,
+    token_budget: int | None = None,
+    max_num_seqs: int | None = None,
+    block_size: int | None = None,
+) -> SchedulerAssumption:
+    """The assumption for a server kind, from its adapter's documented defaults and user overrides."""
+    found: dict[str, Any] = {}
+    notes = []
+    for key in _BUDGET_KEYS:
+        if key in defaults:
+            value = defaults[key]
+            found["token_budget"] = value[0] if isinstance(value, (tuple, list)) else value
+            notes.append(f"{key} documented default")
+            break
+    for key in _SEQS_KEYS:
+        if key in defaults:
+            value = defaults[key]
+            found["max_num_seqs"] = value[0] if isinstance(value, (tuple, list)) else value
+            break
+    for key in ("block_size", "page_size"):
+        if key in defaults:
+            found["block_size"] = defaults[key]
+            break
+    if "prefix_caching" in defaults:
+        found["prefix_caching"] = bool(defaults["prefix_caching"])
+    source = f"{kind} default" if found else "no documented default; vLLM's assumed"
+    overrides = {
+        k: v
+        for k, v in (("token_budget", token_budget), ("max_num_seqs", max_num_seqs), ("block_size", block_size))
+        if v is not None
+    }
+    if overrides:
+        source += "; user override of " + ", ".join(sorted(overrides))
+    return SchedulerAssumption(**{**found, **overrides}, source=source)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What one request should have seen: alone on an idle server, and under FCFS."""
+
+    request_id: str
+    idle_ttft_s: float
+    idle_max_itl_s: float | None
+    idle_e2e_s: float
+    #: The FCFS chunked-prefill bound given the work that arrived before it.
+    ttft_s: float
+    max_itl_s: float | None
+    e2e_s: float
+    #: Prompt tokens the paper schedule took from the prefix cache.
+    cached_tokens: int = 0
+
+    def bound(self, metric: Metric) -> float | None:
+        return {Metric.TTFT: self.ttft_s, Metric.MAX_ITL: self.max_itl_s, Metric.E2E: self.e2e_s}[metric]
+
+    def idle(self, metric: Metric) -> float | None:
+        return {Metric.TTFT: self.idle_ttft_s, Metric.MAX_ITL: self.idle_max_itl_s, Metric.E2E: self.idle_e2e_s}[
+            metric
+        ]
+
+
+@dataclass(frozen=True)
+class PaperRequest:
+    """One request as the paper scheduler serves it; times from its send, like a client's."""
+
+    request_id: str
+    #: When it arrived, offset from the start of the execution.
+    arrival_s: float
+    #: Arrival of each token (choice 0), measured from the request's send.
+    token_times_s: tuple[float, ...]
+    e2e_s: float
+    cached_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0]
+
+    @property
+    def max_itl_s(self) -> float | None:
+        t = self.token_times_s
+        return max((b - a for a, b in zip(t, t[1:])), default=None)
+
+
+def paper_schedule(
+    trace: Trace,
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    result: ExecutionResult | None = None,
+) -> dict[str, PaperRequest]:
+    """Serve ``trace`` with the paper FCFS chunked-prefill scheduler; by request id.
+
+    With ``result``, requests arrive when they were actually sent (``sent_s``), so the
+    client's own lateness is never counted against the server.
+    """
+    sent = {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
+    jobs = [
+        _Job(
+            id=r.id,
+            arrival_s=sent.get(r.id, r.at_ms / 1000.0),
+            prompt=r.prompt_tokens,
+            group=r.prefix,
+            prefix=trace.prefix_tokens(r),
+            out=r.cancel_after_tokens or r.max_tokens,
+            n=r.n,
+        )
+        for r in trace.requests
+    ]
+    return {j.id: j.paper(model) for j in _schedule(jobs, model, assumption)}
+
+
+def expect(
+    trace: Trace,
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    result: ExecutionResult | None = None,
+) -> dict[str, Expectation]:
+    """Idle and FCFS expectations of every request of ``trace``, by request id."""
+    loaded = paper_schedule(trace, model, assumption, result)
+    out: dict[str, Expectation] = {}
+    for r in trace.requests:
+        done = loaded[r.id]
+        alone = idle_expectation(
+            r.prompt_tokens, r.cancel_after_tokens or r.max_tokens, model, assumption,
+            cached_tokens=done.cached_tokens, n=r.n,
+        )
+        out[r.id] = Expectation(
+            request_id=r.id,
+            idle_ttft_s=alone.idle_ttft_s,
+            idle_max_itl_s=alone.idle_max_itl_s,
+            idle_e2e_s=alone.idle_e2e_s,
+            ttft_s=done.ttft_s,
+            max_itl_s=done.max_itl_s,
+            e2e_s=done.e2e_s,
+            cached_tokens=done.cached_tokens,
+        )
+    return out
+
+
+def idle_expectation(
+    prompt_tokens: int,
+    max_tokens: int,
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    *,
+    cached_tokens: int = 0,
+    n: int = 1,
+) -> Expectation:
+    """The expectation of one request alone on an idle server (calibration uses it for residuals)."""
+    job = _Job(id="alone", arrival_s=0.0, prompt=prompt_tokens, group=None, prefix=0, out=max_tokens, n=n,
+               forced_cached=cached_tokens)
+    done = _schedule([job], model, assumption)[0].paper(model)
+    ttft, itl, e2e = done.ttft_s, done.max_itl_s, done.e2e_s
+    return Expectation("alone", ttft, itl, e2e, ttft, itl, e2e, cached_tokens)
+
+
+# --- the paper scheduler ----------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    """Mutable bookkeeping of one request inside the paper schedule."""
+
+    id: str
+    arrival_s: float
+    prompt: int
+    group: str | None
+    prefix: int
+    out: int
+    n: int
+    #: Cached tokens forced from outside (idle replay of a request that had hits); None = decide.
+    forced_cached: int | None = None
+    cached: int = 0
+    computed: int = 0
+    admitted: bool = False
+    tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+    finish_s: float | None = None
+
+    @property
+    def prefilled(self) -> bool:
+        return self.admitted and self.computed >= self.prompt
+
+    def paper(self, model: StepModel) -> PaperRequest:
+        assert self.finish_s is not None and self.token_times
+        shift = model.request_overhead_s - self.arrival_s
+        return PaperRequest(
+            request_id=self.id,
+            arrival_s=self.arrival_s,
+            token_times_s=tuple(t + shift for t in self.token_times),
+            e2e_s=self.finish_s + shift,
+            cached_tokens=self.cached,
+        )
+
+
+def _cacheable(job: _Job, block: int) -> int:
+    """Prompt tokens a prefix hit can cover: the prefix's full blocks, never the whole prompt."""
+    full = (job.prefix // block) * block
+    return min(full, ((job.prompt - 1) // block) * block)
+
+
+def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption) -> list[_Job]:
+    """Run the jobs through the paper scheduler; fills token times and finish times in place."""
+    order = sorted(jobs, key=lambda j: j.arrival_s)  # stable: same-instant requests keep trace order
+    pending = deque(order)
+    waiting: deque[_Job] = deque()
+    running: list[_Job] = []
+    #: prefix group -> time its full blocks were computed (cache hits from then on).
+    ready: dict[str, float] = {}
+    t = order[0].arrival_s if order else 0.0
+    steps = 0
+    while pending or waiting or running:
+        while pending and pending[0].arrival_s <= t:
+            waiting.append(pending.popleft())
+        if not waiting and not running:
+            t = pending[0].arrival_s
+            continue
+        budget = a.token_budget
+        decoding = [j for j in running if j.prefilled]
+        decode_seqs = sum(j.n for j in decoding)
+        context = sum(j.n * (j.prompt + j.tokens) for j in decoding)
+        budget -= decode_seqs
+        chunks: list[tuple[_Job, int]] = []
+        for j in running:
+            if not j.prefilled and budget > 0:
+                c = min(j.prompt - j.computed, budget)
+                chunks.append((j, c))
+                budget -= c
+        seqs = sum(j.n for j in running)
+        while waiting and budget > 0 and seqs + waiting[0].n <= a.max_num_seqs:
+            j = waiting.popleft()
+            _admit(j, t, ready, a)
+            running.append(j)
+            seqs += j.n
+            c = min(j.prompt - j.computed, budget)
+            chunks.append((j, c))
+            budget -= c
+        prefill = sum(c for _, c in chunks)
+        t += model.step_s(prefill, decode_seqs, context)
+        steps += 1
+        if steps > MAX_MODEL_STEPS:
+            raise ConfigError(f"the trace needs more than {MAX_MODEL_STEPS} scheduler steps to model; shorten it")
+        for j in decoding:
+            j.tokens += 1
+            j.token_times.append(t)
+        for j, c in chunks:
+            j.computed += c
+            if j.group is not None and j.group not in ready and j.computed >= _cacheable(j, a.block_size) > 0:
+                ready[j.group] = t
+            if j.computed >= j.prompt:
+                j.tokens = 1
+                j.token_times.append(t)
+        for j in [j for j in running if j.prefilled and j.tokens >= j.out]:
+            j.finish_s = t
+            running.remove(j)
+    return jobs
+
+
+def _admit(job: _Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption) -> None:
+    job.admitted = True
+    if job.forced_cached is not None:
+        job.cached = job.forced_cached
+    elif a.prefix_caching and job.group is not None and ready.get(job.group, float("inf")) <= t:
+        job.cached = _cacheable(job, a.block_size)
+    job.computed = job.cached

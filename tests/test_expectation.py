@@ -1,0 +1,148 @@
+"""The paper FCFS chunked-prefill scheduler: idle expectations and FCFS bounds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+
+from fuzzer.errors import ConfigError
+from fuzzer.execution import ExecutionResult, Outcome, RequestResult
+from fuzzer.expectation import (
+    SchedulerAssumption,
+    StepModel,
+    assumption_for,
+    expect,
+    idle_expectation,
+    paper_schedule,
+)
+from fuzzer.servers import ADAPTERS
+from fuzzer.strategies import traces
+from fuzzer.trace import Request, Trace
+from fuzzer.verdict import Metric
+
+MODEL = StepModel(overhead_s=0.004, prefill_token_s=30e-6, decode_seq_s=50e-6, context_token_s=1e-8,
+                  request_overhead_s=0.002)
+FCFS = SchedulerAssumption()
+
+
+def _req(rid, at_ms, prompt, out=8, **kw):
+    return Request(id=rid, at_ms=at_ms, prompt_tokens=prompt, max_tokens=out, **kw)
+
+
+def test_a_request_alone_takes_one_prefill_step_then_decode_steps():
+    trace = Trace(requests=(_req("a", 0, 1000, out=4),))
+    e = expect(trace, MODEL, FCFS)["a"]
+    prefill = 0.004 + 1000 * 30e-6
+    assert e.ttft_s == pytest.approx(prefill + 0.002)
+    assert e.idle_ttft_s == pytest.approx(e.ttft_s)
+    # Three decode steps, each with one sequence and its growing context.
+    steps = [0.004 + 50e-6 + 1e-8 * (1000 + k) for k in (1, 2, 3)]
+    assert e.e2e_s == pytest.approx(prefill + sum(steps) + 0.002)
+    assert e.max_itl_s == pytest.approx(max(steps))
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks():
+    trace = Trace(requests=(_req("a", 0, 5000, out=1),))
+    e = expect(trace, MODEL, SchedulerAssumption(token_budget=2048))["a"]
+    assert e.ttft_s == pytest.approx(3 * 0.004 + 5000 * 30e-6 + 0.002)
+    bigger = expect(trace, MODEL, SchedulerAssumption(token_budget=8192))["a"]
+    assert bigger.ttft_s == pytest.approx(0.004 + 5000 * 30e-6 + 0.002)
+
+
+def test_a_short_request_behind_long_prefills_waits_fcfs():
+    longs = [_req(f"l{i}", 0, 2048, out=4) for i in range(3)]
+    trace = Trace(requests=(*longs, _req("s", 1, 128, out=4)))
+    e = expect(trace, MODEL, FCFS)["s"]
+    # Alone it would be quick; behind three full-budget prefills it waits three steps.
+    assert e.idle_ttft_s == pytest.approx(0.004 + 128 * 30e-6 + 0.002)
+    assert e.ttft_s > 3 * (0.004 + 2048 * 30e-6)
+    assert e.ttft_s / e.idle_ttft_s > 10
+
+
+def test_the_prefix_cache_helps_a_later_request_of_the_group_only_once_computed():
+    prefixes = {"p": 1000}
+    first = _req("a", 0, 1100, prefix="p", out=2)
+    concurrent = _req("b", 0, 1100, prefix="p", out=2)
+    later = _req("c", 500, 1100, prefix="p", out=2)
+    paper = paper_schedule(Trace(requests=(first, concurrent, later), prefixes=prefixes), MODEL, FCFS)
+    assert paper["a"].cached_tokens == 0
+    assert paper["b"].cached_tokens == 0  # admitted in the same step: blocks not computed yet
+    assert paper["c"].cached_tokens == 992  # 62 full blocks of 16
+    off = paper_schedule(Trace(requests=(first, later), prefixes=prefixes), MODEL,
+                         SchedulerAssumption(prefix_caching=False))
+    assert off["c"].cached_tokens == 0
+
+
+def test_a_cache_hit_never_covers_the_whole_prompt():
+    prefixes = {"p": 64}
+    trace = Trace(requests=(_req("a", 0, 64, prefix="p", out=1), _req("b", 500, 64, prefix="p", out=1)),
+                  prefixes=prefixes)
+    assert paper_schedule(trace, MODEL, FCFS)["b"].cached_tokens == 48
+
+
+def test_max_num_seqs_holds_later_requests_until_a_slot_frees():
+    trace = Trace(requests=(_req("a", 0, 100, out=10), _req("b", 0, 100, out=10)))
+    one = paper_schedule(trace, MODEL, SchedulerAssumption(max_num_seqs=1))
+    assert one["b"].ttft_s > one["a"].e2e_s
+    two = paper_schedule(trace, MODEL, FCFS)
+    assert two["b"].ttft_s == pytest.approx(two["a"].ttft_s)
+
+
+def test_arrivals_come_from_the_actual_send_times():
+    trace = Trace(requests=(_req("a", 0, 2048, out=2), _req("b", 0, 16, out=2)))
+
+    def sent(b_sent_s):
+        return ExecutionResult(
+            trace_hash=trace.content_hash(), target="t", started_at=0.0, duration_s=1.0,
+            requests=(RequestResult("a", "a-1", 0.0, 0.0, Outcome.OK),
+                      RequestResult("b", "b-1", 0.0, b_sent_s, Outcome.OK)),
+        )
+
+    queued = expect(trace, MODEL, FCFS, sent(0.0))["b"].ttft_s
+    late = expect(trace, MODEL, FCFS, sent(1.0))["b"].ttft_s  # sent after a finished: no queueing
+    assert queued > 0.06 and late == pytest.approx(expect(trace, MODEL, FCFS)["b"].idle_ttft_s)
+
+
+def test_cancelled_requests_stop_at_their_cancel_point():
+    base = _req("a", 0, 100, out=100)
+    cancelled = _req("a", 0, 100, out=100, cancel_after_tokens=10)
+    full = expect(Trace(requests=(base,)), MODEL, FCFS)["a"].e2e_s
+    short = expect(Trace(requests=(cancelled,)), MODEL, FCFS)["a"].e2e_s
+    assert short < full / 5
+
+
+def test_idle_expectation_accessors():
+    e = idle_expectation(512, 4, MODEL, FCFS, cached_tokens=256)
+    assert e.ttft_s == pytest.approx(0.004 + 256 * 30e-6 + 0.002)
+    assert e.bound(Metric.TTFT) == e.idle(Metric.TTFT) == e.ttft_s
+    assert e.bound(Metric.E2E) == e.e2e_s and e.bound(Metric.MAX_ITL) == e.max_itl_s
+    assert idle_expectation(10, 1, MODEL, FCFS).max_itl_s is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(traces(max_requests=8, max_prompt_tokens=4096, max_output_tokens=64))
+def test_load_never_beats_idle(trace):
+    for e in expect(trace, MODEL, FCFS).values():
+        assert e.ttft_s >= e.idle_ttft_s - 1e-9
+        assert e.e2e_s >= e.idle_e2e_s - 1e-9
+        assert e.e2e_s >= e.ttft_s - 1e-9
+
+
+def test_assumption_from_adapter_defaults_and_overrides():
+    vllm = assumption_for("vllm", ADAPTERS["vllm"].scheduler_defaults)
+    assert (vllm.token_budget, vllm.max_num_seqs, vllm.block_size) == (2048, 256, 16)
+    assert "max_num_batched_tokens=2048" in vllm.describe() and "vllm default" in vllm.describe()
+    sglang = assumption_for("sglang", ADAPTERS["sglang"].scheduler_defaults)
+    assert sglang.token_budget == 8192 and sglang.block_size == 1
+    generic = assumption_for("openai", ADAPTERS["openai"].scheduler_defaults, token_budget=4096)
+    assert generic.token_budget == 4096 and "user override of token_budget" in generic.describe()
+    assert SchedulerAssumption.from_dict(vllm.to_dict()) == vllm
+
+
+def test_bad_assumption_is_a_config_error():
+    with pytest.raises(ConfigError, match="token_budget must be a positive integer"):
+        SchedulerAssumption(token_budget=0)
+
+
+def test_step_model_round_trips():
+    assert StepModel.from_dict(MODEL.to_dict()) == MODEL
