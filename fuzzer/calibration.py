@@ -1,0 +1,427 @@
+"""Calibration: a target's idle latencies, step-time model and noise, measured (SPEC §7).
+
+The oracle judges a request against what the *calibrated* server should have given
+it. Calibration measures that, on a warmed-up server, with probe traces whose
+requests run one at a time (spaced further apart than each takes):
+
+- idle TTFT versus prompt length, uncached (a fresh salt per execution) and cached
+  (a second request reusing the prefix the first one computed);
+- decode step time (inter-token latency) versus context length for one sequence,
+  and versus batch size for many short sequences decoding together.
+
+Each relation is fitted with the Theil-Sen estimator (scipy), which ignores the
+stray slow request (a GC pause, a late packet) that would drag a least-squares line.
+The fits give the :class:`~fuzzer.expectation.StepModel`; the residuals of every
+probe against that model give the measured noise and the *baseline*: the ratios
+observed / expected that an unremarkable request shows. Confirmation tests a
+candidate's ratios against this baseline.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+from scipy import stats
+
+from fuzzer.errors import TargetError
+from fuzzer.execution import ExecutionResult, RequestResult, Target
+from fuzzer.expectation import SchedulerAssumption, StepModel, idle_expectation
+from fuzzer.trace import Request, Trace
+from fuzzer.verdict import Metric
+
+#: Version of the stored calibration format. History:
+#:   1 - first version.
+FORMAT_VERSION = 1
+
+# --- probe design -------------------------------------------------------------------------
+
+#: Executions thrown away first: a cold server (CUDA graphs, allocator, clocks) is slower
+#: than a warm one, and calibrating on it would excuse every later cold start.
+WARMUP_RUNS = 2
+#: Prompt lengths of the uncached TTFT probes, clipped to the token budget so each
+#: prefill is one step (the relation is then a line). Denser at the short end, where
+#: the fixed overhead dominates.
+PREFILL_LENGTHS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+#: Prefix lengths of the cached probes (each followed by a short private suffix).
+CACHED_PREFIXES = (256, 512, 1024, 2048)
+CACHED_SUFFIX_TOKENS = 16
+#: Context lengths of the single-sequence decode probes, and their output length: enough
+#: inter-token gaps for a stable median without making the probe long.
+DECODE_CONTEXTS = (16, 512, 1024, 2048, 4096)
+DECODE_TOKENS = 32
+#: Batch sizes of the batched decode probes (short prompts, all sent at once).
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+BATCH_PROMPT_TOKENS = 16
+#: Each probe is repeated this often: with 9 lengths this gives ~36 TTFT residuals, a
+#: baseline large enough for MWU/KS to reach p <= 0.01 with three candidate samples.
+REPEATS = 4
+#: Probes run one at a time: each is spaced this many times the slowest pilot request
+#: apart (the pilot measures it), but never closer than MIN_SPACING_S.
+SPACING_FACTOR = 3.0
+MIN_SPACING_S = 0.05
+#: 1.4826 x MAD estimates a normal standard deviation robustly (Iglewicz-Hoaglin).
+MAD_SCALE = 1.4826
+#: A calibration older than this is refreshed by long campaigns: GPU clocks, memory
+#: fragmentation and co-tenants drift over hours (research/fuzzing.md §7, item 9).
+REFRESH_AFTER_S = 3600.0
+#: Fewer usable probes than this in a fit means the target misbehaved; refuse to fit.
+MIN_FIT_POINTS = 4
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A robust straight line y = intercept + slope * x, with the slope's 95% interval."""
+
+    intercept: float
+    slope: float
+    slope_low: float
+    slope_high: float
+    n: int
+
+    def __call__(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("intercept", "slope", "slope_low", "slope_high", "n")}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Fit":
+        return cls(float(data["intercept"]), float(data["slope"]), float(data["slope_low"]), float(data["slope_high"]), int(data["n"]))
+
+
+def theil_sen(x: Sequence[float], y: Sequence[float]) -> Fit:
+    """Theil-Sen fit of y on x (median of pairwise slopes): robust to up to ~29% outliers."""
+    if len(x) < MIN_FIT_POINTS or len(set(x)) < 2:
+        raise TargetError(
+            f"calibration got {len(x)} usable probe measurements at {len(set(x))} distinct sizes; "
+            f"at least {MIN_FIT_POINTS} at 2 sizes are needed (is the server failing requests?)"
+        )
+    res = stats.theilslopes(np.asarray(y, dtype=float), np.asarray(x, dtype=float), alpha=0.95, method="joint")
+    return Fit(float(res.intercept), float(res.slope), float(res.low_slope), float(res.high_slope), len(x))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibrated model of one target, its noise and its baseline residuals."""
+
+    target: str
+    created_at: float
+    model: StepModel
+    assumption: SchedulerAssumption
+    #: Idle TTFT versus uncached prompt tokens.
+    ttft_fit: Fit
+    #: Extra idle TTFT versus cached prompt tokens (a prefix hit is not free).
+    cached_fit: Fit | None
+    #: Single-sequence inter-token latency versus context tokens.
+    context_fit: Fit
+    #: Inter-token latency (context cost removed) versus decoding batch size.
+    batch_fit: Fit
+    #: Relative noise per metric: 1.4826 x MAD of log(observed / expected).
+    noise: Mapping[Metric, float]
+    #: Absolute noise per metric, seconds: 1.4826 x MAD of observed - expected.
+    noise_s: Mapping[Metric, float]
+    #: Ratios observed / expected of the probes, per metric: the confirmation baseline.
+    baseline: Mapping[Metric, tuple[float, ...]]
+    probes: int = 0
+    warmup_runs: int = WARMUP_RUNS
+    format: int = FORMAT_VERSION
+
+    def age_s(self, now: float) -> float:
+        return now - self.created_at
+
+    def is_stale(self, now: float, *, max_age_s: float = REFRESH_AFTER_S) -> bool:
+        return self.age_s(now) > max_age_s
+
+    def with_assumption(self, assumption: SchedulerAssumption) -> "Calibration":
+        """The same measurements under another scheduler assumption (a user override)."""
+        from dataclasses import replace
+
+        return replace(self, assumption=assumption)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "target": self.target,
+            "created_at": self.created_at,
+            "model": self.model.to_dict(),
+            "assumption": self.assumption.to_dict(),
+            "ttft_fit": self.ttft_fit.to_dict(),
+            "cached_fit": self.cached_fit.to_dict() if self.cached_fit else None,
+            "context_fit": self.context_fit.to_dict(),
+            "batch_fit": self.batch_fit.to_dict(),
+            "noise": {m.value: v for m, v in self.noise.items()},
+            "noise_s": {m.value: v for m, v in self.noise_s.items()},
+            "baseline": {m.value: list(v) for m, v in self.baseline.items()},
+            "probes": self.probes,
+            "warmup_runs": self.warmup_runs,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
+        fmt = data.get("format")
+        if fmt != FORMAT_VERSION:
+            raise TargetError(
+                f"stored calibration has format {fmt!r}, this fuzzer reads {FORMAT_VERSION}; run `fuzz calibrate` again"
+            )
+        return cls(
+            target=data["target"],
+            created_at=float(data["created_at"]),
+            model=StepModel.from_dict(data["model"]),
+            assumption=SchedulerAssumption.from_dict(data["assumption"]),
+            ttft_fit=Fit.from_dict(data["ttft_fit"]),
+            cached_fit=Fit.from_dict(data["cached_fit"]) if data.get("cached_fit") else None,
+            context_fit=Fit.from_dict(data["context_fit"]),
+            batch_fit=Fit.from_dict(data["batch_fit"]),
+            noise={Metric(k): float(v) for k, v in data["noise"].items()},
+            noise_s={Metric(k): float(v) for k, v in data["noise_s"].items()},
+            baseline={Metric(k): tuple(float(x) for x in v) for k, v in data["baseline"].items()},
+            probes=int(data.get("probes", 0)),
+            warmup_runs=int(data.get("warmup_runs", WARMUP_RUNS)),
+        )
+
+
+# --- probes -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """One measured probe request: what it was and what the client saw."""
+
+    prompt: int
+    cached: int
+    max_tokens: int
+    batch: int
+    result: RequestResult
+
+
+@dataclass
+class _Plan:
+    """Builds one probe trace: requests spaced ``spacing_s`` apart, or groups sent together."""
+
+    spacing_s: float
+    requests: list[Request] = field(default_factory=list)
+    prefixes: dict[str, int] = field(default_factory=dict)
+    meta: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    slot: int = 0
+
+    def add(self, prompt: int, max_tokens: int, *, batch: int = 1, lead_in: bool = False) -> None:
+        """A probe (or ``batch`` identical ones sent together) in the next slot."""
+        at_ms = round(self.slot * self.spacing_s * 1000.0, 3)
+        for i in range(batch):
+            rid = f"s{self.slot}" + (f"b{i}" if batch > 1 else "")
+            self.requests.append(Request(id=rid, at_ms=at_ms, prompt_tokens=prompt, max_tokens=max_tokens))
+            if not lead_in:
+                self.meta[rid] = (prompt, 0, max_tokens, batch)
+        self.slot += 1
+
+    def add_pair(self, prefix: int, suffix: int, *, hit: int) -> None:
+        """A request that computes a prefix, then (one slot later) a probe that reuses it."""
+        group = f"g{self.slot}"
+        self.prefixes[group] = prefix
+        for i, rid in enumerate((f"w{self.slot}", f"c{self.slot}")):
+            at_ms = round((self.slot + i) * self.spacing_s * 1000.0, 3)
+            self.requests.append(Request(id=rid, at_ms=at_ms, prompt_tokens=prefix + suffix, max_tokens=2, prefix=group))
+        self.meta[f"c{self.slot}"] = (prefix + suffix, hit, 2, 1)
+        self.slot += 2
+
+    def trace(self, name: str) -> Trace:
+        return Trace(requests=tuple(self.requests), prefixes=dict(self.prefixes), name=name)
+
+
+async def _run(target: Target, plan: _Plan, name: str) -> list[_Probe]:
+    result: ExecutionResult = await target.execute(plan.trace(name))
+    probes = []
+    for r in result.requests:
+        if r.request_id not in plan.meta:
+            continue
+        if r.outcome.failed:
+            raise TargetError(
+                f"calibration probe {r.request_id} of {name} failed ({r.outcome.value}"
+                + (f": {r.detail}" if r.detail else "")
+                + "); the target must serve plain requests before it can be fuzzed"
+            )
+        prompt, cached, max_tokens, batch = plan.meta[r.request_id]
+        probes.append(_Probe(prompt, cached, max_tokens, batch, r))
+    return probes
+
+
+def _usable(probes: Sequence[_Probe], *, streamed: bool = True) -> list[_Probe]:
+    return [p for p in probes if (p.result.ttft_s is not None) or not streamed]
+
+
+async def calibrate(
+    target: Target,
+    *,
+    assumption: SchedulerAssumption | None = None,
+    rng: random.Random | None = None,
+    clock: Callable[[], float] = time.time,
+    repeats: int = REPEATS,
+    warmup_runs: int = WARMUP_RUNS,
+) -> Calibration:
+    """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure."""
+    assumption = assumption or SchedulerAssumption()
+    rng = rng or random.Random(0)
+    budget = assumption.token_budget
+    lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS})
+    prefixes = sorted({min(n, max(assumption.block_size, budget - CACHED_SUFFIX_TOKENS)) for n in CACHED_PREFIXES})
+
+    # Warm-up and pilot: the slowest probe shape tells how far apart probes must be.
+    pilot = _Plan(spacing_s=1.0)
+    pilot.add(max(lengths), DECODE_TOKENS)
+    pilot.add(max(DECODE_CONTEXTS), DECODE_TOKENS)
+    pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=max(BATCH_SIZES))
+    slowest = 0.0
+    for _ in range(max(1, warmup_runs)):
+        for probe in await _run(target, pilot, "calibration-pilot"):
+            slowest = max(slowest, probe.result.e2e_s or 0.0)
+    spacing_s = max(MIN_SPACING_S, SPACING_FACTOR * slowest)
+
+    def shuffled(items: list) -> list:
+        rng.shuffle(items)
+        return items
+
+    # Uncached TTFT: one lead-in request (a first request after an idle gap may be slow).
+    plan = _Plan(spacing_s)
+    plan.add(16, 2, lead_in=True)
+    for n in shuffled([n for n in lengths for _ in range(repeats)]):
+        plan.add(n, 2)
+    prefill = _usable(await _run(target, plan, "calibration-prefill"))
+
+    # Cached TTFT: a request computes the prefix, the next one (same group) reuses it.
+    plan = _Plan(spacing_s)
+    plan.add(16, 2, lead_in=True)
+    for n in shuffled([n for n in prefixes for _ in range(repeats)]):
+        plan.add_pair(n, CACHED_SUFFIX_TOKENS, hit=(n // assumption.block_size) * assumption.block_size)
+    cached_probes = _usable(await _run(target, plan, "calibration-cached"))
+
+    # Decode, one sequence, growing context.
+    plan = _Plan(spacing_s)
+    plan.add(16, 2, lead_in=True)
+    for n in shuffled([n for n in DECODE_CONTEXTS for _ in range(repeats)]):
+        plan.add(n, DECODE_TOKENS)
+    single = _usable(await _run(target, plan, "calibration-decode"))
+
+    # Decode, many short sequences together.
+    plan = _Plan(spacing_s)
+    plan.add(16, 2, lead_in=True)
+    for b in shuffled([b for b in BATCH_SIZES for _ in range(repeats)]):
+        plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b)
+    batched = _usable(await _run(target, plan, "calibration-batch"))
+
+    return fit(
+        target=target.name,
+        created_at=clock(),
+        assumption=assumption,
+        prefill=prefill,
+        cached=cached_probes,
+        single=single,
+        batched=batched,
+        warmup_runs=warmup_runs,
+    )
+
+
+def _median_itl(r: RequestResult) -> float | None:
+    gaps = r.itl_s
+    return float(np.median(gaps)) if gaps else None
+
+
+def fit(
+    *,
+    target: str,
+    created_at: float,
+    assumption: SchedulerAssumption,
+    prefill: Sequence[_Probe],
+    cached: Sequence[_Probe],
+    single: Sequence[_Probe],
+    batched: Sequence[_Probe],
+    warmup_runs: int = WARMUP_RUNS,
+) -> Calibration:
+    """Fit the step model from probe measurements and measure the residual noise."""
+    # Single-sequence decode: ITL = (overhead + one sequence) + context cost x context.
+    pts = [(p.prompt + p.max_tokens / 2.0, _median_itl(p.result)) for p in single]
+    pts = [(x, y) for x, y in pts if y is not None]
+    context_fit = theil_sen([x for x, _ in pts], [y for _, y in pts])
+    context_token_s = max(0.0, context_fit.slope)
+
+    # Batched decode, per group (requests of one slot): ITL minus context cost, versus batch size.
+    groups: dict[str, list[float]] = {}
+    for p in batched:
+        itl = _median_itl(p.result)
+        if itl is not None:
+            slot = p.result.request_id.split("b")[0]
+            ctx = p.batch * (p.prompt + p.max_tokens / 2.0)
+            groups.setdefault(f"{slot}:{p.batch}", []).append(itl - context_token_s * ctx)
+    xs = [int(k.split(":")[1]) for k in groups]
+    ys = [float(np.median(v)) for v in groups.values()]
+    batch_fit = theil_sen(xs, ys)
+    overhead_s = max(0.0, batch_fit.intercept)
+    decode_seq_s = max(0.0, batch_fit.slope)
+
+    # Idle TTFT: request overhead + step overhead + prefill cost x uncached tokens.
+    ttft_fit = theil_sen([p.prompt for p in prefill], [p.result.ttft_s for p in prefill])
+    prefill_token_s = max(0.0, ttft_fit.slope)
+    request_overhead_s = max(0.0, ttft_fit.intercept - overhead_s)
+
+    cached_fit = None
+    if len(cached) >= MIN_FIT_POINTS:
+        extra = [p.result.ttft_s - ttft_fit(p.prompt - p.cached) for p in cached]
+        if len({p.cached for p in cached}) >= 2:
+            cached_fit = theil_sen([p.cached for p in cached], extra)
+
+    model = StepModel(
+        overhead_s=overhead_s,
+        prefill_token_s=prefill_token_s,
+        decode_seq_s=decode_seq_s,
+        context_token_s=context_token_s,
+        request_overhead_s=request_overhead_s,
+    )
+    noise, noise_s, baseline = _residuals(model, assumption, [*prefill, *cached, *single])
+    return Calibration(
+        target=target,
+        created_at=created_at,
+        model=model,
+        assumption=assumption,
+        ttft_fit=ttft_fit,
+        cached_fit=cached_fit,
+        context_fit=context_fit,
+        batch_fit=batch_fit,
+        noise=noise,
+        noise_s=noise_s,
+        baseline=baseline,
+        probes=len(prefill) + len(cached) + len(single) + len(batched),
+        warmup_runs=warmup_runs,
+    )
+
+
+def _residuals(
+    model: StepModel, assumption: SchedulerAssumption, probes: Sequence[_Probe]
+) -> tuple[dict[Metric, float], dict[Metric, float], dict[Metric, tuple[float, ...]]]:
+    """Observed / expected of every probe, per metric, under the fitted model."""
+    observed: dict[Metric, list[tuple[float, float]]] = {m: [] for m in Metric}
+    for p in probes:
+        e = idle_expectation(p.prompt, p.max_tokens, model, assumption, cached_tokens=p.cached)
+        r = p.result
+        for metric, value, expected in (
+            (Metric.TTFT, r.ttft_s, e.ttft_s),
+            (Metric.MAX_ITL, r.max_itl_s, e.max_itl_s),
+            (Metric.E2E, r.e2e_s, e.e2e_s),
+        ):
+            if value is not None and expected and expected > 0 and value > 0:
+                observed[metric].append((value, expected))
+    noise: dict[Metric, float] = {}
+    noise_s: dict[Metric, float] = {}
+    baseline: dict[Metric, tuple[float, ...]] = {}
+    for metric, pairs in observed.items():
+        if not pairs:
+            continue
+        ratios = np.array([v / e for v, e in pairs])
+        diffs = np.array([v - e for v, e in pairs])
+        logs = np.log(ratios)
+        noise[metric] = float(MAD_SCALE * np.median(np.abs(logs - np.median(logs))))
+        noise_s[metric] = float(MAD_SCALE * np.median(np.abs(diffs - np.median(diffs))))
+        baseline[metric] = tuple(float(x) for x in ratios)
+    return noise, noise_s, baseline

@@ -1,0 +1,104 @@
+"""Calibration: probes, robust fits, noise, baseline, stored form."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from fuzzer.calibration import Calibration, calibrate, theil_sen
+from fuzzer.errors import TargetError
+from fuzzer.execution import ExecutionResult, Outcome, RequestResult
+from fuzzer.expectation import SchedulerAssumption, StepModel, paper_schedule
+from fuzzer.trace import Trace
+from fuzzer.verdict import Metric
+
+TRUE = StepModel(overhead_s=0.004, prefill_token_s=35e-6, decode_seq_s=80e-6, context_token_s=2e-8,
+                 request_overhead_s=0.003)
+
+
+class PaperTarget:
+    """A target whose timings come from a known step model with multiplicative noise."""
+
+    def __init__(self, model=TRUE, *, noise=0.03, seed=0, fail=False):
+        self.name = "paper://known-model"
+        self.model = model
+        self.noise = noise
+        self.rng = np.random.default_rng(seed)
+        self.fail = fail
+        self.executions = 0
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        self.executions += 1
+        paper = paper_schedule(trace, self.model, SchedulerAssumption())
+        results = []
+        for r in trace.requests:
+            p = paper[r.id]
+            times = np.array(p.token_times_s)
+            gaps = np.diff(np.concatenate([[0.0], times])) * np.exp(self.rng.normal(0, self.noise, len(times)))
+            times = tuple(float(x) for x in np.cumsum(gaps))
+            results.append(RequestResult(
+                request_id=r.id, x_request_id=f"{r.id}-x", scheduled_s=r.at_ms / 1000, sent_s=r.at_ms / 1000,
+                outcome=Outcome.HTTP_ERROR if self.fail else Outcome.OK,
+                ttft_s=times[0] if r.stream else None, token_times_s=times if r.stream else (),
+                e2e_s=times[-1], prompt_tokens=r.prompt_tokens, completion_tokens=r.max_tokens,
+                detail="boom" if self.fail else None,
+            ))
+        return ExecutionResult(trace_hash=trace.content_hash(), target=self.name, started_at=0.0,
+                               duration_s=max(x.e2e_s for x in results), requests=tuple(results))
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_calibration_recovers_a_known_step_model():
+    cal = await calibrate(PaperTarget(), rng=random.Random(1), clock=lambda: 1234.0)
+    m = cal.model
+    assert m.prefill_token_s == pytest.approx(TRUE.prefill_token_s, rel=0.05)
+    assert m.overhead_s == pytest.approx(TRUE.overhead_s, rel=0.15)
+    assert m.decode_seq_s == pytest.approx(TRUE.decode_seq_s, rel=0.25)
+    assert m.context_token_s == pytest.approx(TRUE.context_token_s, rel=0.35)
+    assert m.request_overhead_s == pytest.approx(TRUE.request_overhead_s, abs=0.001)
+    assert cal.created_at == 1234.0 and cal.target == "paper://known-model"
+    # The measured noise is of the order of the planted 3% and the baseline sits at 1.
+    assert 0.005 < cal.noise[Metric.TTFT] < 0.08
+    assert len(cal.baseline[Metric.TTFT]) >= 36
+    assert np.median(cal.baseline[Metric.TTFT]) == pytest.approx(1.0, abs=0.05)
+    assert cal.cached_fit is not None
+
+
+async def test_noise_free_calibration_is_exact_and_stable():
+    a = await calibrate(PaperTarget(noise=0.0), rng=random.Random(1), clock=lambda: 0.0)
+    assert a.model.prefill_token_s == pytest.approx(TRUE.prefill_token_s, rel=1e-6)
+    assert a.model.decode_seq_s == pytest.approx(TRUE.decode_seq_s, rel=1e-3)
+    assert a.noise[Metric.TTFT] == pytest.approx(0.0, abs=1e-9)
+
+
+async def test_calibration_round_trips_and_reproduces_from_its_seed():
+    a = await calibrate(PaperTarget(seed=3), rng=random.Random(7), clock=lambda: 5.0)
+    b = await calibrate(PaperTarget(seed=3), rng=random.Random(7), clock=lambda: 5.0)
+    assert a == b
+    assert Calibration.from_dict(a.to_dict()) == a
+    assert not a.is_stale(5.0 + 60) and a.is_stale(5.0 + 7200)
+
+
+async def test_a_failing_target_is_a_target_error():
+    with pytest.raises(TargetError, match="calibration probe .* failed .*boom"):
+        await calibrate(PaperTarget(fail=True), rng=random.Random(1))
+
+
+def test_stored_calibration_of_another_format_is_refused():
+    with pytest.raises(TargetError, match="run `fuzz calibrate` again"):
+        Calibration.from_dict({"format": 99})
+
+
+def test_theil_sen_ignores_an_outlier_and_refuses_too_few_points():
+    x = [1, 2, 3, 4, 5, 6, 7, 8]
+    y = [2 * v + 1 for v in x]
+    y[3] = 100.0
+    f = theil_sen(x, y)
+    assert f.slope == pytest.approx(2.0) and f.intercept == pytest.approx(1.0)
+    assert f.slope_low <= f.slope <= f.slope_high
+    with pytest.raises(TargetError, match="usable probe measurements"):
+        theil_sen([1, 1, 1, 1], [1, 2, 3, 4])
