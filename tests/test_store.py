@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from fuzzer import store as store_module
+import fuzzer.store as store_module
 from fuzzer.errors import NotFoundError, StoreError
 from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
 from fuzzer.store import SCHEMA_VERSION, Store
@@ -65,7 +65,7 @@ def test_a_failed_write_leaves_nothing_behind(store, seed_trace, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(store_module, "_request_row", broken)
+    monkeypatch.setattr(store_module, "request_row", broken)
     with pytest.raises(RuntimeError):
         store.record_execution(_result(seed_trace), seed_trace)
     assert store.count_executions() == 0
@@ -170,3 +170,19 @@ def test_missing_database_for_readers(tmp_path):
     assert not (tmp_path / "absent.db").exists()
     with pytest.raises(StoreError, match="does not exist"):
         Store.open(tmp_path / "no" / "such" / "dir.db")
+
+
+def test_campaign_checkpoint_round_trip(store, seed_trace):
+    cid = store.start_campaign(seed=7, target="sim", settings={"duration_s": 60})
+    digest = store.put_trace(seed_trace)
+    row = {"id": 1, "trace_hash": digest, "parent": None, "operators": ["storm"], "features": ["b", "a"],
+           "scores": {"ssp0": 3.5}, "found_at_exec": 4, "n_fuzz": 2, "finds": 0, "since_find": 2, "favoured": True}
+    store.save_campaign(cid, state={"executions": 5}, status="running", corpus_rows=[row], new_features={"a": 1, "b": 1})
+    store.save_campaign(cid, state={"executions": 9}, status="stopped", corpus_rows=[{**row, "n_fuzz": 3}],
+                        new_features={"a": 2})
+    latest = store.latest_campaign()
+    assert latest["id"] == cid and latest["state"] == {"executions": 9} and latest["status"] == "stopped"
+    assert latest["settings"] == {"duration_s": 60} and latest["seed"] == 7
+    (back,) = store.corpus_rows(cid)
+    assert back["n_fuzz"] == 3 and back["features"] == ["a", "b"] and back["operators"] == ["storm"]
+    assert store.count_features(cid) == 2

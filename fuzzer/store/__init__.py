@@ -14,160 +14,31 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import sqlite_utils
 
 from fuzzer import trace as trace_format
 from fuzzer.errors import NotFoundError, StoreError
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
+from fuzzer.execution import ExecutionResult, MetricSample
+from fuzzer.store._migrations import MIGRATIONS, SCHEMA_VERSION
+from fuzzer.store._rows import (
+    StoredFinding,
+    Transaction,
+    finding_from_row,
+    finding_key,
+    request_from_row,
+    request_row,
+    to_json,
+)
 from fuzzer.trace import Trace
+
+__all__ = ["SCHEMA_VERSION", "Store", "StoredFinding"]
 
 # A writer holding the lock for longer than this is stuck or dead; a reader waits
 # this long before reporting the database as busy.
 BUSY_TIMEOUT_MS = 10_000
-
-
-@dataclass(frozen=True)
-class StoredFinding:
-    """A confirmed finding as the database holds it."""
-
-    id: int
-    kind: str
-    signature: str
-    trace_hash: str
-    created_at: float
-    slowdown: float | None
-    reproduced: str | None
-    requests: int
-    verdict: Mapping[str, Any]
-    details: Mapping[str, Any]
-    campaign_id: int | None = None
-    target_id: int | None = None
-    minimized_trace_hash: str | None = None
-    repro_script: str | None = None
-
-    @property
-    def minimized(self) -> bool:
-        return self.minimized_trace_hash is not None
-
-
-# --- migrations ---------------------------------------------------------------------
-
-
-def _m1_initial(db: sqlite_utils.Database) -> None:
-    db["targets"].create(
-        {
-            "id": int,
-            "url": str,
-            "kind": str,
-            "model": str,
-            "version": str,
-            "capabilities": str,
-            "first_seen": float,
-            "last_seen": float,
-        },
-        pk="id",
-    )
-    db["targets"].create_index(["url", "model"], unique=True)
-    db["calibrations"].create(
-        {"id": int, "target_key": str, "created_at": float, "data": str},
-        pk="id",
-    )
-    db["calibrations"].create_index(["target_key", "created_at"])
-    db["traces"].create(
-        {"hash": str, "name": str, "json": str, "requests": int, "created_at": float},
-        pk="hash",
-    )
-    db["campaigns"].create(
-        {
-            "id": int,
-            "started_at": float,
-            "updated_at": float,
-            "seed": int,
-            "target": str,
-            "status": str,
-            "settings": str,
-            "state": str,
-        },
-        pk="id",
-    )
-    db["executions"].create(
-        {
-            "id": int,
-            "trace_hash": str,
-            "target_id": int,
-            "campaign_id": int,
-            "purpose": str,
-            "target": str,
-            "started_at": float,
-            "duration_s": float,
-            "idle_before_s": float,
-            "idle_after": int,
-            "warnings": str,
-            "ground_truth": str,
-        },
-        pk="id",
-        foreign_keys=[("trace_hash", "traces", "hash")],
-    )
-    db["executions"].create_index(["campaign_id"])
-    db["executions"].create_index(["trace_hash"])
-    db["request_results"].create(
-        {
-            "execution_id": int,
-            "position": int,
-            "request_id": str,
-            "x_request_id": str,
-            "scheduled_s": float,
-            "sent_s": float,
-            "outcome": str,
-            "ttft_s": float,
-            "first_event_s": float,
-            "token_times_s": str,
-            "e2e_s": float,
-            "finish_reason": str,
-            "prompt_tokens": int,
-            "completion_tokens": int,
-            "cached_tokens": int,
-            "http_status": int,
-            "detail": str,
-        },
-        pk=("execution_id", "position"),
-        foreign_keys=[("execution_id", "executions", "id")],
-    )
-    db["metric_samples"].create(
-        {"execution_id": int, "position": int, "t_s": float, "metrics": str},
-        pk=("execution_id", "position"),
-        foreign_keys=[("execution_id", "executions", "id")],
-    )
-    db["findings"].create(
-        {
-            "id": int,
-            "campaign_id": int,
-            "target_id": int,
-            "kind": str,
-            "signature": str,
-            "trace_hash": str,
-            "minimized_trace_hash": str,
-            "created_at": float,
-            "slowdown": float,
-            "reproduced": str,
-            "requests": int,
-            "verdict": str,
-            "details": str,
-            "repro_script": str,
-        },
-        pk="id",
-        foreign_keys=[("trace_hash", "traces", "hash")],
-    )
-    db["findings"].create_index(["signature"], unique=True)
-
-
-#: Schema history: append, never edit a released step. Index i brings a database to version i + 1.
-MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (_m1_initial,)
-SCHEMA_VERSION = len(MIGRATIONS)
 
 
 class Store:
@@ -301,7 +172,7 @@ class Store:
             record = {
                 "kind": kind,
                 "version": version,
-                "capabilities": _json(capabilities),
+                "capabilities": to_json(capabilities),
                 "last_seen": now,
             }
             if rows:
@@ -325,7 +196,7 @@ class Store:
                 {
                     "target_key": target_key,
                     "created_at": self._clock() if created_at is None else created_at,
-                    "data": _json(data),
+                    "data": to_json(data),
                 }
             ).last_pk
 
@@ -348,6 +219,7 @@ class Store:
         target_id: int | None = None,
         campaign_id: int | None = None,
         purpose: str = "replay",
+        number: int | None = None,
     ) -> int:
         """Store one execution, its requests and metric samples in one transaction."""
         digest = trace.content_hash()
@@ -366,17 +238,18 @@ class Store:
                     "duration_s": result.duration_s,
                     "idle_before_s": result.idle_before_s,
                     "idle_after": None if result.idle_after is None else int(result.idle_after),
-                    "warnings": _json(list(result.warnings)),
-                    "ground_truth": _json({k: list(v) for k, v in result.ground_truth.items()}),
+                    "warnings": to_json(list(result.warnings)),
+                    "ground_truth": to_json({k: list(v) for k, v in result.ground_truth.items()}),
+                    "number": number,
                 }
             ).last_pk
             self._db["request_results"].insert_all(
-                (_request_row(execution_id, i, r) for i, r in enumerate(result.requests)),
+                (request_row(execution_id, i, r) for i, r in enumerate(result.requests)),
                 batch_size=500,
             )
             self._db["metric_samples"].insert_all(
                 (
-                    {"execution_id": execution_id, "position": i, "t_s": s.t_s, "metrics": _json(dict(s.values))}
+                    {"execution_id": execution_id, "position": i, "t_s": s.t_s, "metrics": to_json(dict(s.values))}
                     for i, s in enumerate(result.samples)
                 ),
                 batch_size=500,
@@ -389,7 +262,7 @@ class Store:
             raise NotFoundError(f"no execution with id {execution_id}")
         row = rows[0]
         requests = tuple(
-            _request_from_row(r)
+            request_from_row(r)
             for r in self._db.query(
                 "select * from request_results where execution_id = ? order by position", [execution_id]
             )
@@ -422,6 +295,100 @@ class Store:
         if trace_hash is None:
             return [r[0] for r in self._db.execute("select id from executions order by id")]
         return [r[0] for r in self._db.execute("select id from executions where trace_hash = ? order by id", [trace_hash])]
+
+    def purposes(self, *, campaign_id: int) -> dict[str, int]:
+        """Executions of a campaign by purpose (fuzz, stability, confirm, calibrate, ...)."""
+        rows = self._db.execute(
+            "select purpose, count(*) from executions where campaign_id = ? group by purpose", [campaign_id]
+        )
+        return {purpose: n for purpose, n in rows}
+
+    # --- campaigns ----------------------------------------------------------------------
+
+    def start_campaign(self, *, seed: int, target: str, settings: Mapping[str, Any]) -> int:
+        now = self._clock()
+        with self._transaction():
+            return self._db["campaigns"].insert(
+                {
+                    "started_at": now,
+                    "updated_at": now,
+                    "seed": seed,
+                    "target": target,
+                    "status": "running",
+                    "settings": to_json(settings),
+                    "state": to_json({}),
+                }
+            ).last_pk
+
+    def latest_campaign(self) -> dict[str, Any] | None:
+        rows = list(self._db.query("select * from campaigns order by id desc limit 1"))
+        if not rows:
+            return None
+        row = rows[0]
+        row["settings"] = json.loads(row["settings"] or "{}")
+        row["state"] = json.loads(row["state"] or "{}")
+        return row
+
+    def save_campaign(
+        self,
+        campaign_id: int,
+        *,
+        state: Mapping[str, Any],
+        status: str,
+        corpus_rows: list[Mapping[str, Any]] = (),
+        new_features: Mapping[str, int] | None = None,
+    ) -> None:
+        """Checkpoint a campaign: its state, changed corpus entries and newly covered features, atomically."""
+        with self._transaction():
+            self._db["campaigns"].update(
+                campaign_id, {"state": to_json(state), "status": status, "updated_at": self._clock()}
+            )
+            for row in corpus_rows:
+                self._db["corpus"].upsert(
+                    {
+                        "campaign_id": campaign_id,
+                        "entry_id": row["id"],
+                        "trace_hash": row["trace_hash"],
+                        "parent_id": row["parent"],
+                        "operators": to_json(list(row["operators"])),
+                        "features": to_json(sorted(row["features"])),
+                        "scores": to_json(row["scores"]),
+                        "found_at_exec": row["found_at_exec"],
+                        "n_fuzz": row["n_fuzz"],
+                        "finds": row["finds"],
+                        "since_find": row["since_find"],
+                        "favoured": int(bool(row.get("favoured"))),
+                    },
+                    pk=("campaign_id", "entry_id"),
+                )
+            for feature, entry_id in (new_features or {}).items():
+                self._db.execute(
+                    "insert into coverage_features (campaign_id, feature, first_entry, entries) values (?, ?, ?, 1) "
+                    "on conflict (campaign_id, feature) do update set entries = entries + 1",
+                    [campaign_id, feature, entry_id],
+                )
+
+    def corpus_rows(self, campaign_id: int) -> list[dict[str, Any]]:
+        out = []
+        for row in self._db.query("select * from corpus where campaign_id = ? order by entry_id", [campaign_id]):
+            out.append(
+                {
+                    "id": row["entry_id"],
+                    "trace_hash": row["trace_hash"],
+                    "parent": row["parent_id"],
+                    "operators": json.loads(row["operators"]),
+                    "features": json.loads(row["features"]),
+                    "scores": json.loads(row["scores"]),
+                    "found_at_exec": row["found_at_exec"],
+                    "n_fuzz": row["n_fuzz"],
+                    "finds": row["finds"],
+                    "since_find": row["since_find"],
+                }
+            )
+        return out
+
+    def count_features(self, campaign_id: int) -> int:
+        return self._db.execute("select count(*) from coverage_features where campaign_id = ?", [campaign_id]).fetchone()[0]
 
     # --- findings -----------------------------------------------------------------------
 
@@ -456,25 +423,25 @@ class Store:
                     "slowdown": slowdown,
                     "reproduced": reproduced,
                     "requests": len(trace.requests),
-                    "verdict": _json(verdict),
-                    "details": _json(details or {}),
+                    "verdict": to_json(verdict),
+                    "details": to_json(details or {}),
                 }
             ).last_pk
         return finding_id, True
 
     def get_finding(self, finding_id: int | str) -> StoredFinding:
-        key = _finding_key(finding_id)
+        key = finding_key(finding_id)
         rows = list(self._db.query("select * from findings where id = ?", [key]))
         if not rows:
             raise NotFoundError(f"no finding with id {finding_id} (see `fuzz findings` for the ids)")
-        return _finding_from_row(rows[0])
+        return finding_from_row(rows[0])
 
     def list_findings(self, *, campaign_id: int | None = None) -> list[StoredFinding]:
         if campaign_id is None:
             rows = self._db.query("select * from findings order by id")
         else:
             rows = self._db.query("select * from findings where campaign_id = ? order by id", [campaign_id])
-        return [_finding_from_row(r) for r in rows]
+        return [finding_from_row(r) for r in rows]
 
     def set_minimized(self, finding_id: int, minimized: Trace, *, repro_script: str | None = None) -> None:
         digest = minimized.content_hash()
@@ -488,98 +455,6 @@ class Store:
     # --- plumbing -----------------------------------------------------------------------
 
     def _transaction(self):
-        return _Transaction(self._db.conn)
+        return Transaction(self._db.conn)
 
-
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, re-entrant (an inner use joins the outer transaction)."""
-
-    def __init__(self, conn: sqlite3.Connection):
-        self._conn = conn
-        self._outer = False
-
-    def __enter__(self) -> None:
-        if not self._conn.in_transaction:
-            self._conn.execute("BEGIN IMMEDIATE")
-            self._outer = True
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._outer:
-            return
-        if exc_type is None:
-            self._conn.execute("COMMIT")
-        else:
-            self._conn.execute("ROLLBACK")
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
-
-
-def _finding_key(finding_id: int | str) -> int:
-    try:
-        return int(str(finding_id).lstrip("#"))
-    except ValueError:
-        raise NotFoundError(f"no finding with id {finding_id!r}: ids are numbers (see `fuzz findings`)") from None
-
-
-def _request_row(execution_id: int, position: int, r: RequestResult) -> dict[str, Any]:
-    return {
-        "execution_id": execution_id,
-        "position": position,
-        "request_id": r.request_id,
-        "x_request_id": r.x_request_id,
-        "scheduled_s": r.scheduled_s,
-        "sent_s": r.sent_s,
-        "outcome": r.outcome.value,
-        "ttft_s": r.ttft_s,
-        "first_event_s": r.first_event_s,
-        "token_times_s": _json(list(r.token_times_s)),
-        "e2e_s": r.e2e_s,
-        "finish_reason": r.finish_reason,
-        "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.completion_tokens,
-        "cached_tokens": r.cached_tokens,
-        "http_status": r.http_status,
-        "detail": r.detail,
-    }
-
-
-def _request_from_row(row: Mapping[str, Any]) -> RequestResult:
-    return RequestResult(
-        request_id=row["request_id"],
-        x_request_id=row["x_request_id"],
-        scheduled_s=row["scheduled_s"],
-        sent_s=row["sent_s"],
-        outcome=Outcome(row["outcome"]),
-        ttft_s=row["ttft_s"],
-        first_event_s=row["first_event_s"],
-        token_times_s=tuple(json.loads(row["token_times_s"] or "[]")),
-        e2e_s=row["e2e_s"],
-        finish_reason=row["finish_reason"],
-        prompt_tokens=row["prompt_tokens"],
-        completion_tokens=row["completion_tokens"],
-        cached_tokens=row["cached_tokens"],
-        http_status=row["http_status"],
-        detail=row["detail"],
-    )
-
-
-def _finding_from_row(row: Mapping[str, Any]) -> StoredFinding:
-    return StoredFinding(
-        id=row["id"],
-        kind=row["kind"],
-        signature=row["signature"],
-        trace_hash=row["trace_hash"],
-        created_at=row["created_at"],
-        slowdown=row["slowdown"],
-        reproduced=row["reproduced"],
-        requests=row["requests"],
-        verdict=json.loads(row["verdict"] or "{}"),
-        details=json.loads(row["details"] or "{}"),
-        campaign_id=row["campaign_id"],
-        target_id=row["target_id"],
-        minimized_trace_hash=row["minimized_trace_hash"],
-        repro_script=row["repro_script"],
-    )
 
