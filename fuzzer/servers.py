@@ -407,7 +407,8 @@ async def probe_capabilities(
         status, text = await _post(session, base_url + path, body, headers)
         accepted = 200 <= status < 300
         if accepted and feature == "stream_options":
-            accepted = '"usage"' in text
+            # Accepted only if the answer is a stream that carries a usage event.
+            accepted = "data:" in text and '"usage"' in text
         caps[feature] = accepted
     caps["tokenize"] = False
     if adapter.tokenize_path and adapter.tokenize_body and adapter.tokenize_count:

@@ -1,0 +1,166 @@
+"""Server adapters: detection from recorded engine answers, metadata, capability probe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from fuzzer import servers
+from fuzzer.errors import ConfigError, TargetError
+from fuzzer.servers import Fingerprint
+
+from misbehaving_server import running
+
+DATA = Path(__file__).parent / "data" / "servers"
+_FILES = {
+    "/metrics": "metrics.txt",
+    "/v1/models": "v1_models.json",
+    "/version": "version.json",
+    "/info": "info.json",
+    "/props": "props.json",
+    "/get_server_info": "get_server_info.json",
+}
+
+
+def recorded(kind: str, *, without: tuple[str, ...] = ()) -> Fingerprint:
+    answers = {}
+    for path, name in _FILES.items():
+        f = DATA / kind / name
+        if f.exists() and path not in without:
+            answers[path] = (200, f.read_text())
+        else:
+            answers[path] = (404, '{"detail":"Not Found"}')
+    return Fingerprint(answers)
+
+
+@pytest.mark.parametrize("kind", servers.KINDS)
+def test_each_engine_is_detected_from_its_recorded_answers(kind):
+    assert servers.detect(recorded(kind)) == kind
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "tgi", "llamacpp"])
+def test_detection_without_metrics_falls_back_on_the_engine_endpoints(kind):
+    # Metrics are opt-in on SGLang and llama.cpp: detection must not need them.
+    assert servers.detect(recorded(kind, without=("/metrics",))) == kind
+
+
+def test_nothing_recognisable_is_the_generic_openai_adapter():
+    assert servers.detect(Fingerprint({"/v1/models": (200, "not json")})) == "openai"
+    assert servers.detect(Fingerprint({})) == "openai"
+
+
+def test_describe_reads_version_model_and_context_length():
+    assert servers.describe(recorded("vllm"), "vllm") == ("0.11.0", "Qwen/Qwen2.5-0.5B-Instruct", 32768)
+    assert servers.describe(recorded("tgi"), "tgi") == ("3.3.6", "Qwen/Qwen2.5-0.5B-Instruct", 4096)
+    assert servers.describe(recorded("llamacpp"), "llamacpp") == ("b6500-1a2b3c4", "qwen2.5-0.5b-instruct-q8_0.gguf", 8192)
+    assert servers.describe(recorded("sglang"), "sglang") == ("0.5.4", "Qwen/Qwen3-0.6B", 40960)
+    assert servers.describe(recorded("openai"), "openai") == (None, "gpt-4o-mini", None)
+
+
+def test_unknown_kind_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown server kind 'trt'"):
+        servers.adapter("trt")
+
+
+def test_every_adapter_maps_only_common_names_and_states_its_assumptions():
+    from fuzzer.metrics import COMMON_NAMES
+
+    for kind in servers.KINDS:
+        a = servers.adapter(kind)
+        assert set(a.metrics) <= set(COMMON_NAMES), kind
+    assert servers.adapter("vllm").scheduler_defaults["max_num_batched_tokens"] == (2048, 8192)
+    assert servers.adapter("vllm").scheduler_defaults["block_size"] == 16
+    assert not servers.adapter("openai").has_metrics
+
+
+def _recorded_app(kind: str) -> web.Application:
+    app = web.Application()
+    for path, name in _FILES.items():
+        f = DATA / kind / name
+        if f.exists():
+            text = f.read_text()
+
+            async def handler(request, text=text):
+                return web.Response(text=text)
+
+            app.router.add_get(path, handler)
+    return app
+
+
+@pytest.mark.parametrize("kind", servers.KINDS)
+async def test_fingerprint_over_http_detects_each_engine(kind):
+    runner = web.AppRunner(_recorded_app(kind))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            fp = await servers.fingerprint(session, f"http://127.0.0.1:{port}", headers={})
+        assert servers.detect(fp) == kind
+    finally:
+        await runner.cleanup()
+
+
+async def test_fingerprint_of_an_unreachable_server_is_a_target_error(unused_tcp_port):
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(TargetError, match="cannot reach"):
+            await servers.fingerprint(session, f"http://127.0.0.1:{unused_tcp_port}", headers={})
+
+
+async def test_probe_finds_every_feature_of_a_full_server():
+    async with running() as (url, _state), aiohttp.ClientSession() as session:
+        caps = await servers.probe_capabilities(session, url, servers.adapter("vllm"), "test-model", headers={})
+    assert caps == {f: True for f in servers.FEATURES}
+
+
+async def test_probe_records_a_4xx_as_an_unsupported_feature():
+    async def completions(request):
+        body = await request.json()
+        if body.get("n", 1) > 1 or "logprobs" in body:
+            return web.json_response({"error": "n and logprobs are not supported"}, status=400)
+        return web.json_response({"choices": [{"text": "x"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            caps = await servers.probe_capabilities(
+                session, f"http://127.0.0.1:{port}", servers.adapter("openai"), None, headers={}
+            )
+    finally:
+        await runner.cleanup()
+    assert caps["completions"] and caps["ignore_eos"]
+    assert not caps["n"] and not caps["logprobs"]
+    assert not caps["chat"]  # no such route: 404
+    assert not caps["tokenize"]
+    assert not caps["stream_options"]  # the answer is not a stream with usage
+
+
+async def test_probe_reports_a_refused_api_key():
+    async def refuse(request):
+        return web.json_response({"error": "invalid api key"}, status=401)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(TargetError, match="refused the API key"):
+                await servers.probe_capabilities(
+                    session, f"http://127.0.0.1:{port}", servers.adapter("openai"), None, headers={}
+                )
+    finally:
+        await runner.cleanup()
