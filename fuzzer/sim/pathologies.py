@@ -1,0 +1,216 @@
+"""The registry of planted pathologies (SPEC §11).
+
+Each pathology is off unless named. Each is modelled on a public report and
+documented below by a class whose docstring says what it models, what triggers
+it and what a client sees. The engine (``fuzzer.sim.engine``) implements the
+mechanisms; this module only names and describes them and parses ``--pathologies``.
+
+Ground truth: when a pathology changes what happens to a request (delays its
+admission, a token, or its tokenization), the engine records the pathology's
+name on that request. Tests and benchmarks use it to tell a true finding from a
+false one; it is never sent over HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fuzzer.errors import ConfigError
+
+HOL_PREFIX_BURST = "hol-prefix-burst"
+UNCHUNKED_PREFILL = "unchunked-prefill"
+LOGPROBS_BATCH_COST = "logprobs-batch-cost"
+STICKY_BATCH_FULL = "sticky-batch-full"
+PREEMPTION_THRASH = "preemption-thrash"
+COLD_START = "cold-start"
+SERIAL_TOKENIZER = "serial-tokenizer"
+
+
+@dataclass(frozen=True)
+class PathologyInfo:
+    """What ``fuzz sim --list`` shows about one pathology."""
+
+    name: str
+    summary: str
+    models: str
+    trigger: str
+    effect: str
+    #: The finding kind (SPEC §7) an oracle should report for it.
+    kind: str
+
+
+class _Pathology:
+    name: ClassVar[str]
+    models: ClassVar[str]
+    trigger: ClassVar[str]
+    effect: ClassVar[str]
+    kind: ClassVar[str]
+
+    @classmethod
+    def info(cls) -> PathologyInfo:
+        summary = (cls.__doc__ or "").strip().splitlines()[0]
+        return PathologyInfo(cls.name, summary, cls.models, cls.trigger, cls.effect, cls.kind)
+
+
+class HolPrefixBurst(_Pathology):
+    """Longest-first admission inside a shared-prefix burst stalls the short requests of the burst.
+
+    Models vLLM issue 37308 ("Severe head-of-line blocking (147x TTFT) under
+    prefix caching with asymmetric batches"), and SGLang's longest-prefix-first
+    policy. When several requests of one prefix group wait together, the
+    scheduler admits the longest prompt first (to fill the prefix cache with the
+    most reusable blocks) and holds every shorter member of the group -- and,
+    since admission stops at the first held request, everyone queued behind it --
+    until no longer member of the burst is waiting or still in prefill.
+    """
+
+    name = HOL_PREFIX_BURST
+    models = "vLLM #37308 (shared-prefix asymmetric burst, 14-147x TTFT)"
+    trigger = "short and long requests of one prefix group waiting together (e.g. arriving during a long prefill step)"
+    effect = "short requests of the group get their first token only after every long one has prefilled"
+    kind = "ttft-outlier"
+
+
+class UnchunkedPrefill(_Pathology):
+    """Long prompts are prefilled whole, in one step without decodes, stalling every running stream.
+
+    Models vLLM before chunked prefill (PR #10235: "decoding throughput drops to
+    zero" while a large prompt prefills), vLLM #8121 and llama.cpp #4216 (a new
+    request "freezes" generating slots during prompt processing). A prompt of
+    more than ``unchunked_min_prompt_tokens`` ignores the token budget and runs
+    in a step of its own; running decodes skip that step.
+    """
+
+    name = UNCHUNKED_PREFILL
+    models = "vLLM PR #10235 / #8121, llama.cpp #4216 (prefill freezes decodes)"
+    trigger = "a prompt longer than the token budget arriving while other requests stream"
+    effect = "inter-token latency spikes of the whole prefill time for every running stream"
+    kind = "itl-stall"
+
+
+class LogprobsBatchCost(_Pathology):
+    """One request's n x logprobs sampling cost is charged to every sequence of the batch.
+
+    Models vLLM issue 37343 (one request with n=8, logprobs=20 stalls every
+    co-scheduled request 76-423x; fix PR #37594). While a request with n > 1 and
+    logprobs is running, every step pays ``logprobs_batch_cost_s`` x batch
+    sequences x n x logprobs, instead of the requester's own small cost.
+    """
+
+    name = LOGPROBS_BATCH_COST
+    models = "vLLM #37343 (n=8, logprobs=20 stalls all requests, 76-423x TTFT)"
+    trigger = "a request with n > 1 and logprobs running next to other requests"
+    effect = "every request's TTFT and inter-token latency grow while it runs"
+    kind = "ttft-outlier"
+
+
+class StickyBatchFull(_Pathology):
+    """A sticky "batch full" flag stops admission, although KV is free, until the batch shrinks.
+
+    Models SGLang issue 22831 (fix PR #23152): when a step's token budget runs
+    out with requests still waiting, the scheduler sets ``batch_is_full`` and
+    stops admitting; the flag is cleared only when a running request finishes.
+    Waiting requests sit in the queue with free KV and free budget meanwhile.
+    """
+
+    name = STICKY_BATCH_FULL
+    models = "SGLang #22831 (sticky batch_is_full, up to 9.5x p99 TTFT)"
+    trigger = "a prompt that fills a step's token budget while others wait, next to long-running decodes"
+    effect = "waiting requests are admitted only after some running request finishes"
+    kind = "ttft-outlier"
+
+
+class PreemptionThrash(_Pathology):
+    """Near KV exhaustion the newest request is preempted and re-admitted over and over.
+
+    Models vLLM RFC #54644 and issue #25538 (generation "dramatically breaks"
+    near 91% KV usage; recompute tax up to 79% of tokens). Admission keeps no
+    headroom for the running decodes to grow and a preempted request loses its
+    cached blocks, so it is re-admitted at once, recomputes its whole prompt,
+    and is preempted again a few steps later.
+    """
+
+    name = PREEMPTION_THRASH
+    models = "vLLM RFC #54644, #25538 (recompute-preemption thrash near full KV)"
+    trigger = "running requests whose prompts plus outputs exceed the KV cache (long outputs, many streams)"
+    effect = "many preemptions; the victims' streams stall while they recompute"
+    kind = "e2e-outlier"
+
+
+class ColdStart(_Pathology):
+    """The first steps after an idle period are slow (lazy initialization, JIT, clocks ramping up).
+
+    Models vLLM #16858, #31602 and the vLLM 37308 reproduction (run 1 at
+    489-1218 ms TTFT, runs 2-3 at 13-57 ms): a step that starts after the
+    server was idle for ``cold_idle_s`` or more (or never ran) costs
+    ``cold_start_s`` more, and the next ``cold_start_steps`` halve that extra.
+    A real finding, but of kind cold-start, never head-of-line.
+    """
+
+    name = COLD_START
+    models = "vLLM #16858, #31602, 37308 run 1 (first request after idle is slow)"
+    trigger = "the first requests after the server was idle for 10 s or more (or just started)"
+    effect = "the first run after an idle period is slow; runs right after it are not"
+    kind = "cold-start"
+
+
+class SerialTokenizer(_Pathology):
+    """Prompts are tokenized one at a time by a single slow worker before admission.
+
+    Models vLLM issue 25301 (tokenization on a one-worker thread pool: TTFT grows
+    with prompt length under concurrency). Each request waits for every prompt
+    ahead of it in the tokenizer queue, at ``serial_tokenize_token_s`` per token.
+    """
+
+    name = SERIAL_TOKENIZER
+    models = "vLLM #25301 (single-worker tokenizer queue)"
+    trigger = "many long prompts arriving together; a short one behind them waits for all"
+    effect = "TTFT grows with the prompt tokens queued ahead, even with the GPU idle"
+    kind = "ttft-outlier"
+
+
+_REGISTRY: tuple[type[_Pathology], ...] = (
+    HolPrefixBurst,
+    UnchunkedPrefill,
+    LogprobsBatchCost,
+    StickyBatchFull,
+    PreemptionThrash,
+    ColdStart,
+    SerialTokenizer,
+)
+
+#: Every pathology name, in the order ``--list`` shows them.
+NAMES: tuple[str, ...] = tuple(p.name for p in _REGISTRY)
+
+
+def describe() -> tuple[PathologyInfo, ...]:
+    """What each pathology models, what triggers it and what a client sees."""
+    return tuple(p.info() for p in _REGISTRY)
+
+
+def parse(spec: str | None) -> tuple[str, ...]:
+    """``"all"``, ``"none"`` (or empty) or comma-separated names -> names in registry order.
+
+    Raises :class:`ConfigError` naming the valid choices for an unknown name.
+    """
+    text = (spec or "").strip().lower()
+    if text in ("", "none"):
+        return ()
+    if text == "all":
+        return NAMES
+    wanted = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = sorted(wanted - set(NAMES))
+    if unknown:
+        raise ConfigError(
+            f"unknown pathology {', '.join(repr(u) for u in unknown)}: "
+            f"choose from {', '.join(NAMES)}, or 'all' or 'none'"
+        )
+    return tuple(n for n in NAMES if n in wanted)
+
+
+def validate(names: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
+    """Normalize a pathology selection given in code (a tuple of names or a spec string)."""
+    if isinstance(names, str):
+        return parse(names)
+    return parse(",".join(names)) if names else ()
