@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy import stats
@@ -89,7 +90,7 @@ class Fit:
         return {k: getattr(self, k) for k in ("intercept", "slope", "slope_low", "slope_high", "n")}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Fit":
+    def from_dict(cls, data: Mapping[str, Any]) -> Fit:
         return cls(float(data["intercept"]), float(data["slope"]), float(data["slope_low"]), float(data["slope_high"]), int(data["n"]))
 
 
@@ -136,7 +137,7 @@ class Calibration:
     def is_stale(self, now: float, *, max_age_s: float = REFRESH_AFTER_S) -> bool:
         return self.age_s(now) > max_age_s
 
-    def with_assumption(self, assumption: SchedulerAssumption) -> "Calibration":
+    def with_assumption(self, assumption: SchedulerAssumption) -> Calibration:
         """The same measurements under another scheduler assumption (a user override)."""
         from dataclasses import replace
 
@@ -161,7 +162,7 @@ class Calibration:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
+    def from_dict(cls, data: Mapping[str, Any]) -> Calibration:
         fmt = data.get("format")
         if fmt != FORMAT_VERSION:
             raise TargetError(

@@ -24,8 +24,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy import stats
@@ -270,7 +271,7 @@ class Verdict:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Verdict":
+    def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
         ci = data.get("effect_ci")
         k, _, n = str(data.get("reproduced") or "0/0").partition("/")
         return cls(

@@ -6,50 +6,14 @@ import random
 
 import numpy as np
 import pytest
+from paper_target import TRUE_MODEL, PaperTarget
 
 from fuzzer.calibration import Calibration, calibrate, theil_sen
 from fuzzer.errors import TargetError
-from fuzzer.execution import ExecutionResult, Outcome, RequestResult
-from fuzzer.expectation import SchedulerAssumption, StepModel, paper_schedule
-from fuzzer.trace import Trace
+from fuzzer.execution import Outcome
 from fuzzer.verdict import Metric
 
-TRUE = StepModel(overhead_s=0.004, prefill_token_s=35e-6, decode_seq_s=80e-6, context_token_s=2e-8,
-                 request_overhead_s=0.003)
-
-
-class PaperTarget:
-    """A target whose timings come from a known step model with multiplicative noise."""
-
-    def __init__(self, model=TRUE, *, noise=0.03, seed=0, fail=False):
-        self.name = "paper://known-model"
-        self.model = model
-        self.noise = noise
-        self.rng = np.random.default_rng(seed)
-        self.fail = fail
-        self.executions = 0
-
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        self.executions += 1
-        paper = paper_schedule(trace, self.model, SchedulerAssumption())
-        results = []
-        for r in trace.requests:
-            p = paper[r.id]
-            times = np.array(p.token_times_s)
-            gaps = np.diff(np.concatenate([[0.0], times])) * np.exp(self.rng.normal(0, self.noise, len(times)))
-            times = tuple(float(x) for x in np.cumsum(gaps))
-            results.append(RequestResult(
-                request_id=r.id, x_request_id=f"{r.id}-x", scheduled_s=r.at_ms / 1000, sent_s=r.at_ms / 1000,
-                outcome=Outcome.HTTP_ERROR if self.fail else Outcome.OK,
-                ttft_s=times[0] if r.stream else None, token_times_s=times if r.stream else (),
-                e2e_s=times[-1], prompt_tokens=r.prompt_tokens, completion_tokens=r.max_tokens,
-                detail="boom" if self.fail else None,
-            ))
-        return ExecutionResult(trace_hash=trace.content_hash(), target=self.name, started_at=0.0,
-                               duration_s=max(x.e2e_s for x in results), requests=tuple(results))
-
-    async def aclose(self) -> None:
-        pass
+TRUE = TRUE_MODEL
 
 
 async def test_calibration_recovers_a_known_step_model():
@@ -84,8 +48,8 @@ async def test_calibration_round_trips_and_reproduces_from_its_seed():
 
 
 async def test_a_failing_target_is_a_target_error():
-    with pytest.raises(TargetError, match="calibration probe .* failed .*boom"):
-        await calibrate(PaperTarget(fail=True), rng=random.Random(1))
+    with pytest.raises(TargetError, match="calibration probe .* failed .http-error"):
+        await calibrate(PaperTarget(fail={f's{i}': Outcome.HTTP_ERROR for i in range(200)}), rng=random.Random(1))
 
 
 def test_stored_calibration_of_another_format_is_refused():

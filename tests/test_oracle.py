@@ -1,0 +1,229 @@
+"""The oracle on a target with exactly planted faults (paper timings, virtual time)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+
+import numpy as np
+import pytest
+from paper_target import PaperTarget
+
+from fuzzer.calibration import calibrate
+from fuzzer.confirmation import confirm, examine
+from fuzzer.execution import Outcome
+from fuzzer.oracle import (
+    Candidate,
+    OraclePolicy,
+    after_idle,
+    candidates,
+    crashed,
+    judge,
+    observe,
+)
+from fuzzer.trace import Request, Trace
+from fuzzer.verdict import Decision, FindingKind, Metric
+
+
+@functools.cache
+def _calibration():
+    return asyncio.run(calibrate(PaperTarget(seed=99), rng=random.Random(0), clock=lambda: 0.0))
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def _trace(*requests, prefixes=None):
+    return Trace(requests=tuple(requests), prefixes=prefixes or {})
+
+
+def _req(rid, at_ms, prompt, out=16, **kw):
+    return Request(id=rid, at_ms=at_ms, prompt_tokens=prompt, max_tokens=out, **kw)
+
+
+BURST = _trace(
+    _req("big0", 0, 2048, out=64), _req("big1", 2, 2048, out=64), _req("big2", 4, 2048, out=64),
+    _req("small", 6, 128, out=16),
+)
+
+
+def _warm(**kw):
+    """A target that has just run something (no cold start pending)."""
+    t = PaperTarget(**kw)
+    t._idle_s = t.idle_gap_s
+    return t
+
+
+def test_queueing_that_fcfs_explains_is_slow_but_not_a_candidate():
+    target = _warm()
+    result = target.run(BURST)
+    reports = {r.request_id: r for r in observe(BURST, result, _calibration())}
+    small = reports["small"].observations[Metric.TTFT]
+    assert small.slowdown > 10  # the user feels it ...
+    assert small.ratio < 1.3 and not small.candidate  # ... but FCFS explains it
+    assert candidates(BURST, result, _calibration()) == []
+
+
+def test_a_stalled_request_is_a_candidate_with_its_excess():
+    target = _warm(delay_s={"small": 0.5})
+    result = target.run(BURST)
+    (cand,) = candidates(BURST, result, _calibration())
+    assert cand.kind is FindingKind.TTFT_OUTLIER and cand.request_id == "small" and cand.metric is Metric.TTFT
+    assert cand.ratio > 2 and not cand.after_idle
+    small = {r.request_id: r for r in observe(BURST, result, _calibration())}["small"].observations[Metric.TTFT]
+    assert small.excess_s == pytest.approx(0.5, abs=0.05)
+
+
+def test_three_clean_runs_judge_same_everywhere():
+    target = _warm(seed=5)
+    results = [target.run(BURST) for _ in range(3)]
+    verdicts = judge(BURST, results, _calibration(), rng=_rng())
+    assert [v.request_id for v in verdicts] == ["big0", "big1", "big2", "small"]
+    assert not any(v.is_finding for v in verdicts)
+    assert all(v.kind is None and v.reproduced == 0 for v in verdicts)
+    assert "max_num_batched_tokens=2048" in verdicts[0].assumption
+
+
+def test_a_reproducible_stall_is_confirmed_as_ttft_outlier():
+    target = _warm(delay_s={"small": 0.5}, seed=1)
+    exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng()))
+    (finding,) = exam.findings
+    assert finding.kind is FindingKind.TTFT_OUTLIER and finding.request_id == "small"
+    assert finding.decision is Decision.DIFFERENT and finding.p_value <= 0.01
+    assert finding.reproduction == "3/3" and finding.effect > 2
+    assert finding.effect_ci.low <= finding.effect <= finding.effect_ci.high
+    assert finding.excess_s == pytest.approx(0.5, abs=0.05) and finding.slowdown > 20
+    assert finding.signature.startswith("ttft-outlier:")
+
+
+def test_a_mid_stream_stall_is_an_itl_stall():
+    target = _warm(stall_s={"small": 0.4})
+    exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng()))
+    (finding,) = exam.findings
+    assert finding.kind is FindingKind.ITL_STALL and finding.metric is Metric.MAX_ITL
+
+
+def test_a_slow_non_streaming_request_is_an_e2e_outlier():
+    trace = _trace(_req("a", 0, 512, out=32, stream=False), _req("b", 5, 256, out=32, stream=False))
+    target = _warm(delay_s={"b": 0.6})
+    exam = asyncio.run(examine(target, trace, _calibration(), runs=3, rng=_rng()))
+    (finding,) = exam.findings
+    assert finding.kind is FindingKind.E2E_OUTLIER and finding.request_id == "b"
+
+
+def test_a_slowdown_only_after_idle_is_cold_start_never_ttft_outlier(seed_trace):
+    target = PaperTarget(cold_penalty_s=0.6, cold_after_s=5.0, idle_gap_s=0.5)
+    results = [target.run(seed_trace) for _ in range(3)]
+    assert [after_idle(r) for r in results] == [True, False, False]
+    first = judge(seed_trace, results, _calibration(), rng=_rng())
+    assert {v.kind for v in first if v.kind} == {FindingKind.COLD_START}
+    assert not any(v.is_finding for v in first)  # one cold run cannot be significant
+    policy = OraclePolicy(cold_idle_s=5.0)
+    exam = asyncio.run(examine(PaperTarget(cold_penalty_s=0.6, idle_gap_s=0.5), seed_trace, _calibration(),
+                               runs=3, rng=_rng(), policy=policy))
+    kinds = {v.kind for v in exam.findings}
+    assert kinds == {FindingKind.COLD_START}
+    (finding,) = exam.findings
+    assert finding.decision is Decision.DIFFERENT and finding.runs >= 3 and finding.p_value <= 0.01
+
+
+def test_a_slowdown_in_every_run_is_not_excused_as_cold_start():
+    # Slow after idle *and* warm: head-of-line, not a cold start.
+    target = PaperTarget(delay_s={"small": 0.5}, cold_after_s=5.0)
+    exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng(), policy=OraclePolicy(cold_idle_s=5.0)))
+    assert {v.kind for v in exam.findings} == {FindingKind.TTFT_OUTLIER}
+
+
+def test_an_intermittent_stall_is_not_confirmed():
+    class Flaky(PaperTarget):
+        def run(self, trace):
+            self.delay_s = {"small": 0.5} if self.executions % 3 == 0 else {}
+            return super().run(trace)
+
+    target = Flaky(seed=2)
+    target._idle_s = 0.5
+    cand = Candidate(FindingKind.TTFT_OUTLIER, "small", Metric.TTFT, ratio=5.0)
+    v = asyncio.run(confirm(target, BURST, cand, _calibration(), rng=_rng()))
+    assert not v.is_finding
+    assert v.decision in (Decision.UNSTABLE, Decision.UNKNOWN, Decision.SAME)
+    assert 0 < v.reproduced < v.runs <= OraclePolicy().max_runs
+
+
+@pytest.mark.parametrize(
+    ("outcome", "kind"),
+    [(Outcome.HTTP_ERROR, FindingKind.ERROR), (Outcome.TIMEOUT, FindingKind.HANG),
+     (Outcome.MALFORMED, FindingKind.PROTOCOL), (Outcome.TOKEN_MISMATCH, FindingKind.PROTOCOL)],
+)
+def test_failures_become_findings_of_their_kind(outcome, kind):
+    target = _warm(fail={"small": outcome})
+    exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng()))
+    (finding,) = exam.findings
+    assert finding.kind is kind and finding.request_id == "small" and finding.reproduction == "3/3"
+    assert finding.detail == outcome.value
+
+
+def test_a_one_off_failure_is_unstable_not_a_finding():
+    target = _warm(fail={"small": Outcome.HTTP_ERROR}, fail_every_run=False)
+    results = [target.run(BURST) for _ in range(4)]
+    (v,) = [v for v in judge(BURST, results, _calibration(), rng=_rng()) if v.request_id == "small"]
+    assert v.kind is FindingKind.ERROR and v.reproduction == "2/4" and v.decision is Decision.DIFFERENT
+    target = _warm(fail={"small": Outcome.HTTP_ERROR}, fail_every_run=False)
+    results = [target.run(BURST) for _ in range(3)][1:]  # fails in run 1 and 3: keep one failure of two
+    results = [results[0], target.run(BURST), target.run(BURST), target.run(BURST)]
+    (v,) = [v for v in judge(BURST, results[1:], _calibration(), rng=_rng()) if v.request_id == "small"]
+    assert v.reproduced == 1 and v.decision is Decision.UNSTABLE and not v.is_finding
+
+
+def test_client_side_rejections_are_never_blamed_on_the_server():
+    target = _warm(fail={"small": Outcome.UNSUPPORTED})
+    results = [target.run(BURST) for _ in range(3)]
+    assert not any(v.is_finding for v in judge(BURST, results, _calibration(), rng=_rng()))
+
+
+def test_a_server_that_never_returns_to_idle_is_a_leak():
+    target = _warm(leak=True)
+    exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng()))
+    leaks = [v for v in exam.findings if v.kind is FindingKind.LEAK]
+    assert len(leaks) == 1 and leaks[0].request_id is None and leaks[0].reproduction == "3/3"
+
+
+def test_a_server_that_went_down_is_a_crash():
+    target = _warm(fail={"big2": Outcome.CONNECTION_ERROR, "small": Outcome.CONNECTION_ERROR})
+    result = target.run(BURST)
+    assert crashed(result)
+    kinds = [c.kind for c in candidates(BURST, result, _calibration())]
+    assert kinds[0] is FindingKind.CRASH and FindingKind.ERROR not in kinds
+    # One reset with answers after it is an error, not a crash.
+    result = _warm(fail={"big0": Outcome.CONNECTION_ERROR}).run(BURST)
+    assert not crashed(result)
+    assert [c.kind for c in candidates(BURST, result, _calibration())] == [FindingKind.ERROR]
+
+
+def test_no_baseline_means_insufficient_data():
+    cal = _calibration()
+    from dataclasses import replace
+
+    bare = replace(cal, baseline={})
+    target = _warm(delay_s={"small": 0.5})
+    results = [target.run(BURST) for _ in range(3)]
+    (v,) = [v for v in judge(BURST, results, bare, rng=_rng()) if v.request_id == "small"]
+    assert v.decision is Decision.INSUFFICIENT_DATA and not v.is_finding
+    assert v.kind is FindingKind.TTFT_OUTLIER and v.reproduction == "3/3"
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_clean_traces_yield_no_finding(seed):
+    rng = random.Random(seed)
+    target = _warm(seed=seed)
+    for i in range(30):
+        reqs = [
+            _req(f"r{j}", rng.uniform(0, 300), rng.choice([16, 128, 512, 2048, 3000]), out=rng.choice([1, 8, 64]),
+                 stream=rng.random() < 0.8)
+            for j in range(rng.randint(1, 8))
+        ]
+        trace = _trace(*reqs)
+        results = [target.run(trace) for _ in range(3)]
+        findings = [v for v in judge(trace, results, _calibration(), rng=_rng(i)) if v.is_finding]
+        assert findings == [], (i, trace, findings)
