@@ -102,7 +102,29 @@ class Corpus:
 
         Returns the new entry, or None when nothing stable is new (the find was noise).
         """
-        runs = list(runs)
+        candidate = self._stable(list(runs))
+        new, better = self.novelty(candidate)
+        if not (new or better) or self.contains(trace):
+            return None
+        return self._insert(trace, candidate, better, parent, operators, found_at_exec)
+
+    def add_forced(
+        self,
+        trace: Trace,
+        runs: Iterable[Coverage],
+        *,
+        operators: tuple[str, ...] = (),
+        found_at_exec: int = 0,
+    ) -> Entry | None:
+        """Keep a seed even when it covers nothing new (AFL keeps every input it starts from)."""
+        if self.contains(trace):
+            return None
+        candidate = self._stable(list(runs))
+        _, better = self.novelty(candidate)
+        return self._insert(trace, candidate, better, None, operators, found_at_exec)
+
+    def _stable(self, runs: list[Coverage]) -> Coverage:
+        """The features seen in every run, the smallest score per key; records stability."""
         if not runs:
             raise ValueError("a corpus entry needs at least one execution")
         union = frozenset().union(*(r.features for r in runs))
@@ -111,18 +133,17 @@ class Corpus:
         self.unstable_observations += len(union - stable)
         self.unstable |= union - stable
         keys = set().union(*(r.scores for r in runs))
-        scores = {k: min(r.scores.get(k, 0.0) for r in runs) for k in keys}
-        candidate = Coverage(features=stable, scores=scores)
-        new, better = self.novelty(candidate)
-        if not (new or better) or self.contains(trace):
-            return None
+        return Coverage(features=stable, scores={k: min(r.scores.get(k, 0.0) for r in runs) for k in keys})
+
+    def _insert(self, trace: Trace, coverage: Coverage, better: frozenset[str], parent: int | None,
+                operators: tuple[str, ...], found_at_exec: int) -> Entry:
         entry = Entry(
-            id=self._next_id, trace=trace, features=stable, scores=scores,
+            id=self._next_id, trace=trace, features=coverage.features, scores=dict(coverage.scores),
             parent=parent, operators=tuple(operators), found_at_exec=found_at_exec,
         )
         self._next_id += 1
         self.entries[entry.id] = entry
-        for f in stable:
+        for f in entry.features:
             self.seen[f] = self.seen.get(f, 0) + 1
         for key in better:
             self.top_rated[key] = entry.id

@@ -87,3 +87,14 @@ def test_invariants_hold_and_resume_round_trips(steps):
     again = Corpus.from_dict(c.to_dict(), traces)
     again._check_invariants()
     assert again.to_dict() == c.to_dict()
+
+
+def test_seeds_are_kept_even_without_novelty():
+    c = Corpus()
+    t1, t2 = generate(random.Random(1)), generate(random.Random(2))
+    c.add(t1, [cov("a")])
+    assert c.add(t2, [cov("a")]) is None
+    seed = c.add_forced(t2, [cov("a")])
+    assert seed is not None and len(c) == 2
+    assert c.add_forced(t2, [cov("a")]) is None  # never twice
+    c._check_invariants()

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
-import click
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
 
-from fuzzer.cli._notbuilt import not_built
+import click
+from rich.live import Live
+from rich.table import Table
+
+from fuzzer import trace as trace_format
+from fuzzer.campaign import Campaign, ExitReason, Settings, Stats, Summary
+from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
+from fuzzer.cli._target import DEFAULT_SIM_PATHOLOGIES, limits_for, open_target, parse_duration
+from fuzzer.errors import ConfigError
+from fuzzer.store import Store
+from fuzzer.verdict import Verdict
+
+# AFL: stability "harmless when it stays over 90% or so".
+STABILITY_WARNING = 0.90
+# Without a terminal (CI logs, nohup) print one status line this often instead of a live panel.
+PLAIN_STATUS_EVERY_S = 30.0
+LIVE_REFRESH_PER_S = 4
 
 
 @click.command("campaign")
@@ -24,12 +44,157 @@ from fuzzer.cli._options import db_option, model_option, server_option, target_o
 )
 @server_option
 @model_option
-def command(target, db_path, duration, max_execs, seed, corpus_dir, server, model) -> None:
+@click.option(
+    "--pathologies",
+    default=None,
+    help=f"Built-in simulator only: what to plant (default {','.join(DEFAULT_SIM_PATHOLOGIES)}; 'none', 'all').",
+)
+@click.option("--null-mutator", is_flag=True, help="Random generation instead of guided mutation (the baseline).")
+def command(target, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, null_mutator) -> None:
     """Fuzz a server for latency pathologies; resume with the same --db.
+
+    Without --target, a simulated vLLM-like server with planted pathologies is
+    started on a free loopback port. Ctrl-C finishes the current execution,
+    saves everything and prints what to run next.
 
     \b
     Example:
         fuzz campaign --duration 2m
         fuzz campaign --target http://127.0.0.1:8000 --duration 8h --db night.db
     """
-    raise not_built("campaign", "the campaign loop")
+    duration_s = parse_duration(duration)
+    seeds = _load_seeds(Path(corpus_dir))
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "big")
+    planted: tuple[str, ...] = ()
+    if target is None:
+        from fuzzer.sim import pathologies as sim_pathologies  # noqa: PLC0415
+
+        planted = sim_pathologies.parse(pathologies) if pathologies else DEFAULT_SIM_PATHOLOGIES
+    elif pathologies:
+        raise ConfigError("--pathologies applies to the built-in simulator only; drop it or drop --target")
+    summary = asyncio.run(
+        _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, null_mutator)
+    )
+    _print_summary(summary, db_path)
+
+
+def _load_seeds(folder: Path) -> list[trace_format.Trace]:
+    if not folder.exists():
+        raise ConfigError(f"--corpus folder {folder} does not exist")
+    return [trace_format.load(p) for p in sorted(folder.glob("*.json"))]
+
+
+async def _run(url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, null_mutator) -> Summary:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+
+    def on_interrupt() -> None:
+        if stop.is_set() and main_task is not None:
+            main_task.cancel()  # a second Ctrl-C: stop now, the store is still consistent
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGINT, on_interrupt)
+    loop.add_signal_handler(signal.SIGTERM, on_interrupt)
+    try:
+        with Store.open(db_path) as store:
+            async with open_target(url, server=server, model=model, pathologies=planted, seed=seed) as target:
+                info = target.info
+                key = url or f"sim:{','.join(planted) or 'none'}"
+                target_id = store.upsert_target(
+                    key, info.kind if info else "unknown", info.model if info else None,
+                    info.version if info else None, dict(info.capabilities) if info else {},
+                )
+                settings = Settings(
+                    duration_s=duration_s, max_execs=max_execs, seed=seed,
+                    mutator="null" if null_mutator else "guided", limits=limits_for(target),
+                )
+                with _StatusView() as view:
+                    campaign = Campaign(
+                        target, store, settings, seeds=seeds, target_key=key, target_id=target_id,
+                        on_stats=view.update, on_finding=view.finding, stop=stop,
+                    )
+                    return await campaign.run()
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+class _StatusView:
+    """The live status panel (a terminal) or a status line every half minute (a log)."""
+
+    def __init__(self) -> None:
+        self._live: Live | None = None
+        self._last_plain = 0.0
+        self._last: Stats | None = None
+
+    def __enter__(self) -> "_StatusView":
+        if _console.out.is_terminal:
+            self._live = Live(console=_console.out, refresh_per_second=LIVE_REFRESH_PER_S, transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+
+    def update(self, stats: Stats) -> None:
+        self._last = stats
+        if self._live is not None:
+            self._live.update(_stats_table(stats))
+        elif time.monotonic() - self._last_plain >= PLAIN_STATUS_EVERY_S:
+            self._last_plain = time.monotonic()
+            _console.out.print(
+                f"[{stats.elapsed_s:6.0f}s] {stats.phase:9} execs {stats.executions} ({stats.execs_per_min:.0f}/min) "
+                f"corpus {stats.corpus} features {stats.features} stability {stats.stability:.0%} "
+                f"findings {stats.findings} server {stats.server}"
+            )
+
+    def finding(self, finding_id: int, verdict: Verdict) -> None:
+        slow = f", {verdict.slowdown:.1f}x slower than idle" if verdict.slowdown else ""
+        _console.out.print(f"[bold]finding {finding_id}[/bold]: {verdict.kind}{slow}, reproduced {verdict.reproduction}")
+
+
+def _stats_table(s: Stats) -> Table:
+    table = Table(title=f"fuzz campaign {s.campaign_id}: {s.phase}", show_header=False)
+    since = "never" if s.since_last_find_s is None else f"{s.since_last_find_s:.0f}s ago"
+    rows = [
+        ("run time", f"{s.elapsed_s:.0f}s"),
+        ("executions", f"{s.executions} ({s.execs_per_min:.1f}/min)"),
+        ("corpus", f"{s.corpus} ({s.favoured} favoured)"),
+        ("features", str(s.features)),
+        ("stability", f"{s.stability:.1%}" + ("  (low: timing noise)" if s.stability < STABILITY_WARNING else "")),
+        ("candidates / confirmations", f"{s.candidates} / {s.confirmations}"),
+        ("findings", f"{s.findings} (last find: {since})"),
+        ("server", s.server),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def _print_summary(summary: Summary, db_path: str) -> None:
+    out = _console.out
+    s = summary.stats
+    why = {ExitReason.DURATION: "duration reached", ExitReason.MAX_EXECS: "--max-execs reached",
+           ExitReason.INTERRUPTED: "interrupted; everything is saved"}[summary.reason]
+    verb = "resumed" if summary.resumed else "ran"
+    out.print(f"campaign {summary.campaign_id} {verb} {s.elapsed_s:.0f}s: {why}")
+    out.print(f"  executions {s.executions} ({s.execs_per_min:.1f}/min), corpus {s.corpus}, features {s.features}, "
+              f"stability {s.stability:.1%}, findings {s.findings}")
+    if s.stability < STABILITY_WARNING:
+        out.print("  stability is below 90%: timing noise is high; features that flicker are ignored")
+    for finding_id, kind in summary.new_findings:
+        out.print(f"  new finding {finding_id}: {kind}")
+    db = "" if db_path == "fuzz.db" else f" --db {db_path}"
+    out.print("next:")
+    if s.findings:
+        first = summary.new_findings[0][0] if summary.new_findings else 1
+        out.print(f"  fuzz findings{db}")
+        out.print(f"  fuzz show {first}{db}")
+        out.print(f"  fuzz minimize {first}{db}")
+        out.print(f"  fuzz export {first}{db}")
+    else:
+        out.print(f"  fuzz campaign{db}   (the same command resumes where this one stopped)")
+        out.print(f"  fuzz status{db}")

@@ -1,14 +1,20 @@
-"""``fuzz status``: statistics of the live or last campaign."""
+"""``fuzz status``: statistics of the live or last campaign (AFL's fuzzer_stats)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import click
 
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, json_option
+from fuzzer.cli._render import when
 from fuzzer.store import Store
+
+# A running campaign checkpoints at least every few executions; silence longer than this
+# means it died without saying so (killed) or is stuck on a hung server.
+STALE_AFTER_S = 300.0
 
 
 @click.command("status")
@@ -17,19 +23,45 @@ from fuzzer.store import Store
 def command(db_path, as_json) -> None:
     """Show executions, execs/min, corpus, features, stability and findings.
 
+    Works while a campaign is writing to the same database.
+
     \b
     Example:
         fuzz status --db night.db
     """
     with Store.open(db_path, create=False) as store:
+        campaign = store.latest_campaign()
         stats = {
             "database": db_path,
-            "schema_version": store.schema_version,
             "executions": store.count_executions(),
             "findings": len(store.list_findings()),
         }
+        if campaign is not None:
+            saved = campaign["state"].get("stats", {})
+            status = campaign["status"]
+            if status == "running" and time.time() - campaign["updated_at"] > STALE_AFTER_S:
+                status = "running? (no checkpoint for over 5 minutes: killed or stuck)"
+            stats.update(
+                {
+                    "campaign": campaign["id"],
+                    "status": status,
+                    "target": campaign["target"],
+                    "seed": campaign["seed"],
+                    "started": when(campaign["started_at"]),
+                    "last_update": when(campaign["updated_at"]),
+                    "by_purpose": store.purposes(campaign_id=campaign["id"]),
+                    "features_covered": store.count_features(campaign["id"]),
+                    **{k: saved[k] for k in ("execs_per_min", "corpus", "favoured", "stability", "phase") if k in saved},
+                }
+            )
+            if saved.get("since_last_find_s") is not None:
+                stats["last_find_s_before_update"] = round(saved["since_last_find_s"])
     if as_json:
         click.echo(json.dumps(stats, indent=1))
         return
+    if "campaign" not in stats:
+        _console.out.print(f"no campaign has run on {db_path} yet ({stats['executions']} executions stored)")
     for key, value in stats.items():
-        _console.out.print(f"{key:>15}: {value}")
+        if isinstance(value, float):
+            value = f"{value:.1%}" if key == "stability" else f"{value:.1f}"
+        _console.out.print(f"{key:>26}: {value}")
