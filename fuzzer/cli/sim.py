@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
-from fuzzer.cli._notbuilt import not_built
+from fuzzer.cli._console import out
+from fuzzer.errors import ConfigError
 
 
 @click.command("sim")
@@ -13,13 +16,42 @@ from fuzzer.cli._notbuilt import not_built
 @click.option("--pathologies", default="none", show_default=True, help="Comma-separated names, 'all' or 'none'.")
 @click.option("--speed", type=float, default=1.0, show_default=True, help="Divide every simulated time by this.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the simulator's noise.")
+@click.option(
+    "--ground-truth",
+    "ground_truth",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Append per-request ground truth (JSON lines) to this file. Never served over HTTP.",
+)
 @click.option("--list", "list_only", is_flag=True, help="Describe the pathologies and exit.")
-def command(host, port, pathologies, speed, seed, list_only) -> None:
+def command(host, port, pathologies, speed, seed, ground_truth, list_only) -> None:
     """Serve a simulated vLLM-like server until interrupted.
+
+    It speaks vLLM's OpenAI-compatible API and metrics; planted pathologies are
+    off unless named. Prints `ready on http://HOST:PORT` once listening.
 
     \b
     Example:
         fuzz sim --port 8000 --pathologies hol-prefix-burst,cold-start
         fuzz sim --list
     """
-    raise not_built("sim", "the simulated server")
+    from fuzzer.sim import SimConfig, describe, parse  # noqa: PLC0415 - keep `fuzz --help` fast
+    from fuzzer.sim.server import serve_forever  # noqa: PLC0415
+
+    if list_only:
+        for info in describe():
+            out.print(f"{info.name}  ({info.kind})", markup=False)
+            out.print(f"    {info.summary}", markup=False)
+            out.print(f"    models:  {info.models}", markup=False)
+            out.print(f"    trigger: {info.trigger}", markup=False)
+            out.print(f"    effect:  {info.effect}", markup=False)
+        return
+    names = parse(pathologies)
+    if not speed > 0:
+        raise ConfigError(f"--speed must be > 0 (2 runs twice as fast), got {speed}")
+
+    def ready(url: str) -> None:
+        out.print(f"ready on {url}", markup=False)
+        sys.stdout.flush()
+
+    serve_forever(host, port, SimConfig(speed=speed), names, seed, on_ready=ready, ground_truth_path=ground_truth)

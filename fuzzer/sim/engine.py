@@ -28,7 +28,7 @@ import math
 import random
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from fuzzer.errors import ConfigError
 from fuzzer.sim import pathologies as P
@@ -90,6 +90,8 @@ class Engine:
         self._last_step_end_s: float | None = None
         self._cold_extra_s: list[float] = []
         self._batch_full = False
+        #: Called with the ground truth of every request as it finishes (the server's JSON-lines file).
+        self.on_finish: Callable[[GroundTruth], None] | None = None
 
     # --- state ------------------------------------------------------------------------
 
@@ -464,7 +466,10 @@ class Engine:
         req.finish_reason = reason
         self.stats.finished[reason] += 1
         self._batch_full = False  # the batch shrank
-        self.records.append(req.record())
+        record = req.record()
+        self.records.append(record)
+        if self.on_finish is not None:
+            self.on_finish(record)
 
     def _promote(self, now_s: float) -> None:
         while self._pending and self._pending[0][0] <= now_s:
