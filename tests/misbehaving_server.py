@@ -108,6 +108,7 @@ def make_app(state: ServerState) -> web.Application:
             if chat:
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 await resp.write(b"data: " + json.dumps({"choices": [role]}).encode() + b"\n\n")
+                await asyncio.sleep(state.token_delay_s)
             delay = 0.08 if kind == "slow" else state.token_delay_s
             try:
                 for i in range(n_out):

@@ -1,0 +1,206 @@
+"""The HTTP executor against loopback test servers: timing, typed failures, scale, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+
+import pytest
+
+from fuzzer import trace as tf
+from fuzzer.errors import ConfigError, TargetError
+from fuzzer.execution import Outcome, Target
+from fuzzer.executor import HttpTarget
+
+from misbehaving_server import CHAT_TEMPLATE_TOKENS, ServerState, running
+
+
+def trace(*requests, prefixes=None):
+    return tf.from_dict({"prefixes": prefixes or {}, "requests": list(requests)})
+
+
+def req(rid, at_ms=0, prompt=16, max_tokens=8, **extra):
+    return {"id": rid, "at_ms": at_ms, "prompt_tokens": prompt, "max_tokens": max_tokens, **extra}
+
+
+@pytest.fixture
+async def server():
+    async with running() as (url, state):
+        yield url, state
+
+
+@pytest.fixture
+async def target(server):
+    url, _ = server
+    async with HttpTarget(url, rng=random.Random(0), timeout_s=1.0, idle_timeout_s=1.0, idle_after_timeout_s=0.5) as t:
+        yield t
+
+
+async def test_it_is_a_target_and_learns_the_server(target):
+    assert isinstance(target, Target)
+    info = target.info
+    assert info.kind == "vllm" and info.model == "test-model" and info.version == "0.0.test"
+    assert info.max_model_len == 4096 and all(info.capabilities.values())
+
+
+async def test_a_correct_stream_is_measured_and_matches_the_server_side_times(target, server):
+    _, state = server
+    t = trace(req("ok_s", prompt=128, max_tokens=8), req("ok_n", at_ms=20, prompt=64, stream=False),
+              req("ok_c", at_ms=40, prompt=40, api="chat"))
+    result = await target.execute(t)
+    assert result.trace_hash == t.content_hash() and result.target == target.base_url
+    s, n, c = (result.request(k) for k in ("ok_s", "ok_n", "ok_c"))
+    assert all(r.outcome is Outcome.OK for r in (s, n, c))
+    assert len(s.token_times_s) == 8 and s.ttft_s == s.token_times_s[0] and s.finish_reason == "length"
+    assert (s.prompt_tokens, s.completion_tokens) == (128, 8)
+    assert n.ttft_s is None and n.e2e_s > 0 and n.prompt_tokens == 64 and n.completion_tokens == 8
+    # The chat role chunk is the first event, not the first token.
+    assert c.first_event_s < c.ttft_s and c.prompt_tokens == 40
+    # Client TTFT agrees with the server's own (arrival -> first token written) within 5 ms on
+    # loopback (typically < 1 ms; the margin absorbs the other jobs of a shared 2-core machine).
+    logged = state.by_request("ok_s")
+    server_ttft = logged.first_token_t - logged.arrival_t
+    assert 0 <= s.ttft_s - server_ttft < 0.005
+    # Open loop: each request left on schedule.
+    for r in result.requests:
+        assert 0 <= r.dispatch_lateness_s < 0.005, (r.request_id, r.dispatch_lateness_s)
+    assert result.warnings == ()
+    assert result.idle_before_s is not None and result.idle_after is True
+    assert result.samples and set(result.samples[0].values) == {"running", "waiting", "preemptions"}
+    assert result.duration_s >= 0.04
+
+
+async def test_x_request_id_is_the_trace_id_plus_an_execution_unique_suffix(target, server):
+    _, state = server
+    t = trace(req("ok_a"), req("ok_b", at_ms=1))
+    first = await target.execute(t)
+    second = await target.execute(t)
+    ids = [r.x_request_id for res in (first, second) for r in res.requests]
+    assert len(set(ids)) == 4
+    for res in (first, second):
+        for r in res.requests:
+            assert re.fullmatch(rf"{r.request_id}-[0-9a-f]+", r.x_request_id)
+            assert r.x_request_id in state.log  # the server saw exactly this header
+    suffixes = {x.rsplit("-", 1)[1] for x in ids}
+    assert len(suffixes) == 2  # one suffix per execution
+
+
+async def test_each_failure_is_a_typed_outcome_and_the_executor_survives(target):
+    t = trace(
+        req("e500_1"), req("e400_1"), req("reset_1"), req("hang_1"), req("malformed_1"), req("notsse_1"),
+        req("nodone_1"), req("short_1"), req("errevent_1"), req("ok_1", at_ms=5),
+    )
+    result = await target.execute(t)
+    got = {r.request_id: r.outcome for r in result.requests}
+    assert got == {
+        "e500_1": Outcome.HTTP_ERROR,
+        "e400_1": Outcome.REJECTED,
+        "reset_1": Outcome.CONNECTION_ERROR,
+        "hang_1": Outcome.TIMEOUT,
+        "malformed_1": Outcome.MALFORMED,
+        "notsse_1": Outcome.MALFORMED,
+        "nodone_1": Outcome.MISSING_DONE,
+        "short_1": Outcome.TOKEN_MISMATCH,
+        "errevent_1": Outcome.HTTP_ERROR,
+        "ok_1": Outcome.OK,
+    }
+    assert result.request("e500_1").http_status == 500 and "boom" in result.request("e500_1").detail
+    assert result.request("hang_1").e2e_s is None
+    assert "expected 8" in result.request("short_1").detail
+    # The hung request is still held by the server: it has not returned to idle.
+    assert result.idle_after is False
+    # And the target still works afterwards.
+    again = await target.execute(trace(req("ok_2")))
+    assert again.requests[0].outcome is Outcome.OK
+
+
+async def test_slow_chunks_are_timed_not_failed(target):
+    result = await target.execute(trace(req("slow_1", max_tokens=4)))
+    r = result.requests[0]
+    assert r.outcome is Outcome.OK
+    assert all(0.07 < gap < 0.5 for gap in r.itl_s) and r.max_itl_s == max(r.itl_s)
+
+
+async def test_cancel_after_tokens_closes_the_connection_and_the_server_sees_an_abort(target, server):
+    _, state = server
+    state.token_delay_s = 0.01
+    result = await target.execute(trace(req("ok_cancel", max_tokens=50, cancel_after_tokens=3)))
+    r = result.requests[0]
+    assert r.outcome is Outcome.CANCELLED and len(r.token_times_s) == 3 and r.e2e_s is not None
+    for _ in range(100):
+        if state.by_request("ok_cancel").aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert state.by_request("ok_cancel").aborted
+    assert result.idle_after is True
+
+
+async def test_256_concurrent_streams_all_complete_on_schedule(target):
+    t = trace(*(req(f"ok_{i}", max_tokens=4) for i in range(256)))
+    result = await target.execute(t)
+    assert all(r.outcome is Outcome.OK for r in result.requests)
+    assert all(len(r.token_times_s) == 4 for r in result.requests)
+    lateness = sorted(r.dispatch_lateness_s for r in result.requests)
+    assert lateness[0] >= 0
+    # One loop sends 256 requests back to back; on this machine that is well under 0.5 s.
+    assert lateness[-1] < 0.5
+
+
+async def test_prompts_have_the_exact_length_the_server_counts(target, server):
+    _, state = server
+    t = trace(req("ok_a", prompt=300, prefix="p"), req("ok_b", prompt=77, prefix="p", api="chat"),
+              req("ok_c", prompt=5), prefixes={"p": 48})
+    result = await target.execute(t)
+    for r in result.requests:
+        assert r.prompt_tokens == t.request(r.request_id).prompt_tokens
+    assert not any("prompt tokens" in w for w in result.warnings)
+    a, b = state.by_request("ok_a").body, state.by_request("ok_b").body
+    assert b["messages"][0]["content"].startswith(" ".join(a["prompt"].split()[:47]))
+    assert a["ignore_eos"] is True and a["stream_options"] == {"include_usage": True}
+    assert CHAT_TEMPLATE_TOKENS  # the chat prompt absorbed the template's tokens
+
+
+async def test_the_api_key_is_sent_but_never_kept(server):
+    url, state = server
+    secret = "sk-test-not-stored"
+    seen = []
+    async with HttpTarget(url, api_key=secret, rng=random.Random(1), idle_after_timeout_s=0.2) as t:
+        result = await t.execute(trace(req("ok_k")))
+        seen.append(repr(t))
+    assert result.requests[0].outcome is Outcome.OK
+    assert secret not in repr(result) and secret not in seen[0]
+
+
+async def test_a_feature_the_probe_saw_rejected_is_unsupported_not_a_fault(server):
+    url, _ = server
+    caps = {"completions": True, "chat": True, "stream_options": True, "ignore_eos": False, "n": False,
+            "logprobs": True, "tokenize": True}
+    async with HttpTarget(url, capabilities=caps, rng=random.Random(2), idle_after_timeout_s=0.2) as t:
+        result = await t.execute(trace(req("e400_n", n=2), req("e400_plain", ignore_eos=False), req("ok_1")))
+    assert result.request("e400_n").outcome is Outcome.UNSUPPORTED
+    assert result.request("e400_plain").outcome is Outcome.REJECTED
+    assert any("ignore_eos" in w for w in result.warnings)
+
+
+async def test_a_server_that_never_drains_is_seen_before_and_after(server):
+    url, state = server
+    state.stuck = 1
+    async with HttpTarget(url, rng=random.Random(3), idle_timeout_s=0.2, idle_after_timeout_s=0.2) as t:
+        result = await t.execute(trace(req("ok_1")))
+    assert result.requests[0].outcome is Outcome.OK
+    assert result.idle_after is False and result.idle_before_s is None
+    assert any("not idle" in w for w in result.warnings)
+
+
+async def test_an_unreachable_target_is_one_clear_error(unused_tcp_port):
+    with pytest.raises(TargetError, match="cannot reach"):
+        async with HttpTarget(f"http://127.0.0.1:{unused_tcp_port}"):
+            pass
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(TargetError, match="http:// or https://"):
+        HttpTarget("127.0.0.1:8000")
+    with pytest.raises(ConfigError, match="unknown server kind"):
+        HttpTarget("http://127.0.0.1:8000", server="trt")
