@@ -24,6 +24,7 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from fuzzer import oracle
+from fuzzer.confirmation import confirm
 from fuzzer.calibration import Calibration, calibrate
 from fuzzer.corpus import Corpus, Entry
 from fuzzer.coverage import Coverage, measure
@@ -349,7 +350,7 @@ class Campaign:
     async def _confirm(self, trace: Trace, candidate: oracle.Candidate) -> Verdict:
         self._confirmations += 1
         counting = _CountingTarget(self)
-        return await oracle.confirm(counting, trace, candidate, self.calibration, rng=self.np_rng,
+        return await confirm(counting, trace, candidate, self.calibration, rng=self.np_rng,
                                     policy=self.settings.policy, sleep=self._sleep)
 
     def _record(self, trace: Trace, verdict: Verdict, key: str) -> None:
