@@ -43,6 +43,7 @@ class Logged:
     first_token_t: float | None = None
     end_t: float | None = None
     aborted: bool = False
+    authorization: str | None = None
 
 
 @dataclass
@@ -82,7 +83,7 @@ def make_app(state: ServerState) -> web.Application:
         body = await request.json()
         now = time.perf_counter()
         xid = request.headers.get("X-Request-Id", f"anon-{len(state.log)}")
-        entry = Logged(xid, now, body)
+        entry = Logged(xid, now, body, authorization=request.headers.get("Authorization"))
         state.log[xid] = entry
         kind = xid.split("-")[0].split("_")[0]
         prompt = body["messages"][0]["content"] if chat else body.get("prompt", "")

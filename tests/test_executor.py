@@ -169,6 +169,7 @@ async def test_the_api_key_is_sent_but_never_kept(server):
         result = await t.execute(trace(req("ok_k")))
         seen.append(repr(t))
     assert result.requests[0].outcome is Outcome.OK
+    assert state.by_request("ok_k").authorization == f"Bearer {secret}"
     assert secret not in repr(result) and secret not in seen[0]
 
 
