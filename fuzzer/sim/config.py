@@ -66,6 +66,8 @@ class SimConfig:
     unchunked_min_prompt_tokens: int = 1024
     #: logprobs-batch-cost: cost per (batch sequence x n x logprobs) charged to every step.
     logprobs_batch_cost_s: float = 60e-6
+    #: preemption-thrash: a preempted request resumes as soon as a chunk this small fits.
+    thrash_resume_chunk_tokens: int = 256
     #: cold-start: an idle period at least this long makes the server cold again (vllm#31602: 10 s).
     cold_idle_s: float = 10.0
     #: cold-start: extra time of the first step after an idle period (vllm 37308 run 1: ~0.5 s).
@@ -76,7 +78,10 @@ class SimConfig:
     serial_tokenize_token_s: float = 40e-6
 
     def __post_init__(self) -> None:
-        positive_ints = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks")
+        positive_ints = (
+            "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks",
+            "thrash_resume_chunk_tokens", "unchunked_min_prompt_tokens",
+        )
         for name in positive_ints:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

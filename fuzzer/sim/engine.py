@@ -216,7 +216,10 @@ class Engine:
             return None
         prefill = decode_seqs = context = logprob_units = 0
         costly_logprobs = 0
+        thrash = P.PREEMPTION_THRASH in self.pathologies
+        resuming = False
         for req, tokens in scheduled:
+            resuming = resuming or (thrash and req.preemptions > 0 and not req.decoding)
             if req.decoding:
                 decode_seqs += req.n
                 context += req.num_computed * req.n
@@ -232,6 +235,8 @@ class Engine:
             batch_seqs = decode_seqs + sum(1 for req, _ in scheduled if not req.decoding)
             duration += cfg.logprobs_batch_cost_s * batch_seqs * costly_logprobs
             self._tag(P.LOGPROBS_BATCH_COST, (r for r, _ in scheduled), self._waiting)
+        if resuming:  # a thrashing victim's recompute chunk slows the whole batch
+            self._tag(P.PREEMPTION_THRASH, (r for r, _ in scheduled))
         if extra_s:
             self._tag(P.COLD_START, (r for r, _ in scheduled), self._waiting)
         self.stats.steps += 1
@@ -409,10 +414,11 @@ class Engine:
         cached = len(hits) * cfg.block_size
         remaining = req.num_tokens - cached
         tokens = remaining if unchunked else min(remaining, budget)
+        thrash = P.PREEMPTION_THRASH in self.pathologies
+        if thrash and req.preemptions:
+            tokens = min(tokens, cfg.thrash_resume_chunk_tokens)
         required = self._blocks_for(req, cached + tokens)
-        headroom = 0 if P.PREEMPTION_THRASH in self.pathologies else (
-            len(self._running) * cfg.admission_headroom_blocks_per_seq
-        )
+        headroom = 0 if thrash else len(self._running) * cfg.admission_headroom_blocks_per_seq
         if self.kv.blocks_needed(0, required, hits) + headroom > self.kv.num_free:
             return None
         self.kv.acquire(hits)

@@ -63,6 +63,8 @@ class HolPrefixBurst(_Pathology):
     most reusable blocks) and holds every shorter member of the group -- and,
     since admission stops at the first held request, everyone queued behind it --
     until no longer member of the burst is waiting or still in prefill.
+
+    Trigger: short and long requests of one prefix group waiting together.
     """
 
     name = HOL_PREFIX_BURST
@@ -80,6 +82,8 @@ class UnchunkedPrefill(_Pathology):
     request "freezes" generating slots during prompt processing). A prompt of
     more than ``unchunked_min_prompt_tokens`` ignores the token budget and runs
     in a step of its own; running decodes skip that step.
+
+    Trigger: a long prompt arriving while other requests stream.
     """
 
     name = UNCHUNKED_PREFILL
@@ -96,6 +100,8 @@ class LogprobsBatchCost(_Pathology):
     co-scheduled request 76-423x; fix PR #37594). While a request with n > 1 and
     logprobs is running, every step pays ``logprobs_batch_cost_s`` x batch
     sequences x n x logprobs, instead of the requester's own small cost.
+
+    Trigger: a request with n > 1 and logprobs next to other requests.
     """
 
     name = LOGPROBS_BATCH_COST
@@ -112,6 +118,8 @@ class StickyBatchFull(_Pathology):
     out with requests still waiting, the scheduler sets ``batch_is_full`` and
     stops admitting; the flag is cleared only when a running request finishes.
     Waiting requests sit in the queue with free KV and free budget meanwhile.
+
+    Trigger: a prompt that fills a step's budget while others wait.
     """
 
     name = STICKY_BATCH_FULL
@@ -126,9 +134,14 @@ class PreemptionThrash(_Pathology):
 
     Models vLLM RFC #54644 and issue #25538 (generation "dramatically breaks"
     near 91% KV usage; recompute tax up to 79% of tokens). Admission keeps no
-    headroom for the running decodes to grow and a preempted request loses its
-    cached blocks, so it is re-admitted at once, recomputes its whole prompt,
-    and is preempted again a few steps later.
+    headroom for the running decodes to grow, a preempted request loses its
+    cached blocks and resumes as soon as a small chunk
+    (``thrash_resume_chunk_tokens``) fits; being the newest running request it
+    is the next victim when a decode needs a block, so it ping-pongs between
+    waiting and running, recomputing from scratch each time, until some request
+    finishes.
+
+    Trigger: running prompts plus outputs that exceed the KV cache.
     """
 
     name = PREEMPTION_THRASH
@@ -146,6 +159,8 @@ class ColdStart(_Pathology):
     server was idle for ``cold_idle_s`` or more (or never ran) costs
     ``cold_start_s`` more, and the next ``cold_start_steps`` halve that extra.
     A real finding, but of kind cold-start, never head-of-line.
+
+    Trigger: the first requests after 10 s idle (or after start-up).
     """
 
     name = COLD_START
@@ -161,6 +176,8 @@ class SerialTokenizer(_Pathology):
     Models vLLM issue 25301 (tokenization on a one-worker thread pool: TTFT grows
     with prompt length under concurrency). Each request waits for every prompt
     ahead of it in the tokenizer queue, at ``serial_tokenize_token_s`` per token.
+
+    Trigger: long prompts queued in the tokenizer ahead of a short one.
     """
 
     name = SERIAL_TOKENIZER
