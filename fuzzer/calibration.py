@@ -53,6 +53,9 @@ CACHED_SUFFIX_TOKENS = 16
 #: Context lengths of the single-sequence decode probes, and their output length: enough
 #: inter-token gaps for a stable median without making the probe long.
 DECODE_CONTEXTS = (16, 512, 1024, 2048, 4096)
+#: Longer contexts make the (small) per-context-token cost measurable; used when the
+#: server's max_model_len is known to allow them.
+LONG_DECODE_CONTEXTS = (8192, 16384)
 DECODE_TOKENS = 32
 #: Batch sizes of the batched decode probes (short prompts, all sent at once).
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -115,7 +118,7 @@ class Calibration:
     assumption: SchedulerAssumption
     #: Idle TTFT versus uncached prompt tokens.
     ttft_fit: Fit
-    #: Extra idle TTFT versus cached prompt tokens (a prefix hit is not free).
+    #: Extra idle TTFT versus cached prompt tokens (a prefix hit still costs the frontend).
     cached_fit: Fit | None
     #: Single-sequence inter-token latency versus context tokens.
     context_fit: Fit
@@ -262,18 +265,26 @@ async def calibrate(
     clock: Callable[[], float] = time.time,
     repeats: int = REPEATS,
     warmup_runs: int = WARMUP_RUNS,
+    max_model_len: int | None = None,
 ) -> Calibration:
-    """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure."""
+    """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure.
+
+    ``max_model_len`` (from the server's /v1/models) lets the decode probes use longer
+    contexts; without it they stay at 4096 tokens, which every served model accepts.
+    """
     assumption = assumption or SchedulerAssumption()
     rng = rng or random.Random(0)
     budget = assumption.token_budget
     lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS})
     prefixes = sorted({min(n, max(assumption.block_size, budget - CACHED_SUFFIX_TOKENS)) for n in CACHED_PREFIXES})
+    contexts = list(DECODE_CONTEXTS)
+    if max_model_len is not None:
+        contexts = [n for n in (*DECODE_CONTEXTS, *LONG_DECODE_CONTEXTS) if n + DECODE_TOKENS <= max_model_len]
 
     # Warm-up and pilot: the slowest probe shape tells how far apart probes must be.
     pilot = _Plan(spacing_s=1.0)
     pilot.add(max(lengths), DECODE_TOKENS)
-    pilot.add(max(DECODE_CONTEXTS), DECODE_TOKENS)
+    pilot.add(max(contexts), DECODE_TOKENS)
     pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=max(BATCH_SIZES))
     slowest = 0.0
     for _ in range(max(1, warmup_runs)):
@@ -302,7 +313,7 @@ async def calibrate(
     # Decode, one sequence, growing context.
     plan = _Plan(spacing_s)
     plan.add(16, 2, lead_in=True)
-    for n in shuffled([n for n in DECODE_CONTEXTS for _ in range(repeats)]):
+    for n in shuffled([n for n in contexts for _ in range(repeats)]):
         plan.add(n, DECODE_TOKENS)
     single = _usable(await _run(target, plan, "calibration-decode"))
 
@@ -362,16 +373,19 @@ def fit(
     overhead_s = max(0.0, batch_fit.intercept)
     decode_seq_s = max(0.0, batch_fit.slope)
 
-    # Idle TTFT: request overhead + step overhead + prefill cost x uncached tokens.
+    # Idle TTFT: request overhead + step overhead + (frontend + prefill) cost x uncached tokens.
     ttft_fit = theil_sen([p.prompt for p in prefill], [p.result.ttft_s for p in prefill])
-    prefill_token_s = max(0.0, ttft_fit.slope)
     request_overhead_s = max(0.0, ttft_fit.intercept - overhead_s)
 
+    # A cached prompt token skips the prefill but not the frontend (tokenization): the extra
+    # TTFT per cached token is the frontend's per-token cost; the rest of the slope is prefill.
     cached_fit = None
-    if len(cached) >= MIN_FIT_POINTS:
+    frontend_token_s = 0.0
+    if len(cached) >= MIN_FIT_POINTS and len({p.cached for p in cached}) >= 2:
         extra = [p.result.ttft_s - ttft_fit(p.prompt - p.cached) for p in cached]
-        if len({p.cached for p in cached}) >= 2:
-            cached_fit = theil_sen([p.cached for p in cached], extra)
+        cached_fit = theil_sen([p.cached for p in cached], extra)
+        frontend_token_s = min(max(0.0, cached_fit.slope), max(0.0, ttft_fit.slope))
+    prefill_token_s = max(0.0, ttft_fit.slope - frontend_token_s)
 
     model = StepModel(
         overhead_s=overhead_s,
@@ -379,6 +393,7 @@ def fit(
         decode_seq_s=decode_seq_s,
         context_token_s=context_token_s,
         request_overhead_s=request_overhead_s,
+        frontend_token_s=frontend_token_s,
     )
     noise, noise_s, baseline = _residuals(model, assumption, [*prefill, *cached, *single])
     return Calibration(

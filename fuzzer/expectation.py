@@ -63,8 +63,11 @@ class StepModel:
     prefill_token_s: float
     decode_seq_s: float
     context_token_s: float
-    #: Send-to-engine and engine-to-client time of a request (HTTP, tokenization, detokenize).
+    #: Send-to-engine and engine-to-client time of a request that does not grow with it (HTTP).
     request_overhead_s: float = 0.0
+    #: Frontend time per prompt token before the engine sees a request (tokenization). It
+    #: also decides the engine's order of requests sent at the same instant.
+    frontend_token_s: float = 0.0
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         return (
@@ -82,6 +85,7 @@ class StepModel:
             self.decode_seq_s * factor,
             self.context_token_s * factor,
             self.request_overhead_s,
+            self.frontend_token_s,
         )
 
     def to_dict(self) -> dict[str, float]:
@@ -91,6 +95,7 @@ class StepModel:
             "decode_seq_s": self.decode_seq_s,
             "context_token_s": self.context_token_s,
             "request_overhead_s": self.request_overhead_s,
+            "frontend_token_s": self.frontend_token_s,
         }
 
     @classmethod
@@ -343,6 +348,8 @@ class _Job:
     token_times: list[float] = field(default_factory=list)
     finish_s: float | None = None
     max_step: float = 0.0
+    #: When the engine sees it: arrival plus the frontend's per-prompt-token time.
+    ready_s: float = 0.0
 
     @property
     def prefilled(self) -> bool:
@@ -374,26 +381,28 @@ def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, loo
     later, just after the arrivals of that window, which then share the step: the most
     unlucky alignment a real engine's drifting boundaries can give.
     """
-    order = sorted(jobs, key=lambda j: j.arrival_s)  # stable: same-instant requests keep trace order
+    for j in jobs:
+        j.ready_s = j.arrival_s + model.frontend_token_s * j.prompt
+    order = sorted(jobs, key=lambda j: j.ready_s)  # stable: same-instant requests keep trace order
     pending = deque(order)
     waiting: deque[_Job] = deque()
     running: list[_Job] = []
     #: prefix group -> time its full blocks were computed (cache hits from then on).
     ready: dict[str, float] = {}
-    t = order[0].arrival_s if order else 0.0
+    t = order[0].ready_s if order else 0.0
     steps = 0
     last_dt = 0.0
     while pending or waiting or running:
         horizon = t
-        if lookahead and running and pending and pending[0].arrival_s <= t + last_dt:
+        if lookahead and running and pending and pending[0].ready_s <= t + last_dt:
             # The boundary may fall up to one step after the first new arrival.
-            horizon = max(t, pending[0].arrival_s + last_dt)
-        while pending and pending[0].arrival_s <= horizon:
+            horizon = max(t, pending[0].ready_s + last_dt)
+        while pending and pending[0].ready_s <= horizon:
             job = pending.popleft()
             waiting.append(job)
-            t = max(t, job.arrival_s)  # the step boundary falls after this arrival
+            t = max(t, job.ready_s)  # the step boundary falls after this arrival
         if not waiting and not running:
-            t = pending[0].arrival_s
+            t = pending[0].ready_s
             continue
         budget = a.token_budget
         decoding = [j for j in running if j.prefilled]
@@ -422,7 +431,7 @@ def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, loo
         for j in (*waiting, *running):
             j.max_step = max(j.max_step, dt)
         for j in pending:
-            if j.arrival_s >= t + dt:
+            if j.ready_s >= t + dt:
                 break
             j.max_step = max(j.max_step, dt)
         t += dt

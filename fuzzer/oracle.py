@@ -166,8 +166,13 @@ class Candidate:
 
 
 def after_idle(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
-    """Did this execution start after the server had been idle for a cold-start's time?"""
-    return result.idle_before_s is not None and result.idle_before_s >= policy.cold_idle_s
+    """Could this execution have met a cold server?
+
+    True when the server had been idle for at least a cold start's time before it, and
+    when that is unknown (``idle_before_s`` None: a freshly started server, or one that
+    does not say): such a run is never taken as proof of a warm-server slowdown.
+    """
+    return result.idle_before_s is None or result.idle_before_s >= policy.cold_idle_s
 
 
 def observe(
