@@ -114,3 +114,15 @@ def test_an_unreachable_target_is_one_line_and_exit_2(trace_file, unused_tcp_por
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot reach http://127.0.0.1:")
+
+
+def test_without_target_replay_starts_the_simulator_in_its_own_process():
+    from conftest import CORPUS
+
+    result = CliRunner().invoke(cli, ["replay", str(CORPUS / "vllm-37308.json"), "--runs", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    run = data["runs"][0]
+    assert data["server"]["kind"] == "vllm" and run["failed"] == 0 and run["idle_after"] is True
+    assert run["target"].startswith("http://127.0.0.1:")
+    assert [r["id"] for r in run["requests"]] == ["r08", "r05", "r04", "r06", "r07", "r02"]
