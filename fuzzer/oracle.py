@@ -74,9 +74,22 @@ COLD_IDLE_S = 10.0
 #: A failure (error, hang, protocol, leak, crash) is confirmed when it recurs in at
 #: least half of the re-executions: a one-off reset is noise, a recurring one is a bug.
 FAILURE_QUORUM = 0.5
+#: The FCFS bound assumes KV never runs out. When the server reports a few preemptions
+#: during an execution, recompute-preemption by design (vLLM preempts the newest request,
+#: which then waits until blocks free up) stalls a stream by up to several times its
+#: bound (8x measured on the simulator's clean KV-overflow trace); the candidate factor
+#: is multiplied by this for that execution.
+KV_PRESSURE_FACTOR = 5.0
+#: ... unless the preemptions outnumber the requests: each request preempted more than
+#: once on average is thrash, itself the pathology, and gets no allowance.
+THRASH_PREEMPTIONS_PER_REQUEST = 1.0
 #: Confirm at most this many distinct candidates per examined trace: each costs up to
 #: MAX_RUNS executions, twice for cold-start.
 MAX_CONFIRMATIONS = 4
+
+#: Which latency symptom names a finding when several are above their bounds: the first
+#: one a user meets.
+_SYMPTOM_ORDER = (Metric.TTFT, Metric.MAX_ITL, Metric.E2E)
 
 _METHOD = "min(Mann-Whitney U, Kolmogorov-Smirnov) of observed/FCFS-bound ratios vs the calibration baseline"
 _FAILURE_METHOD = "reproduction count over re-executions"
@@ -97,6 +110,8 @@ class OraclePolicy:
     cold_idle_s: float = COLD_IDLE_S
     failure_quorum: float = FAILURE_QUORUM
     max_confirmations: int = MAX_CONFIRMATIONS
+    kv_pressure_factor: float = KV_PRESSURE_FACTOR
+    thrash_preemptions_per_request: float = THRASH_PREEMPTIONS_PER_REQUEST
 
     def margin_s(self, calibration: Calibration, metric: Metric) -> float:
         return max(self.min_margin_s, self.noise_margins * calibration.noise_s.get(metric, 0.0))
@@ -118,6 +133,8 @@ class Observation:
     expected_s: float
     idle_s: float
     candidate: bool
+    #: The factor over the bound that made (or would make) it a candidate.
+    factor: float = CANDIDATE_FACTOR
 
     @property
     def ratio(self) -> float:
@@ -180,6 +197,7 @@ def observe(
 ) -> tuple[RequestReport, ...]:
     """Hold every request of ``result`` against its idle expectation and its FCFS bound."""
     expectations = expect(trace, calibration.model, calibration.assumption, result)
+    factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
     reports = []
     for r in result.requests:
         e = expectations[r.request_id]
@@ -189,11 +207,23 @@ def observe(
                 bound, idle = e.bound(metric), e.idle(metric)
                 if value is None or bound is None or idle is None:
                     continue
-                slow = value >= policy.factor * bound and value - bound >= policy.margin_s(calibration, metric)
-                observations[metric] = Observation(metric, value, bound, idle, slow)
+                slow = value >= factor * bound and value - bound >= policy.margin_s(calibration, metric)
+                observations[metric] = Observation(metric, value, bound, idle, slow, factor)
         failure = FindingKind(FAILURE_KIND[r.outcome]) if r.outcome in FAILURE_KIND else None
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))
     return tuple(reports)
+
+
+def preemptions(result: ExecutionResult) -> int:
+    """Preemptions the server reported during the execution (0 when it reports none)."""
+    counts = [s.values["preemptions"] for s in result.samples if "preemptions" in s.values]
+    return int(max(counts) - counts[0]) if len(counts) >= 2 else 0
+
+
+def kv_pressure(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
+    """By-design KV pressure: some preemptions, but not more than thrash allows."""
+    count = preemptions(result)
+    return 0 < count <= policy.thrash_preemptions_per_request * len(result.requests)
 
 
 def _measured(r: RequestResult) -> dict[Metric, float | None]:
@@ -317,20 +347,24 @@ def latency_verdict(
     rng: np.random.Generator,
     policy: OraclePolicy,
 ) -> Verdict:
-    # The metric to judge: the one furthest above its bound in any run.
     worst = [rep.worst for rep in per_run if rep.worst is not None]
     assumption = calibration.assumption.describe()
     if not worst:
         return Verdict(kind=None, decision=Decision.INSUFFICIENT_DATA, method=_METHOD, request_id=request_id,
                        runs=len(per_run), assumption=assumption, detail="no latency measured in any run")
-    metric = max(worst, key=lambda o: o.ratio).metric
+    # The metric to judge: the earliest symptom that made a candidate in some run (a late
+    # first token also delays the end; blaming the end would hide the cause), else the
+    # metric furthest above its bound.
+    slow = {m for rep in per_run for m, o in rep.observations.items() if o.candidate}
+    metric = next((m for m in _SYMPTOM_ORDER if m in slow), None) or max(worst, key=lambda o: o.ratio).metric
     obs = [rep.observations.get(metric) for rep in per_run]
     warm = [o for o, c in zip(obs, cold) if o is not None and not c]
     cold_obs = [o for o, c in zip(obs, cold) if o is not None and c]
     baseline = calibration.baseline.get(metric, ())
 
     def test(sample: Sequence[Observation]) -> Comparison:
-        return compare([o.ratio for o in sample], baseline, threshold=policy.factor, rng=rng,
+        threshold = max((o.factor for o in sample), default=policy.factor)
+        return compare([o.ratio for o in sample], baseline, threshold=threshold, rng=rng,
                        alpha=policy.alpha, same_p=policy.same_p)
 
     everything = [o for o in obs if o is not None]
@@ -341,7 +375,7 @@ def latency_verdict(
         if decision is Decision.SAME:
             decision = Decision.UNKNOWN
         return _make_verdict(FindingKind.COLD_START, decision, c, request_id, metric, cold_obs, assumption,
-                             signature(FindingKind.COLD_START, trace), threshold=policy.factor,
+                             signature(FindingKind.COLD_START, trace), threshold=max(o.factor for o in cold_obs),
                              detail=f"slow in {len(cold_obs)} run(s) after >= {policy.cold_idle_s:g} s idle, "
                              f"not in {len(warm)} warm run(s)")
     sample = warm if warm else everything
@@ -351,9 +385,14 @@ def latency_verdict(
     decision = c.decision
     if decision is Decision.UNKNOWN and len(sample) >= policy.max_runs and 0 < k < len(sample):
         decision = Decision.UNSTABLE
-    detail = "" if warm else "every run came after an idle period; a cold start cannot be ruled out"
+    notes = [] if warm else ["every run came after an idle period; a cold start cannot be ruled out"]
+    threshold = max((o.factor for o in sample), default=policy.factor)
+    if threshold > policy.factor:
+        notes.append(f"the server reported preemptions (KV cache full): candidate factor {threshold:g}x, "
+                     "not the KV-unaware FCFS bound's usual one")
+    detail = "; ".join(notes)
     sig = signature(kind, trace, request_id) if kind else None
-    return _make_verdict(kind, decision, c, request_id, metric, sample, assumption, sig, threshold=policy.factor,
+    return _make_verdict(kind, decision, c, request_id, metric, sample, assumption, sig, threshold=threshold,
                          detail=detail)
 
 
