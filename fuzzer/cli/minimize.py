@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
+
 import click
 
-from fuzzer.cli._notbuilt import not_built
+from fuzzer.calibration import Calibration, calibrate
+from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
+from fuzzer.cli._render import trace_table
+from fuzzer.cli._target import open_target
+from fuzzer.errors import ConfigError
+from fuzzer.minimizer import Progress
+from fuzzer.reduction import minimize_finding
+from fuzzer.store import Store
+
+SIM_PREFIX = "sim:"
 
 
 @click.command("minimize")
@@ -14,11 +26,79 @@ from fuzzer.cli._options import db_option, model_option, server_option, target_o
 @target_option
 @server_option
 @model_option
-def command(finding_id, db_path, target, server, model) -> None:
+@click.option("--max-execs", type=click.IntRange(min=1), default=None, help="Execution budget of the search.")
+def command(finding_id, db_path, target, server, model, max_execs) -> None:
     """Minimize the trace of finding FINDING_ID (resumable).
+
+    Delta debugging over the requests, then passes that lower prompt and output
+    lengths and gaps and drop features, each candidate accepted only when it
+    reproduces in 2 of 3 runs; a 10-run confirmation ends it. Ctrl-C keeps the
+    progress: the same command resumes.
 
     \b
     Example:
         fuzz minimize 3 --db night.db --target http://127.0.0.1:8000
     """
-    raise not_built("minimize", "the minimizer")
+    with Store.open(db_path, create=False) as store:
+        finding = store.get_finding(finding_id)
+        key, url, planted = _where(store, finding.target_id, target)
+        try:
+            reduction = asyncio.run(_run(store, finding, key, url, planted, server, model, max_execs))
+        except KeyboardInterrupt:
+            _console.err.print(f"interrupted; progress is saved: `fuzz minimize {finding.id}` resumes")
+            raise SystemExit(130) from None
+        minimized = store.get_trace(store.get_finding(finding.id).minimized_trace_hash)
+    r = reduction.result
+    out = _console.out
+    out.print(trace_table(minimized, title=f"finding {finding.id}, minimized"))
+    out.print(
+        f"{len(r.original.requests)} -> {len(r.minimized.requests)} requests in {r.executions} executions "
+        f"({r.tests} tests, stopped: {r.stop}); reproduced {r.reproduction} at the report threshold"
+    )
+    for other in reduction.others:
+        out.print(f"met on the way and confirmed: finding {other}")
+    db = "" if db_path == "fuzz.db" else f" --db {db_path}"
+    out.print(f"next: fuzz export {finding.id}{db}")
+
+
+def _where(store: Store, target_id: int | None, given: str | None) -> tuple[str, str | None, tuple[str, ...]]:
+    """(calibration key, URL or None for the simulator, pathologies to plant)."""
+    if given is not None:
+        return given, given, ()
+    if target_id is None:
+        return f"{SIM_PREFIX}none", None, ()
+    url = store.get_target(target_id)["url"]
+    if url.startswith(SIM_PREFIX):
+        names = url[len(SIM_PREFIX):]
+        return url, None, tuple(n for n in names.split(",") if n and n != "none")
+    raise ConfigError(f"this finding was found on {url}; pass --target {url} (or where that server runs now)")
+
+
+async def _run(store, finding, key, url, planted, server, model, max_execs):
+    async with open_target(url, server=server, model=model, pathologies=planted) as target:
+        stored = store.latest_calibration(key)
+        if stored is not None:
+            calibration = Calibration.from_dict(stored)
+        else:
+            _console.err.print("calibrating the target first (no stored calibration for it)")
+            calibration = await calibrate(target, rng=random.Random(0))
+            store.save_calibration(key, calibration.to_dict())
+
+        def progress(p: Progress) -> None:
+            _console.err.print(
+                f"  {p.phase:20} requests {p.requests:3}  tests {p.tests:4}  executions {p.executions:4}  accepted {p.accepted}"
+            )
+
+        return await minimize_finding(
+            store, finding, target, calibration, sleep=asyncio.sleep, on_progress=progress,
+            repro=_repro, max_executions=max_execs,
+        )
+
+
+def _repro(finding, trace):
+    """The stand-alone repro script of the minimized trace, when the exporter is available."""
+    try:
+        from fuzzer.export import repro_script  # noqa: PLC0415
+    except ImportError:
+        return None
+    return repro_script(finding, trace)

@@ -443,13 +443,40 @@ class Store:
             rows = self._db.query("select * from findings where campaign_id = ? order by id", [campaign_id])
         return [finding_from_row(r) for r in rows]
 
-    def set_minimized(self, finding_id: int, minimized: Trace, *, repro_script: str | None = None) -> None:
+    def set_minimized(
+        self,
+        finding_id: int,
+        minimized: Trace,
+        *,
+        repro_script: str | None = None,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Link a finding to its minimized trace; a repro script or details are stored when given."""
         digest = minimized.content_hash()
         with self._transaction():
-            self.get_finding(finding_id)
+            finding = self.get_finding(finding_id)
             self._put_trace(minimized, digest)
-            self._db["findings"].update(
-                finding_id, {"minimized_trace_hash": digest, "repro_script": repro_script}
+            update: dict[str, Any] = {"minimized_trace_hash": digest}
+            if repro_script is not None:
+                update["repro_script"] = repro_script
+            if details:
+                update["details"] = to_json({**finding.details, **details})
+            self._db["findings"].update(finding.id, update)
+
+    # --- minimizations ------------------------------------------------------------------
+
+    def minimization_state(self, finding_id: int) -> dict[str, Any] | None:
+        """The checkpoint of an unfinished minimization, None when there is none to resume."""
+        rows = list(self._db.query("select state, status from minimizations where finding_id = ?", [finding_id]))
+        if not rows or rows[0]["status"] == "done":
+            return None
+        return json.loads(rows[0]["state"])
+
+    def save_minimization(self, finding_id: int, state: Mapping[str, Any], *, status: str) -> None:
+        with self._transaction():
+            self._db["minimizations"].upsert(
+                {"finding_id": finding_id, "status": status, "updated_at": self._clock(), "state": to_json(state)},
+                pk="finding_id",
             )
 
     # --- plumbing -----------------------------------------------------------------------

@@ -141,8 +141,16 @@ def _m2_corpus(db: sqlite_utils.Database) -> None:
     db["executions"].add_column("number", int)
 
 
+def _m3_minimizations(db: sqlite_utils.Database) -> None:
+    db["minimizations"].create(
+        {"finding_id": int, "status": str, "updated_at": float, "state": str},
+        pk="finding_id",
+        foreign_keys=[("finding_id", "findings", "id")],
+    )
+
+
 #: Schema history: append, never edit a released step. Index i brings a database to version i + 1.
-MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (_m1_initial, _m2_corpus)
+MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (_m1_initial, _m2_corpus, _m3_minimizations)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -1,0 +1,81 @@
+"""Minimizing a stored finding with the oracle as the predicate, on the simulator's virtual time."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from fuzzer import trace as tf
+from fuzzer.calibration import calibrate
+from fuzzer.confirmation import confirm
+from fuzzer.minimizer import size_key
+from fuzzer.oracle import candidates
+from fuzzer.reduction import minimize_finding
+from fuzzer.sim import VirtualTarget
+from fuzzer.store import Store
+
+from conftest import CORPUS
+
+
+async def _no_sleep(seconds):
+    return None
+
+
+async def _finding(store, target, trace):
+    calibration = await calibrate(target, rng=random.Random(0))
+    result = await target.execute(trace)
+    cands = candidates(trace, result, calibration)
+    assert cands, "the planted pathology shows no candidate"
+    verdict = await confirm(target, trace, cands[0], calibration, rng=np.random.default_rng(0), sleep=_no_sleep)
+    assert verdict.is_finding
+    fid, _ = store.add_finding(kind=str(verdict.kind), signature=verdict.signature, trace=trace,
+                               verdict=verdict.to_dict(), slowdown=verdict.slowdown, reproduced=verdict.reproduction)
+    return store.get_finding(fid), calibration
+
+
+@pytest.fixture
+def logprobs_case():
+    return VirtualTarget(pathologies=("logprobs-batch-cost",), seed=3), tf.load(CORPUS / "n-logprobs.json")
+
+
+async def test_minimized_trace_is_smaller_stored_and_still_reproduces(logprobs_case):
+    target, trace = logprobs_case
+    store = Store.memory()
+    finding, calibration = await _finding(store, target, trace)
+    reduction = await minimize_finding(store, finding, target, calibration, sleep=_no_sleep)
+    r = reduction.result
+    assert size_key(r.minimized) < size_key(trace)
+    assert len(r.minimized.requests) < len(trace.requests)
+    assert any(q.n > 1 or q.logprobs for q in r.minimized.requests)  # the trigger survived
+    assert r.confirmed >= 7, r.reproduction
+    stored = store.get_finding(finding.id)
+    assert stored.minimized and store.get_trace(stored.minimized_trace_hash) == r.minimized
+    assert stored.details["minimized"]["reproduced"] == r.reproduction
+    assert store.minimization_state(finding.id) is None  # done: nothing to resume
+
+
+async def test_interrupted_minimization_resumes(logprobs_case):
+    target, trace = logprobs_case
+    store = Store.memory()
+    finding, calibration = await _finding(store, target, trace)
+    calls = {"n": 0}
+    real = target.execute
+
+    async def dying(t):
+        calls["n"] += 1
+        if calls["n"] > 12:
+            raise KeyboardInterrupt
+        return await real(t)
+
+    target.execute = dying
+    with pytest.raises(KeyboardInterrupt):
+        await minimize_finding(store, finding, target, calibration, sleep=_no_sleep)
+    saved = store.minimization_state(finding.id)
+    assert saved is not None and saved["executions"] > 0
+    target.execute = real
+    reduction = await minimize_finding(store, finding, target, calibration, sleep=_no_sleep)
+    assert reduction.result.executions > saved["executions"]
+    assert size_key(reduction.result.minimized) < size_key(trace)
+    assert store.get_finding(finding.id).minimized
