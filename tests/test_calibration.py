@@ -66,3 +66,20 @@ def test_theil_sen_ignores_an_outlier_and_refuses_too_few_points():
     assert f.slope_low <= f.slope <= f.slope_high
     with pytest.raises(TargetError, match="usable probe measurements"):
         theil_sen([1, 1, 1, 1], [1, 2, 3, 4])
+
+
+async def test_calibration_recovers_the_simulators_step_time_parameters():
+    from fuzzer.sim import SimConfig, VirtualTarget
+
+    config = SimConfig()
+    target = VirtualTarget(config, seed=4)
+    cal = await calibrate(target, rng=random.Random(4), max_model_len=config.max_model_len)
+    m = cal.model
+    assert m.overhead_s == pytest.approx(config.step_overhead_s, rel=0.05)
+    assert m.prefill_token_s == pytest.approx(config.prefill_token_s, rel=0.05)
+    assert m.decode_seq_s == pytest.approx(config.decode_seq_s, rel=0.25)
+    assert m.context_token_s == pytest.approx(config.context_token_s, rel=0.35)
+    # The frontend's per-token tokenization shows up as the cost of a cached token.
+    assert m.frontend_token_s == pytest.approx(config.tokenize_token_s, rel=0.25)
+    # The simulator's 3% step noise is what the residuals measure.
+    assert 0.01 < cal.noise[Metric.TTFT] < 0.06
