@@ -13,6 +13,7 @@ from paper_target import PaperTarget
 from fuzzer.calibration import calibrate
 from fuzzer.confirmation import confirm, examine
 from fuzzer.execution import Outcome
+from fuzzer.mutators import generate
 from fuzzer.oracle import (
     Candidate,
     OraclePolicy,
@@ -22,7 +23,9 @@ from fuzzer.oracle import (
     judge,
     observe,
 )
-from fuzzer.trace import Request, Trace
+from fuzzer.sim import VirtualTarget
+from fuzzer.sim import pathologies as sim_pathologies
+from fuzzer.trace import Request, Trace, from_dict
 from fuzzer.verdict import Decision, FindingKind, Metric
 
 
@@ -229,11 +232,6 @@ def test_random_clean_traces_yield_no_finding():
 
 
 # --- on the simulator (virtual time) ------------------------------------------------------------
-
-from fuzzer.mutators import generate  # noqa: E402
-from fuzzer.sim import VirtualTarget  # noqa: E402
-from fuzzer.sim import pathologies as sim_pathologies  # noqa: E402
-from fuzzer.trace import from_dict  # noqa: E402
 
 
 @functools.cache
