@@ -7,6 +7,7 @@ import pytest
 from fuzzer.errors import ConfigError
 from fuzzer.sim import VirtualTarget, pathologies
 from fuzzer.sim.pathologies import NAMES, describe, parse
+from fuzzer.sim.triggers import TRIGGERS
 from fuzzer.trace import from_dict
 
 CONTRACT_NAMES = (
@@ -59,80 +60,6 @@ def test_every_pathology_is_described_with_its_report_and_trigger():
         assert "Models " in cls.__doc__ and "Trigger: " in cls.__doc__, cls.__name__
 
 
-def _trace(requests, prefixes=None):
-    return from_dict({"prefixes": prefixes or {}, "requests": requests})
-
-
-#: For each pathology: a trace that triggers it, the request that suffers, and what to compare.
-TRIGGERS = {
-    # Short requests of a prefix group wait with six long members (they arrive during L0's prefill step).
-    "hol-prefix-burst": (
-        _trace(
-            [{"id": "L0", "at_ms": 0, "prompt_tokens": 2048, "prefix": "p", "max_tokens": 16}]
-            + [{"id": f"S{i}", "at_ms": 5 * i, "prompt_tokens": 128, "prefix": "p", "max_tokens": 16} for i in (1, 2)]
-            + [
-                {"id": f"L{i}", "at_ms": 10 + 5 * i, "prompt_tokens": 2048, "prefix": "p", "max_tokens": 16}
-                for i in range(1, 7)
-            ],
-            {"p": 32},
-        ),
-        "S1",
-        "ttft",
-    ),
-    # An 8192-token prompt arrives while D streams.
-    "unchunked-prefill": (
-        _trace(
-            [
-                {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 200},
-                {"id": "X", "at_ms": 100, "prompt_tokens": 8192, "max_tokens": 4},
-            ]
-        ),
-        "D",
-        "itl",
-    ),
-    # B asks for n=8, logprobs=20; C arrives while it runs.
-    "logprobs-batch-cost": (
-        _trace(
-            [
-                {"id": "A", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 100},
-                {"id": "B", "at_ms": 10, "prompt_tokens": 128, "max_tokens": 50, "n": 8, "logprobs": 20},
-                {"id": "C", "at_ms": 50, "prompt_tokens": 128, "max_tokens": 32},
-            ]
-        ),
-        "C",
-        "ttft",
-    ),
-    # X's 4096-token prompt fills two steps' budgets while S waits; D decodes for a long time.
-    "sticky-batch-full": (
-        _trace(
-            [
-                {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 300},
-                {"id": "X", "at_ms": 20, "prompt_tokens": 4096, "max_tokens": 200},
-                {"id": "S", "at_ms": 30, "prompt_tokens": 128, "max_tokens": 16},
-            ]
-        ),
-        "S",
-        "ttft",
-    ),
-    # 24 x (1024 prompt + 800 output) tokens do not fit 40960 KV tokens.
-    "preemption-thrash": (
-        _trace([{"id": f"R{i:02d}", "at_ms": i, "prompt_tokens": 1024, "max_tokens": 800} for i in range(24)]),
-        "R23",
-        "itl",
-    ),
-    # A 16k-token prompt ahead of a short one in the tokenizer queue.
-    "serial-tokenizer": (
-        _trace(
-            [
-                {"id": "L", "at_ms": 0, "prompt_tokens": 16384, "max_tokens": 1},
-                {"id": "S", "at_ms": 1, "prompt_tokens": 32, "max_tokens": 8},
-            ]
-        ),
-        "S",
-        "ttft",
-    ),
-}
-
 #: The suffering request's measure must grow at least this much with the pathology on.
 MIN_EFFECT = 1.25
 
@@ -142,35 +69,48 @@ def _measure(result, request_id, what):
     return {"ttft": r.ttft_s, "itl": r.max_itl_s, "e2e": r.e2e_s}[what]
 
 
+WARM_UP = from_dict({"requests": [{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}]})
+
+
 def _warm_run(pathology_names, trace, seed=0):
     """The second execution of a target (the first one warms a cold-start server up)."""
     target = VirtualTarget(pathologies=pathology_names, seed=seed)
-    target.run(_trace([{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}]))
+    target.run(WARM_UP)
     return target.run(trace)
+
+
+def _cold_run(pathology_names, trace, seed=0):
+    return VirtualTarget(pathologies=pathology_names, seed=seed).run(trace)
+
+
+def test_every_pathology_has_a_trigger():
+    assert sorted(TRIGGERS) == sorted(NAMES)
 
 
 @pytest.mark.parametrize("name", sorted(TRIGGERS))
 def test_trigger_shows_the_pathology_only_when_it_is_on(name):
-    trace, victim, what = TRIGGERS[name]
-    off = _warm_run((), trace)
-    on = _warm_run((name,), trace)
+    trigger = TRIGGERS[name]
+    trace, victim, what = trigger.trace, trigger.victim, trigger.measure
+    run = _cold_run if trigger.cold else _warm_run
+    off = run((), trace)
+    on = run((name,), trace)
     assert _measure(on, victim, what) > MIN_EFFECT * _measure(off, victim, what)
     assert name in on.ground_truth[victim]
     assert all(not names for names in off.ground_truth.values())
     # Other pathologies do not claim this trace's damage when they are the only ones on.
     others = tuple(n for n in NAMES if n not in (name, "cold-start"))
-    assert name not in set().union(*(set(v) for v in _warm_run(others, trace).ground_truth.values()))
+    assert name not in set().union(*(set(v) for v in run(others, trace).ground_truth.values()))
 
 
 def test_each_trigger_is_specific_enough_to_stay_quiet_on_a_clean_server():
     # The triggers are ordinary traffic: a clean server finishes them all.
-    for trace, _, _ in TRIGGERS.values():
-        result = _warm_run((), trace)
+    for trigger in TRIGGERS.values():
+        result = _warm_run((), trigger.trace)
         assert not result.failures
 
 
 def test_preemption_thrash_multiplies_preemptions():
-    trace, _, _ = TRIGGERS["preemption-thrash"]
+    trace = TRIGGERS["preemption-thrash"].trace
     off = _warm_run((), trace).samples[-1].values["preemptions"]
     on = _warm_run(("preemption-thrash",), trace).samples[-1].values["preemptions"]
     assert on > 10 * max(off, 1)

@@ -165,3 +165,11 @@ def test_bad_arguments_are_config_errors():
         SimConfig(speed=0)
     with pytest.raises(ConfigError):
         SimConfig(max_model_len=10**6)
+
+
+def test_public_surface():
+    import fuzzer.sim as sim
+
+    for name in sim.__all__:
+        assert hasattr(sim, name), name
+    assert {"SimConfig", "VirtualTarget", "PATHOLOGIES", "parse", "describe"} <= set(sim.__all__)

@@ -117,6 +117,11 @@ class Engine:
         """No request anywhere in the server."""
         return not (self._waiting or self._running or self._pending)
 
+    @property
+    def last_step_end_s(self) -> float | None:
+        """When the last step ended; None if the engine never ran."""
+        return self._last_step_end_s
+
     def next_ready_s(self) -> float | None:
         """When the next request leaves the tokenizer queue, if any is in it."""
         return self._pending[0][0] if self._pending else None

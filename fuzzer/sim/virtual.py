@@ -89,7 +89,7 @@ class VirtualTarget:
         self._executions += 1
         engine = self.engine
         t0 = self._clock_s
-        last = engine._last_step_end_s  # noqa: SLF001 - the runner and engine are one unit
+        last = engine.last_step_end_s
         idle_before = None if last is None else max(0.0, t0 - last)
 
         arrivals: list[tuple[float, Request, list[int]]] = []

@@ -1,0 +1,132 @@
+"""One small trace per planted pathology that triggers it (for tests, the oracle and benchmarks).
+
+Each :class:`Trigger` names the request that suffers and the measure that shows
+it (``ttft``, ``itl`` = max inter-token gap, ``e2e``). Run on a warm simulator,
+the measure is clearly larger with the pathology on than off
+(tests/test_sim_pathologies.py checks it); cold-start needs a cold server
+instead (a fresh target, or one left idle for more than ``cold_idle_s``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from fuzzer.sim import pathologies as P
+from fuzzer.trace import Trace, from_dict
+
+
+@dataclass(frozen=True)
+class Trigger:
+    trace: Trace
+    #: The id of the request the pathology hurts most.
+    victim: str
+    #: "ttft", "itl" or "e2e".
+    measure: str
+    #: Whether the effect needs a cold server (only cold-start).
+    cold: bool = False
+
+
+def _trace(name: str, requests: list[dict], prefixes: dict[str, int] | None = None) -> Trace:
+    return from_dict({"name": name, "prefixes": prefixes or {}, "requests": requests})
+
+
+def _build() -> dict[str, Trigger]:
+    return {
+        # Two short members of a prefix group wait with six long ones (they arrive during L0's prefill).
+        P.HOL_PREFIX_BURST: Trigger(
+            _trace(
+                "trigger-hol-prefix-burst",
+                [{"id": "L0", "at_ms": 0, "prompt_tokens": 2048, "prefix": "p", "max_tokens": 16}]
+                + [{"id": f"S{i}", "at_ms": 5 * i, "prompt_tokens": 128, "prefix": "p", "max_tokens": 16}
+                   for i in (1, 2)]
+                + [{"id": f"L{i}", "at_ms": 10 + 5 * i, "prompt_tokens": 2048, "prefix": "p", "max_tokens": 16}
+                   for i in range(1, 7)],
+                {"p": 32},
+            ),
+            "S1",
+            "ttft",
+        ),
+        # An 8192-token prompt arrives while D streams.
+        P.UNCHUNKED_PREFILL: Trigger(
+            _trace(
+                "trigger-unchunked-prefill",
+                [
+                    {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 200},
+                    {"id": "X", "at_ms": 100, "prompt_tokens": 8192, "max_tokens": 4},
+                ],
+            ),
+            "D",
+            "itl",
+        ),
+        # B asks for n=8, logprobs=20; C arrives while it runs.
+        P.LOGPROBS_BATCH_COST: Trigger(
+            _trace(
+                "trigger-logprobs-batch-cost",
+                [
+                    {"id": "A", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 100},
+                    {"id": "B", "at_ms": 10, "prompt_tokens": 128, "max_tokens": 50, "n": 8, "logprobs": 20},
+                    {"id": "C", "at_ms": 50, "prompt_tokens": 128, "max_tokens": 32},
+                ],
+            ),
+            "C",
+            "ttft",
+        ),
+        # X's 4096-token prompt fills two steps' budgets while S waits; D decodes for a long time.
+        P.STICKY_BATCH_FULL: Trigger(
+            _trace(
+                "trigger-sticky-batch-full",
+                [
+                    {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 300},
+                    {"id": "X", "at_ms": 20, "prompt_tokens": 4096, "max_tokens": 200},
+                    {"id": "S", "at_ms": 30, "prompt_tokens": 128, "max_tokens": 16},
+                ],
+            ),
+            "S",
+            "ttft",
+        ),
+        # 24 x (1024 prompt + 800 output) tokens do not fit the 40960 KV tokens.
+        P.PREEMPTION_THRASH: Trigger(
+            _trace(
+                "trigger-preemption-thrash",
+                [{"id": f"R{i:02d}", "at_ms": i, "prompt_tokens": 1024, "max_tokens": 800} for i in range(24)],
+            ),
+            "R23",
+            "itl",
+        ),
+        # The vLLM 37308 trace itself: its first run on a cold server is slow.
+        P.COLD_START: Trigger(
+            _trace(
+                "trigger-cold-start",
+                [
+                    {"id": "r08", "at_ms": 0, "prompt_tokens": 128, "prefix": "p0", "max_tokens": 32},
+                    {"id": "r05", "at_ms": 8, "prompt_tokens": 128, "prefix": "p0", "max_tokens": 64},
+                    {"id": "r04", "at_ms": 16, "prompt_tokens": 2048, "prefix": "p0", "max_tokens": 256},
+                    {"id": "r06", "at_ms": 24, "prompt_tokens": 2048, "prefix": "p0", "max_tokens": 128,
+                     "stream": False},
+                    {"id": "r07", "at_ms": 32, "prompt_tokens": 2048, "prefix": "p0", "max_tokens": 512},
+                    {"id": "r02", "at_ms": 40, "prompt_tokens": 2048, "prefix": "p0", "max_tokens": 128},
+                ],
+                {"p0": 32},
+            ),
+            "r08",
+            "ttft",
+            cold=True,
+        ),
+        # A 16k-token prompt ahead of a short one in the tokenizer queue.
+        P.SERIAL_TOKENIZER: Trigger(
+            _trace(
+                "trigger-serial-tokenizer",
+                [
+                    {"id": "L", "at_ms": 0, "prompt_tokens": 16384, "max_tokens": 1},
+                    {"id": "S", "at_ms": 1, "prompt_tokens": 32, "max_tokens": 8},
+                ],
+            ),
+            "S",
+            "ttft",
+        ),
+    }
+
+
+#: Pathology name -> its trigger.
+TRIGGERS: Mapping[str, Trigger] = _build()
