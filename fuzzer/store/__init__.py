@@ -303,6 +303,22 @@ class Store:
         )
         return {purpose: n for purpose, n in rows}
 
+    def execution_rows(self, *, campaign_id: int | None = None) -> list[dict[str, Any]]:
+        """Read-only: id, number, purpose, started_at, duration_s of every execution (of a campaign), by id.
+
+        For reports (``fuzz report``): the campaign's progress over time without loading requests.
+        """
+        query = "select id, campaign_id, number, purpose, started_at, duration_s from executions"
+        if campaign_id is None:
+            return list(self._db.query(query + " order by id"))
+        return list(self._db.query(query + " where campaign_id = ? order by id", [campaign_id]))
+
+    def campaigns(self) -> list[dict[str, Any]]:
+        """Read-only: every campaign (id, started_at, updated_at, seed, target, status), oldest first."""
+        return list(self._db.query(
+            "select id, started_at, updated_at, seed, target, status from campaigns order by id"
+        ))
+
     # --- campaigns ----------------------------------------------------------------------
 
     def start_campaign(self, *, seed: int, target: str, settings: Mapping[str, Any]) -> int:
