@@ -55,7 +55,7 @@ CACHED_SUFFIX_TOKENS = 16
 DECODE_CONTEXTS = (16, 512, 1024, 2048, 4096)
 #: Longer contexts make the (small) per-context-token cost measurable; used when the
 #: server's max_model_len is known to allow them.
-LONG_DECODE_CONTEXTS = (8192, 16384)
+LONG_DECODE_CONTEXTS = (8192,)
 DECODE_TOKENS = 32
 #: Batch sizes of the batched decode probes (short prompts, all sent at once).
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -63,8 +63,8 @@ BATCH_PROMPT_TOKENS = 16
 #: Each probe is repeated this often: with 9 lengths this gives ~36 TTFT residuals, a
 #: baseline large enough for MWU/KS to reach p <= 0.01 with three candidate samples.
 REPEATS = 4
-#: Probes run one at a time: each is spaced this many times the slowest pilot request
-#: apart (the pilot measures it), but never closer than MIN_SPACING_S.
+#: Probes run one at a time: each is spaced this many times the slowest pilot request of
+#: its kind apart (the pilot measures it), but never closer than MIN_SPACING_S.
 SPACING_FACTOR = 3.0
 MIN_SPACING_S = 0.05
 #: 1.4826 x MAD estimates a normal standard deviation robustly (Iglewicz-Hoaglin).
@@ -281,44 +281,45 @@ async def calibrate(
     if max_model_len is not None:
         contexts = [n for n in (*DECODE_CONTEXTS, *LONG_DECODE_CONTEXTS) if n + DECODE_TOKENS <= max_model_len]
 
-    # Warm-up and pilot: the slowest probe shape tells how far apart probes must be.
+    # Warm-up and pilot: the slowest probe of each kind tells how far apart probes must be.
     pilot = _Plan(spacing_s=1.0)
-    pilot.add(max(lengths), DECODE_TOKENS)
+    pilot.add(max(lengths), 2)
     pilot.add(max(contexts), DECODE_TOKENS)
     pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=max(BATCH_SIZES))
-    slowest = 0.0
+    slowest = {"prefill": 0.0, "decode": 0.0, "batch": 0.0}
     for _ in range(max(1, warmup_runs)):
         for probe in await _run(target, pilot, "calibration-pilot"):
-            slowest = max(slowest, probe.result.e2e_s or 0.0)
-    spacing_s = max(MIN_SPACING_S, SPACING_FACTOR * slowest)
+            kind = "batch" if probe.batch > 1 else ("decode" if probe.max_tokens > 2 else "prefill")
+            slowest[kind] = max(slowest[kind], probe.result.e2e_s or 0.0)
+    spacing = {k: max(MIN_SPACING_S, SPACING_FACTOR * v) for k, v in slowest.items()}
 
     def shuffled(items: list) -> list:
         rng.shuffle(items)
         return items
 
     # Uncached TTFT: one lead-in request (a first request after an idle gap may be slow).
-    plan = _Plan(spacing_s)
+    plan = _Plan(spacing["prefill"])
     plan.add(16, 2, lead_in=True)
     for n in shuffled([n for n in lengths for _ in range(repeats)]):
         plan.add(n, 2)
     prefill = _usable(await _run(target, plan, "calibration-prefill"))
 
     # Cached TTFT: a request computes the prefix, the next one (same group) reuses it.
-    plan = _Plan(spacing_s)
+    plan = _Plan(spacing["prefill"])
     plan.add(16, 2, lead_in=True)
     for n in shuffled([n for n in prefixes for _ in range(repeats)]):
         plan.add_pair(n, CACHED_SUFFIX_TOKENS, hit=(n // assumption.block_size) * assumption.block_size)
     cached_probes = _usable(await _run(target, plan, "calibration-cached"))
 
     # Decode, one sequence, growing context.
-    plan = _Plan(spacing_s)
+    plan = _Plan(spacing["decode"])
     plan.add(16, 2, lead_in=True)
     for n in shuffled([n for n in contexts for _ in range(repeats)]):
         plan.add(n, DECODE_TOKENS)
     single = _usable(await _run(target, plan, "calibration-decode"))
 
     # Decode, many short sequences together.
-    plan = _Plan(spacing_s)
+    plan = _Plan(spacing["batch"])
     plan.add(16, 2, lead_in=True)
     for b in shuffled([b for b in BATCH_SIZES for _ in range(repeats)]):
         plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b)

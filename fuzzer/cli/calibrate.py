@@ -1,11 +1,35 @@
-"""``fuzz calibrate``: measure a target's idle latencies and noise."""
+"""``fuzz calibrate``: measure a target's idle latencies, step-time model and noise."""
 
 from __future__ import annotations
 
-import click
+import asyncio
+import contextlib
+import json
+import os
+import random
+from collections.abc import AsyncIterator
 
-from fuzzer.cli._notbuilt import not_built
-from fuzzer.cli._options import db_option, model_option, server_option, target_option
+import click
+from rich.table import Table
+
+from fuzzer import servers
+from fuzzer.calibration import Calibration, Fit, calibrate
+from fuzzer.cli._console import out
+from fuzzer.cli._options import (
+    db_option,
+    json_option,
+    model_option,
+    server_option,
+    target_option,
+)
+from fuzzer.expectation import assumption_for
+from fuzzer.verdict import Metric
+
+#: Where the API key comes from by default: the variable OpenAI clients read.
+DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+#: Calibrations of the built-in simulator are stored under this key: its port changes
+#: from run to run, its behaviour does not.
+SIM_TARGET_KEY = "sim:builtin"
 
 
 @click.command("calibrate")
@@ -13,11 +37,122 @@ from fuzzer.cli._options import db_option, model_option, server_option, target_o
 @db_option
 @server_option
 @model_option
-def command(target, db_path, server, model) -> None:
+@click.option("--token-budget", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Per-step token budget of the server's scheduler (vLLM --max-num-batched-tokens). "
+                   "Default: the engine's documented default.")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Running sequences at most. Default: the engine's documented default.")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, metavar="N",
+              help="KV block size in tokens. Default: the engine's documented default.")
+@click.option("--repeats", type=click.IntRange(min=1, max=20), default=4, show_default=True,
+              help="Repetitions of every probe (more: a tighter fit and a larger noise baseline).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the probe order and prompt text.")
+@click.option("--api-key-env", default=DEFAULT_API_KEY_ENV, show_default=True, metavar="VAR",
+              help="Environment variable holding the API key (never stored or printed).")
+@json_option
+def command(target, db_path, server, model, token_budget, max_num_seqs, block_size, repeats, seed, api_key_env,
+            as_json) -> None:
     """Fit idle TTFT versus prompt length and decode step time; print the model.
+
+    The server is warmed up first, then probed with requests that run one at a
+    time. The fitted model (Theil-Sen), its noise and the scheduler assumption
+    are stored in the database and used by the oracle to judge executions.
 
     \b
     Example:
         fuzz calibrate --target http://127.0.0.1:8000 --db night.db
+        fuzz calibrate --token-budget 8192 --json
     """
-    raise not_built("calibrate", "the oracle's calibration")
+    api_key = os.environ.get(api_key_env) or None
+    overrides = {"token_budget": token_budget, "max_num_seqs": max_num_seqs, "block_size": block_size}
+    key, cal = asyncio.run(_calibrate(target, server, model, api_key, overrides, repeats, seed))
+    from fuzzer.store import Store
+
+    with Store.open(db_path) as store:
+        calibration_id = store.save_calibration(key, cal.to_dict(), created_at=cal.created_at)
+    if as_json:
+        out.print_json(json.dumps({"id": calibration_id, "target_key": key, **cal.to_dict()}))
+        return
+    _show(cal, key, calibration_id, db_path)
+
+
+async def _calibrate(
+    target: str | None, server: str, model: str | None, api_key: str | None, overrides: dict, repeats: int, seed: int
+) -> tuple[str, Calibration]:
+    from fuzzer.executor import HttpTarget
+
+    async with contextlib.AsyncExitStack() as stack:
+        url = await stack.enter_async_context(_base_url(target))
+        http = await stack.enter_async_context(
+            HttpTarget(url, server=server, model=model, api_key=api_key, rng=random.Random(seed))
+        )
+        info = http.info
+        assert info is not None
+        defaults = servers.adapter(info.kind).scheduler_defaults
+        assumption = assumption_for(info.kind, defaults, **overrides)
+        cal = await calibrate(http, assumption=assumption, rng=random.Random(seed), repeats=repeats,
+                              max_model_len=info.max_model_len)
+        key = SIM_TARGET_KEY if target is None else target_key(url, info.model)
+        return key, cal
+
+
+def target_key(url: str, model: str | None) -> str:
+    """The key a target's calibrations are stored under: its URL and model."""
+    return f"{url.rstrip('/')}#{model or ''}"
+
+
+@contextlib.asynccontextmanager
+async def _base_url(target: str | None) -> AsyncIterator[str]:
+    if target is not None:
+        yield target
+        return
+    from fuzzer.sim.process import SimProcess
+
+    async with SimProcess() as sim:
+        yield sim.url
+
+
+def _line(fit: Fit, unit: str) -> str:
+    return (
+        f"{fit.intercept * 1e3:.3f} ms + {fit.slope * 1e6:.4f} µs/{unit} "
+        f"(slope 95%: {fit.slope_low * 1e6:.4f}-{fit.slope_high * 1e6:.4f}), n={fit.n}"
+    )
+
+
+def _show(cal: Calibration, key: str, calibration_id: int, db_path: str) -> None:
+    m = cal.model
+    out.print(f"calibration {calibration_id} of {key} saved in {db_path}")
+    out.print(f"scheduler assumption: {cal.assumption.describe()}")
+    fits = Table(title="fits (Theil-Sen)")
+    fits.add_column("relation")
+    fits.add_column("fit")
+    fits.add_row("idle TTFT vs uncached prompt tokens", _line(cal.ttft_fit, "token"))
+    if cal.cached_fit:
+        fits.add_row("extra TTFT vs cached prompt tokens", _line(cal.cached_fit, "token"))
+    fits.add_row("ITL (1 sequence) vs context tokens", _line(cal.context_fit, "token"))
+    fits.add_row("ITL vs decoding batch size", _line(cal.batch_fit, "sequence"))
+    out.print(fits)
+    model = Table(title="step model")
+    model.add_column("parameter")
+    model.add_column("value", justify="right")
+    model.add_row("step overhead", f"{m.overhead_s * 1e3:.3f} ms")
+    model.add_row("per prefill token", f"{m.prefill_token_s * 1e6:.3f} µs")
+    model.add_row("per decoding sequence", f"{m.decode_seq_s * 1e6:.3f} µs")
+    model.add_row("per context token", f"{m.context_token_s * 1e9:.2f} ns")
+    model.add_row("frontend per prompt token", f"{m.frontend_token_s * 1e6:.3f} µs")
+    model.add_row("request overhead", f"{m.request_overhead_s * 1e3:.3f} ms")
+    out.print(model)
+    noise = Table(title="noise (1.4826 x MAD of the residuals)")
+    for name in ("metric", "relative", "absolute", "baseline samples"):
+        noise.add_column(name, justify="left" if name == "metric" else "right")
+    for metric in Metric:
+        if metric in cal.noise:
+            noise.add_row(metric.value, f"{cal.noise[metric] * 100:.1f} %", f"{cal.noise_s[metric] * 1e3:.3f} ms",
+                          str(len(cal.baseline.get(metric, ()))))
+    out.print(noise)
+    # Max ITL is left out: single gaps of a few ms carry the client's own timing jitter.
+    worst = max((v for k, v in cal.noise.items() if k is not Metric.MAX_ITL), default=0.0)
+    if worst >= 0.10:
+        # pyperf's advice: a spread of 10% or more means the numbers are not to be trusted yet.
+        out.print(f"warning: noise is {worst * 100:.0f} %; stop other load on the server and calibrate again "
+                  "(or raise --repeats)")
