@@ -10,6 +10,8 @@ One module per command; shared options live in ``_options``.
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
 from fuzzer import __version__
@@ -28,8 +30,34 @@ class _Failure(click.ClickException):
         click.echo(f"error: {self.message}", err=True)
 
 
+#: Command name -> module of fuzzer.cli that defines it. Modules are imported on first use,
+#: so `fuzz sim` (started as a child by every command without --target) does not pay for
+#: scipy and the oracle at start-up.
+_COMMANDS = {
+    "campaign": "campaign",
+    "status": "status",
+    "findings": "findings",
+    "show": "show",
+    "minimize": "minimize",
+    "export": "export",
+    "replay": "replay",
+    "calibrate": "calibrate",
+    "sim": "sim",
+    "report": "report",
+}
+
+
 class _FuzzGroup(click.Group):
-    """A click group that turns the fuzzer's own errors into one clear line."""
+    """A click group that loads commands lazily and turns the fuzzer's own errors into one clear line."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        module = _COMMANDS.get(name)
+        if module is None:
+            return None
+        return importlib.import_module(f"fuzzer.cli.{module}").command
 
     def invoke(self, ctx: click.Context):
         try:
@@ -52,27 +80,6 @@ def cli() -> None:
         fuzz findings
         fuzz minimize 1 && fuzz export 1
     """
-
-
-def _register() -> None:
-    from fuzzer.cli import (  # noqa: PLC0415 - keep the import graph of the CLI explicit
-        calibrate,
-        campaign,
-        export,
-        findings,
-        minimize,
-        replay,
-        report,
-        show,
-        sim,
-        status,
-    )
-
-    for module in (campaign, status, findings, show, minimize, export, replay, calibrate, sim, report):
-        cli.add_command(module.command)
-
-
-_register()
 
 
 def main() -> None:
