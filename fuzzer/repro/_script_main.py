@@ -14,7 +14,7 @@ import time
 import traceback
 
 from fuzzer.repro._script_net import (
-    DEFAULT_RUNS, DEFAULT_TIMEOUT_S, EXIT_CANNOT_TEST, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, FAILURE_OUTCOMES,
+    DEFAULT_RUNS, DEFAULT_TIMEOUT_S, EXIT_CANNOT_TEST, IDLE_BARRIER_S, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, FAILURE_OUTCOMES,
     LATENCY_KINDS, METRIC_NAMES, POLL_S, CannotTest, Counter, Server, check_server, say,
 )
 from fuzzer.repro._script_run import idle_barrier, run_once
@@ -158,7 +158,7 @@ def reproduce(args):
     master = random.Random(seed)
     hits, tested, lines, values = 0, 0, [], []
     for run in range(1, args.runs + 1):
-        idle_barrier(server, args.idle_s)
+        waiting = idle_barrier(server, args.idle_s, args.leak_wait_s if kind == "leak" else IDLE_BARRIER_S)
         rng = random.Random(master.getrandbits(64))
         results = run_once(server, trace, DATA["words"], model, counter, rng, DATA["server"].get("features") or {},
                            "repro%d-" % run, args.timeout_s)
@@ -167,6 +167,8 @@ def reproduce(args):
         if kind != "crash" and all(res["outcome"] == "connection-error" for res in results):
             raise CannotTest("no request got through: %s" % results[0]["detail"][:120])
         say("run %d/%d" % (run, args.runs))
+        if waiting:
+            say("  note: the server was not idle before this run (running + waiting = %g)" % waiting)
         show_run(results, crit.get("request_id"))
         if not counter.exact:
             off = [res["id"] for res, r in zip(results, trace["requests"])

@@ -10,7 +10,7 @@ import threading
 import time
 
 from fuzzer.repro._script_net import (
-    POLL_S, QUIET_S, IDLE_BARRIER_S, SPIN_S, START_DELAY_S, TOTAL_TIMEOUT_S, build_prompts,
+    POLL_S, QUIET_S, SPIN_S, START_DELAY_S, TOTAL_TIMEOUT_S, build_prompts,
 )
 
 # --- repro.py begins ---
@@ -214,22 +214,21 @@ def run_once(server, trace, words, model, counter, rng, features, tag, timeout_s
     return out
 
 
-def idle_barrier(server, idle_s):
-    """Wait until the server is idle (running + waiting = 0), then leave it idle for idle_s more."""
-    deadline = time.monotonic() + IDLE_BARRIER_S
-    seen_metrics = False
-    while time.monotonic() < deadline:
-        busy = server.busy()
-        if busy is None:
-            break
-        seen_metrics = True
-        if busy == 0:
-            break
+def idle_barrier(server, idle_s, timeout_s):
+    """Wait until the server is idle (running + waiting = 0), then leave it idle for idle_s more.
+
+    Returns running + waiting when the barrier gave up after timeout_s, else None.
+    """
+    deadline = time.monotonic() + timeout_s
+    busy = server.busy()
+    if busy is None:
+        time.sleep(QUIET_S)  # no metrics: a quiet period instead
+    while busy is not None and busy > 0 and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    if not seen_metrics:
-        time.sleep(QUIET_S)
+        busy = server.busy()
     if idle_s > 0:
         time.sleep(idle_s)
+    return busy if busy else None
 
 
 # --- the criterion --------------------------------------------------------------------------------

@@ -1,0 +1,283 @@
+"""The stand-alone repro.py: generated from a real verdict, run with `python -I -S` against servers."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fuzzer import repro
+from fuzzer import trace as tf
+from fuzzer.calibration import calibrate
+from fuzzer.confirmation import examine
+from fuzzer.errors import ConfigError
+from fuzzer.repro import _script_net, _script_run, criterion_from_verdict, script_data, script_source
+from fuzzer.sim import VirtualTarget
+from fuzzer.sim.process import SimProcess
+
+from misbehaving_server import running as misbehaving
+
+# A short trace on which the simulator's logprobs-batch-cost pathology (vLLM 37343) stalls
+# request a's stream for ~100 ms against an FCFS bound of ~13 ms; each run lasts < 1 s.
+SMALL = {"format": 1, "name": "logprobs-small", "requests": [
+    {"id": "a", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 24},
+    {"id": "b", "at_ms": 2, "prompt_tokens": 128, "max_tokens": 24},
+    {"id": "heavy", "at_ms": 5, "prompt_tokens": 128, "max_tokens": 8, "n": 8, "logprobs": 20, "temperature": 1.0},
+]}
+PATHOLOGY = "logprobs-batch-cost"
+# The simulator's step times are noisy by seed; the verdict is computed on the same seed.
+SEED = 3
+# Python start-up, three runs of < 1 s and tokenize calls: well under this on a loaded machine.
+SCRIPT_TIMEOUT_S = 90
+PYTHON = sys.executable
+
+
+def oracle_verdict(trace: tf.Trace, request_id: str) -> dict:
+    """The oracle's own verdict for request_id, on virtual time with the pathology planted."""
+
+    async def run():
+        target = VirtualTarget(pathologies=(PATHOLOGY,), seed=SEED)
+        cal = await calibrate(target, rng=random.Random(0), clock=lambda: 0.0)
+        return await examine(target, trace, cal, runs=3, rng=np.random.default_rng(0))
+
+    found = [v for v in asyncio.run(run()).findings if v.request_id == request_id]
+    assert found, "the oracle no longer flags the planted pathology on this trace"
+    return found[0].to_dict()
+
+
+@pytest.fixture(scope="module")
+def small_trace():
+    return tf.from_dict(SMALL)
+
+
+@pytest.fixture(scope="module")
+def script(small_trace, tmp_path_factory):
+    verdict = oracle_verdict(small_trace, "a")
+    assert verdict["kind"] == "itl-stall" and verdict["metric"] == "max_itl"
+    crit = criterion_from_verdict(verdict["kind"], verdict)
+    data = script_data(finding={"id": 7, "kind": verdict["kind"], "signature": verdict["signature"],
+                                "reproduced": verdict["reproduced"]},
+                       criterion=crit, trace=small_trace, server={"kind": "vllm"})
+    path = tmp_path_factory.mktemp("repro") / "repro.py"
+    path.write_text(script_source(data))
+    return path
+
+
+def run_script(path, *args, timeout=SCRIPT_TIMEOUT_S):
+    return subprocess.run([PYTHON, "-I", "-S", str(path), *args], capture_output=True, text=True, timeout=timeout)
+
+
+async def run_script_async(path, *args, timeout=SCRIPT_TIMEOUT_S):
+    """The script as a child process while this event loop keeps serving a test server."""
+    proc = await asyncio.create_subprocess_exec(PYTHON, "-I", "-S", str(path), *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def result_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("RESULT:")]
+
+
+# --- the script as a program ------------------------------------------------------------------
+
+
+def test_reproduces_with_the_pathology_on(script):
+    with SimProcess(pathologies=(PATHOLOGY,), seed=SEED) as sim:
+        p = run_script(script, "--base-url", sim.url, "--runs", "3")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert result_lines(p.stdout) == ["RESULT: REPRODUCED"]
+    assert "reproduced in 3/3 runs" in p.stdout or "reproduced in 2/3 runs" in p.stdout
+    for rid in ("a", "b", "heavy"):
+        assert f"\n  {rid} " in p.stdout  # a row per request per run
+    assert "exact lengths via /tokenize" in p.stdout
+
+
+def test_does_not_reproduce_with_the_pathology_off(script):
+    with SimProcess(pathologies=(), seed=SEED) as sim:
+        p = run_script(script, "--base-url", sim.url, "--runs", "3")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert result_lines(p.stdout) == ["RESULT: NOT REPRODUCED"]
+    assert "reproduced in 0/3 runs" in p.stdout
+
+
+def test_cannot_test_without_a_server(script, unused_tcp_port):
+    p = run_script(script, "--base-url", f"http://127.0.0.1:{unused_tcp_port}", timeout=30)
+    assert p.returncode == 125, p.stdout + p.stderr
+    assert result_lines(p.stdout) == ["RESULT: CANNOT TEST"]
+    assert "unreachable" in p.stdout
+
+
+def test_cannot_test_a_model_the_server_does_not_serve(script):
+    with SimProcess(seed=SEED) as sim:
+        p = run_script(script, "--base-url", sim.url, "--model", "no-such-model", timeout=30)
+    assert p.returncode == 125
+    assert "not served" in p.stdout
+
+
+def test_bad_options_do_not_read_as_a_bad_commit(script):
+    p = run_script(script, "--runs", "zero", timeout=30)
+    assert p.returncode == 125  # argparse would say 2, which git bisect takes for "bad"
+
+
+def test_threshold_override_decides(script):
+    """--threshold-ms replaces the embedded bound: an unreachable threshold means not reproduced."""
+    with SimProcess(pathologies=(PATHOLOGY,), seed=SEED) as sim:
+        p = run_script(script, "--base-url", sim.url, "--runs", "1", "--threshold-ms", "60000")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "60000.0 ms" in p.stdout
+
+
+async def test_error_finding_reproduces_on_a_failing_server(tmp_path):
+    trace = tf.from_dict({"requests": [{"id": "ok1", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4},
+                                       {"id": "e500", "at_ms": 1, "prompt_tokens": 8, "max_tokens": 4}]})
+    path = tmp_path / "repro.py"
+    crit = criterion_from_verdict("error", {"request_id": "e500", "detail": "http-error"})
+    path.write_text(script_source(script_data(finding={"id": 1, "kind": "error"}, criterion=crit, trace=trace)))
+    async with misbehaving() as (url, _state):
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "2")
+    assert rc == 1, out + err
+    assert "e500 ended http-error as the finding says" in out
+
+
+async def test_protocol_finding_not_reproduced_when_the_stream_is_fine(tmp_path):
+    trace = tf.from_dict({"requests": [{"id": "ok1", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4}]})
+    path = tmp_path / "repro.py"
+    crit = criterion_from_verdict("protocol", {"request_id": "ok1", "detail": "missing-done"})
+    path.write_text(script_source(script_data(finding={"id": 2, "kind": "protocol"}, criterion=crit, trace=trace)))
+    async with misbehaving() as (url, _state):
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "2")
+    assert rc == 0, out + err
+    assert "ok1 ended ok" in out
+
+
+async def test_leak_finding_reads_running_and_waiting(tmp_path):
+    trace = tf.from_dict({"requests": [{"id": "ok1", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4}]})
+    path = tmp_path / "repro.py"
+    crit = criterion_from_verdict("leak", {})
+    path.write_text(script_source(script_data(finding={"id": 3, "kind": "leak"}, criterion=crit, trace=trace)))
+    async with misbehaving() as (url, state):
+        state.stuck = 1  # running never returns to 0
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "1", "--leak-wait-s", "0.3")
+        assert rc == 1, out + err
+        state.stuck = 0
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "1", "--leak-wait-s", "0.3")
+        assert rc == 0, out + err
+
+
+# --- the generator ------------------------------------------------------------------------------
+
+
+def test_script_is_python_3_9_and_standard_library_only(script):
+    source = script.read_text()
+    tree = ast.parse(source, feature_version=(3, 9))  # no match, no parenthesized with, ...
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert imported and imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+    assert "fuzzer" not in imported
+
+
+def test_script_embeds_the_trace_and_the_criterion(script, small_trace):
+    namespace: dict = {"__name__": "not_main"}
+    exec(compile(script.read_text(), str(script), "exec"), namespace)  # defines, does not run
+    data = namespace["DATA"]
+    assert tf.from_dict(data["trace"]).content_hash() == small_trace.content_hash()
+    assert data["criterion"]["request_id"] == "a" and data["criterion"]["metric"] == "max_itl"
+    assert data["words"] == list(repro.WORDS)
+
+
+def test_quotes_in_data_survive_embedding():
+    trace = tf.from_dict({"name": "it's '''odd''' \\ name", "requests": [{"id": "r", "at_ms": 0, "prompt_tokens": 4,
+                                                                           "max_tokens": 2}]})
+    crit = criterion_from_verdict("ttft-outlier", {"request_id": "r", "metric": "ttft", "expected_s": 0.01})
+    source = script_source(script_data(finding={"id": 1, "kind": "ttft-outlier"}, criterion=crit, trace=trace))
+    namespace: dict = {"__name__": "not_main"}
+    exec(compile(source, "repro.py", "exec"), namespace)
+    assert namespace["DATA"]["trace"]["name"] == "it's '''odd''' \\ name"
+
+
+def test_criterion_per_kind():
+    latency = criterion_from_verdict("ttft-outlier", {"request_id": "r", "metric": "ttft", "threshold": 2.0,
+                                                      "expected_s": 0.040})
+    assert latency.threshold_s == pytest.approx(0.080)
+    small = criterion_from_verdict("ttft-outlier", {"request_id": "r", "metric": "ttft", "expected_s": 0.005})
+    assert small.threshold_s == pytest.approx(0.025)  # bound + 20 ms beats 2 x 5 ms
+    assert criterion_from_verdict("cold-start", {"request_id": "r", "metric": "ttft"}).idle_before_s > 0
+    assert criterion_from_verdict("hang", {"request_id": "r", "detail": "timeout"}).outcome == "timeout"
+    assert criterion_from_verdict("error", {"request_id": "r", "detail": "weird"}).outcome is None
+    assert criterion_from_verdict("crash", {}).request_id is None
+    with pytest.raises(ConfigError, match="metric"):
+        criterion_from_verdict("itl-stall", {"request_id": "r"})
+    with pytest.raises(ConfigError, match="no repro criterion"):
+        criterion_from_verdict("mystery", {})
+
+
+def test_victim_must_be_in_the_trace(small_trace):
+    crit = criterion_from_verdict("ttft-outlier", {"request_id": "gone", "metric": "ttft", "expected_s": 0.01})
+    with pytest.raises(ConfigError, match="gone"):
+        script_data(finding={"id": 1}, criterion=crit, trace=small_trace)
+
+
+# --- pieces of the script, in process --------------------------------------------------------------
+
+
+def test_sse_reader_counts_text_events_only():
+    s = _script_run.Stream()
+    lines = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}', b"",
+             b": keep-alive", b"",
+             b'data: {"choices":[{"index":0,"text":"hi"}]}', b"",
+             b'data: {"choices":[{"index":1,"text":"x"}]}', b"",
+             b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}', b"",
+             b"data: [DONE]", b""]
+    for t, line in enumerate(lines):
+        if not s.line(line, float(t)):
+            break
+    assert s.ttft == 5.0 and s.token_times == [5.0]  # the role-only chunk is no token; choice 1 is not counted
+    assert s.usage["completion_tokens"] == 2 and s.done and s.fault is None
+
+
+def test_sse_reader_reports_malformed_events():
+    s = _script_run.Stream()
+    assert s.line(b"data: {not json", 0.0)
+    assert not s.line(b"", 0.0)
+    assert s.fault[0] == "malformed"
+    s = _script_run.Stream()
+    assert not s.line(b"garbage line", 0.0)
+    assert s.fault[0] == "malformed"
+
+
+def test_prompts_share_prefix_text_and_fit_lengths():
+    class Words:  # one token per word, like the simulator's tokenizer
+        exact = True
+
+        def count(self, text, chat=False):
+            return len(text.split())
+
+    trace = tf.from_dict({"prefixes": {"p": 8}, "requests": [
+        {"id": "x", "at_ms": 0, "prompt_tokens": 20, "prefix": "p", "max_tokens": 1},
+        {"id": "y", "at_ms": 1, "prompt_tokens": 8, "prefix": "p", "max_tokens": 1},
+        {"id": "z", "at_ms": 2, "prompt_tokens": 5, "max_tokens": 1}]}).to_dict()
+    words = list(repro.WORDS)
+    first = _script_net.build_prompts(trace, Words(), random.Random(1), words)
+    assert {k: n for k, (_, n) in first.items()} == {"x": 20, "y": 8, "z": 5}
+    assert first["x"][0].split()[:8] == first["y"][0].split()
+    second = _script_net.build_prompts(trace, Words(), random.Random(2), words)
+    assert second["y"][0] != first["y"][0]  # fresh text per run: no prefix-cache hit across runs
+
+
+def test_data_json_reads_back(small_trace):
+    crit = criterion_from_verdict("leak", {})
+    data = script_data(finding={"id": 1, "kind": "leak"}, criterion=crit, trace=small_trace)
+    text = script_source(data)
+    start = text.index("r'''\n") + 5
+    assert json.loads(text[start:text.index("\n'''", start)]) == json.loads(json.dumps(data))
