@@ -35,7 +35,7 @@ from fuzzer.trace import Trace
 from fuzzer.verdict import Decision, FindingKind, Verdict, signature
 
 
-async def _idle(target: Target, seconds: float, sleep: Callable[[float], Awaitable[None]]) -> None:
+async def let_idle(target: Target, seconds: float, sleep: Callable[[float], Awaitable[None]]) -> None:
     """Leave the server idle: on virtual time if the target has a clock, else really wait."""
     advance = getattr(target, "idle", None)
     if advance is not None:
@@ -44,6 +44,10 @@ async def _idle(target: Target, seconds: float, sleep: Callable[[float], Awaitab
             await outcome
     else:
         await sleep(seconds)
+
+
+#: The old private name, still imported by fuzzer.reduction.
+_idle = let_idle
 
 
 async def confirm(
@@ -86,7 +90,7 @@ async def confirm(
     while len(cold_results) < policy.max_runs:
         want = policy.min_runs if not cold_results else min(policy.step_runs, policy.max_runs - len(cold_results))
         for _ in range(want):
-            await _idle(target, policy.cold_idle_s, sleep)
+            await let_idle(target, policy.cold_idle_s, sleep)
             cold_results.append(await target.execute(trace))
         every = [*results, *cold_results]
         marks = [False] * len(results) + [True] * len(cold_results)

@@ -1,0 +1,180 @@
+"""Oracle accuracy on the simulator (virtual time): false positives and detection per pathology.
+
+    .venv/bin/python benchmarks/oracle_accuracy.py [--seeds 3] [--clean 150] [--variants 10]
+
+False-positive rate: random traces (the campaign's own generator, fuzzer.mutators.generate)
+on a clean simulator, each examined as ``fuzz replay`` does (3 runs, judge, confirm the
+undecided candidates); a trace with any confirmed finding is a false positive.
+
+Detection rate: for each planted pathology, randomized variants of a trace that triggers
+it (sizes, counts and gaps drawn around the simulator's documented trigger), examined on a
+simulator with only that pathology on. Detected: a confirmed finding on a request the
+pathology really delayed (simulator ground truth, read here only, never by the oracle).
+Mis-blamed: a confirmed finding on a request the pathology did not delay.
+
+Each seed has its own calibration (on a separate simulator instance) and its own targets.
+Prints a Markdown table for benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import random
+import time
+
+import numpy as np
+
+from fuzzer.calibration import calibrate
+from fuzzer.confirmation import examine
+from fuzzer.mutators import generate
+from fuzzer.sim import VirtualTarget
+from fuzzer.sim import pathologies as sim_pathologies
+from fuzzer.trace import Trace, from_dict
+
+
+def _t(requests, prefixes=None) -> Trace:
+    return from_dict({"prefixes": prefixes or {}, "requests": requests})
+
+
+def _hol(rng: random.Random) -> Trace:
+    longs, shorts = rng.randint(3, 7), rng.randint(1, 3)
+    reqs = [{"id": "L0", "at_ms": 0, "prompt_tokens": rng.randint(1500, 3000), "prefix": "p", "max_tokens": 16}]
+    reqs += [{"id": f"S{i}", "at_ms": rng.uniform(1, 12), "prompt_tokens": rng.randint(64, 256), "prefix": "p",
+              "max_tokens": rng.randint(8, 32)} for i in range(shorts)]
+    reqs += [{"id": f"L{i}", "at_ms": rng.uniform(5, 40), "prompt_tokens": rng.randint(1500, 3000), "prefix": "p",
+              "max_tokens": 16} for i in range(1, longs)]
+    return _t(reqs, {"p": rng.choice([16, 32, 64])})
+
+
+def _unchunked(rng: random.Random) -> Trace:
+    return _t([
+        {"id": "D", "at_ms": 0, "prompt_tokens": rng.randint(32, 512), "max_tokens": rng.randint(100, 300)},
+        {"id": "X", "at_ms": rng.uniform(50, 200), "prompt_tokens": rng.randint(6000, 12000), "max_tokens": 4},
+    ])
+
+
+def _logprobs(rng: random.Random) -> Trace:
+    return _t([
+        {"id": "A", "at_ms": 0, "prompt_tokens": rng.randint(64, 512), "max_tokens": rng.randint(60, 150)},
+        {"id": "B", "at_ms": rng.uniform(5, 20), "prompt_tokens": rng.randint(64, 512), "max_tokens": rng.randint(30, 80),
+         "n": rng.choice([4, 8]), "logprobs": rng.choice([10, 20])},
+        {"id": "C", "at_ms": rng.uniform(30, 80), "prompt_tokens": rng.randint(64, 512), "max_tokens": 32},
+    ])
+
+
+def _sticky(rng: random.Random) -> Trace:
+    return _t([
+        {"id": "D", "at_ms": 0, "prompt_tokens": rng.randint(64, 256), "max_tokens": rng.randint(250, 400)},
+        {"id": "X", "at_ms": rng.uniform(10, 30), "prompt_tokens": rng.randint(3000, 6000), "max_tokens": 200},
+        {"id": "S", "at_ms": rng.uniform(31, 40), "prompt_tokens": rng.randint(64, 256), "max_tokens": 16},
+    ])
+
+
+def _thrash(rng: random.Random) -> Trace:
+    count, prompt, out = rng.randint(22, 28), rng.randint(900, 1200), rng.randint(700, 900)
+    return _t([{"id": f"R{i:02d}", "at_ms": i, "prompt_tokens": prompt, "max_tokens": out} for i in range(count)])
+
+
+def _cold(rng: random.Random) -> Trace:
+    reqs = [{"id": f"r{i}", "at_ms": 8 * i, "prompt_tokens": rng.choice([128, 2048]), "prefix": "p0",
+             "max_tokens": rng.choice([32, 64, 128])} for i in range(rng.randint(2, 6))]
+    return _t(reqs, {"p0": 32})
+
+
+def _tokenizer(rng: random.Random) -> Trace:
+    longs = rng.randint(1, 3)
+    reqs = [{"id": f"L{i}", "at_ms": 0, "prompt_tokens": rng.randint(8000, 16000), "max_tokens": 1} for i in range(longs)]
+    reqs.append({"id": "S", "at_ms": rng.uniform(0.5, 2), "prompt_tokens": rng.randint(16, 64), "max_tokens": 8})
+    return _t(reqs)
+
+
+VARIANTS = {
+    "hol-prefix-burst": _hol,
+    "unchunked-prefill": _unchunked,
+    "logprobs-batch-cost": _logprobs,
+    "sticky-batch-full": _sticky,
+    "preemption-thrash": _thrash,
+    "cold-start": _cold,
+    "serial-tokenizer": _tokenizer,
+}
+_WARM_UP = _t([{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}])
+
+
+async def _calibration(seed: int):
+    target = VirtualTarget(seed=10_000 + seed)
+    return await calibrate(target, rng=random.Random(seed), max_model_len=target.config.max_model_len)
+
+
+async def _false_positives(seed: int, count: int, cal) -> dict:
+    rng, nrng = random.Random(seed), np.random.default_rng(seed)
+    target = VirtualTarget(seed=seed)
+    flagged, kinds, executions = 0, collections.Counter(), 0
+    for _ in range(count):
+        exam = await examine(target, generate(rng), cal, runs=3, rng=nrng)
+        executions += len(exam.results) + sum(v.runs for v in exam.confirmations)
+        if exam.findings:
+            flagged += 1
+            kinds.update(v.kind.value for v in exam.findings)
+    return {"traces": count, "flagged": flagged, "kinds": kinds, "executions": executions}
+
+
+async def _detection(name: str, seed: int, count: int, cal) -> dict:
+    rng, nrng = random.Random(seed), np.random.default_rng(seed)
+    out = {"variants": count, "triggered": 0, "detected": 0, "right_kind": 0, "misblamed": 0}
+    declared = {i.name: i.kind for i in sim_pathologies.describe()}[name]
+    for i in range(count):
+        trace = VARIANTS[name](rng)
+        target = VirtualTarget(pathologies=(name,), seed=seed * 1000 + i)
+        if name != "cold-start":
+            target.run(_WARM_UP)
+        exam = await examine(target, trace, cal, runs=3, rng=nrng)
+        delayed = {rid for r in exam.results for rid, names in r.ground_truth.items() if name in names}
+        out["triggered"] += bool(delayed)
+        hits = [v for v in exam.findings if v.request_id is None or v.request_id in delayed]
+        out["misblamed"] += any(v.request_id is not None and v.request_id not in delayed for v in exam.findings)
+        if hits:
+            out["detected"] += 1
+            out["right_kind"] += any(v.kind.value == declared for v in hits)
+    return out
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--clean", type=int, default=150, help="random clean traces per seed")
+    parser.add_argument("--variants", type=int, default=10, help="trigger variants per pathology and seed")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    fp = collections.Counter()
+    kinds = collections.Counter()
+    det: dict[str, collections.Counter] = {name: collections.Counter() for name in VARIANTS}
+    for seed in range(args.seeds):
+        cal = await _calibration(seed)
+        r = await _false_positives(seed, args.clean, cal)
+        fp.update({k: v for k, v in r.items() if k != "kinds"})
+        kinds.update(r["kinds"])
+        for name in VARIANTS:
+            det[name].update(await _detection(name, seed, args.variants, cal))
+    wall = time.perf_counter() - started
+
+    print(f"seeds: {args.seeds}; wall time {wall:.0f} s\n")
+    rate = fp["flagged"] / fp["traces"]
+    print("| clean simulator | random traces | with a confirmed finding | false-positive rate | executions |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| no pathology | {fp['traces']} | {fp['flagged']} | {rate:.1%} | {fp['executions']} |")
+    if kinds:
+        print(f"\nfalse-positive kinds: {dict(kinds)}")
+    print("\n| pathology | declared kind | variants | pathology delayed a request | detected | "
+          "detection rate | declared kind among findings | mis-blamed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    declared = {i.name: i.kind for i in sim_pathologies.describe()}
+    for name, c in det.items():
+        rate = c["detected"] / c["triggered"] if c["triggered"] else float("nan")
+        print(f"| {name} | {declared[name]} | {c['variants']} | {c['triggered']} | {c['detected']} | {rate:.0%} | "
+              f"{c['right_kind']} | {c['misblamed']} |")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
