@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from fuzzer.cli._notbuilt import not_built
+from fuzzer.cli._console import out
 from fuzzer.cli._options import db_option
 
 
@@ -22,8 +22,23 @@ from fuzzer.cli._options import db_option
 def command(finding_id, db_path, out_dir) -> None:
     """Write repro.py, report.md, timeline.png and trace.json for FINDING_ID.
 
+    repro.py needs only Python 3.9+ and exits 1 when the finding reproduces, 0 when
+    not and 125 when it cannot test, so `git bisect run` can use it.
+
     \b
     Example:
         fuzz export 3 --db night.db --out findings/
     """
-    raise not_built("export", "the exporter")
+    from fuzzer.export import export_finding  # noqa: PLC0415 - scipy/matplotlib only for this command
+    from fuzzer.store import Store  # noqa: PLC0415
+
+    with Store.open(db_path, create=False) as store:
+        folder = export_finding(store, finding_id, out_dir)
+    names = sorted(p.name for p in folder.iterdir())
+    out.print(f"wrote {folder}/: {', '.join(names)}")
+    if "timeline.png" not in names:
+        out.print("  (no timeline.png: see report.md for why)")
+    out.print("next:")
+    out.print(f"  attach {folder / 'report.md'} (and timeline.png) to the engine's bug tracker")
+    out.print(f"  python3 {folder / 'repro.py'} --base-url http://HOST:PORT   # exit 1 = reproduced, 0 = not, 125 = cannot test")
+    out.print(f"  fuzz replay {folder / 'trace.json'} --target http://HOST:PORT")
