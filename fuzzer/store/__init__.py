@@ -304,11 +304,11 @@ class Store:
         return {purpose: n for purpose, n in rows}
 
     def execution_rows(self, *, campaign_id: int | None = None) -> list[dict[str, Any]]:
-        """Read-only: id, number, purpose, started_at, duration_s of every execution (of a campaign), by id.
+        """Read-only: id, number, purpose, trace_hash, started_at, duration_s of every execution (of a campaign), by id.
 
         For reports (``fuzz report``): the campaign's progress over time without loading requests.
         """
-        query = "select id, campaign_id, number, purpose, started_at, duration_s from executions"
+        query = "select id, campaign_id, number, purpose, trace_hash, started_at, duration_s from executions"
         if campaign_id is None:
             return list(self._db.query(query + " order by id"))
         return list(self._db.query(query + " where campaign_id = ? order by id", [campaign_id]))

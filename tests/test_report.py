@@ -1,0 +1,91 @@
+"""fuzz report: a self-contained HTML page of a real (virtual-time) campaign."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+
+import pytest
+from click.testing import CliRunner
+from conftest import CORPUS
+
+from fuzzer import report
+from fuzzer import trace as tf
+from fuzzer.campaign import Campaign, Settings
+from fuzzer.cli import cli
+from fuzzer.sim import VirtualTarget
+from fuzzer.store import Store
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def campaign_db(tmp_path_factory):
+    """A short campaign that finds the planted logprobs stall (as in test_campaign)."""
+    path = tmp_path_factory.mktemp("report") / "night.db"
+    store = Store.open(path)
+    target = VirtualTarget(pathologies=("logprobs-batch-cost",), seed=2)
+    seeds = [tf.load(CORPUS / "n-logprobs.json"), tf.load(CORPUS / "vllm-37308.json")]
+    campaign = Campaign(target, store, Settings(seed=5, max_execs=12), seeds=seeds, target_key="sim:test")
+    asyncio.run(campaign.run())
+    store.close()
+    return path
+
+
+def test_gather_reads_the_campaign(campaign_db):
+    with Store.open(campaign_db, create=False) as store:
+        data = report.gather(store)
+        assert data.campaign is not None
+        assert len(data.executions) == store.count_executions(campaign_id=data.campaign["id"])
+        assert data.findings and all(f.campaign_id == data.campaign["id"] for f in data.findings)
+    assert data.corpus and data.features > 0
+    cov = report.coverage_series(data)
+    assert [n for _, n in cov] == sorted({n for _, n in cov})  # coverage only grows
+    assert cov[-1][1] <= data.features
+    assert [n for _, n in report.corpus_series(data)] == list(range(1, len(data.corpus) + 1))
+    assert len(report.findings_series(data)) == len(data.findings)  # each placed at its confirmation
+    starts, per_min, width = report.rate_series(data)
+    total = sum(sum(v) for v in per_min.values()) * width
+    assert total == pytest.approx(len(data.executions))
+
+
+def test_html_is_self_contained_with_plots_and_findings(campaign_db):
+    with Store.open(campaign_db, create=False) as store:
+        data = report.gather(store)
+    page = report.render_html(data, generated_at=0.0)
+    assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
+    # no external asset: every src is inline data, no link/script tags
+    assert re.findall(r"src='([^']*)'", page) and all(s.startswith("data:image/png;base64,")
+                                                       for s in re.findall(r"src='([^']*)'", page))
+    assert "<link" not in page and "<script" not in page and "http://" not in page.split("<h2>Findings")[0]
+    images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)
+    assert len(images) == 3 and all(base64.b64decode(i).startswith(PNG_MAGIC) for i in images)
+    for caption in ("Coverage and findings over time", "Executions per minute, by purpose", "Corpus growth"):
+        assert caption in page
+    for f in data.findings:
+        assert f"<td>{f.signature}</td>" in page and f"<td>{f.kind}</td>" in page
+
+
+def test_html_without_matplotlib_says_so(campaign_db):
+    with Store.open(campaign_db, create=False) as store:
+        data = report.gather(store)
+    page = report.render_html(data, images={}, generated_at=0.0)
+    assert "matplotlib is not installed" in page and "<img" not in page
+
+
+def test_empty_database(tmp_path):
+    with Store.open(tmp_path / "empty.db") as store:
+        data = report.gather(store)
+    page = report.render_html(data, generated_at=0.0)
+    assert "No campaign in this database" in page and "No findings." in page
+
+
+def test_cli_report(campaign_db, tmp_path):
+    out = tmp_path / "night.html"
+    result = CliRunner().invoke(cli, ["report", "--db", str(campaign_db), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.output
+    assert out.read_text().count("data:image/png;base64,") == 3
+    bad = CliRunner().invoke(cli, ["report", "--db", str(campaign_db), "--out", str(tmp_path / "no" / "x.html")])
+    assert bad.exit_code == 2 and "error: cannot write" in bad.output
