@@ -147,3 +147,27 @@ def test_cli_export(confirmed, tmp_path):
     assert missing.exit_code == 2 and "error: no finding with id 42" in missing.output
     nodb = CliRunner().invoke(cli, ["export", "1", "--db", str(tmp_path / "none.db")])
     assert nodb.exit_code == 2 and "no database" in nodb.output
+
+
+def test_without_matplotlib_the_report_says_so(store, confirmed, tmp_path, monkeypatch):
+    from fuzzer import timeline
+
+    monkeypatch.setattr(timeline, "available", lambda: False)
+    fid = add_finding(store, confirmed)
+    folder = export_finding(store, fid, tmp_path)
+    assert not (folder / "timeline.png").exists()
+    assert "matplotlib is not installed" in (folder / "report.md").read_text()
+
+
+def test_repro_script_as_the_minimizer_calls_it(store, confirmed):
+    """repro_script(finding, trace): the minimized trace's bound is unknown there, and the script says so."""
+    trace = confirmed[0]
+    fid = add_finding(store, confirmed)
+    finding = store.get_finding(fid)
+    same = repro_script(finding, trace)
+    assert "bound is the one measured on the original trace" not in same
+    smaller = trace.with_requests([r for r in trace.requests if r.id != "b"])
+    noted = repro_script(finding, smaller)
+    assert "bound is the one measured on the original trace" in noted
+    given = repro_script(finding, smaller, {**finding.verdict, "expected_s": 0.005})
+    assert "bound is the one measured on the original trace" not in given and '"expected_s": 0.005' in given

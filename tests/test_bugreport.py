@@ -1,0 +1,42 @@
+"""report.md text: titles, environment, tables and reproduction instructions."""
+
+from __future__ import annotations
+
+from fuzzer import trace as tf
+from fuzzer.bugreport import Exhibit, markdown, title
+
+TRACE = tf.from_dict({"prefixes": {"p0": 32}, "requests": [
+    {"id": "long", "at_ms": 0, "prompt_tokens": 2048, "prefix": "p0", "max_tokens": 64},
+    {"id": "short", "at_ms": 8, "prompt_tokens": 128, "prefix": "p0", "max_tokens": 16, "stream": False}]})
+
+
+def test_failure_finding_without_target():
+    x = Exhibit(finding_id=4, kind="error", signature="error:abc", trace=TRACE,
+                verdict={"kind": "error", "request_id": "short", "detail": "http-error", "reproduced": "3/3",
+                         "method": "reproduction count over re-executions"})
+    text = markdown(x)
+    assert title(x) == "error: request short ends http-error (3/3 runs)"
+    assert text.startswith("# error: request short ends http-error")
+    assert "Server: unknown" in text and "http://127.0.0.1:8000" in text  # a placeholder URL to fill in
+    assert "| **short** | 8 | 128 | p0 | 16 | no |" in text
+    assert "`p0` = 32 tokens" in text
+    assert "Method: reproduction count over re-executions" in text
+    assert "_No timeline._" in text
+
+
+def test_latency_finding_title_and_numbers():
+    verdict = {"kind": "ttft-outlier", "request_id": "short", "metric": "ttft", "observed_s": 1.4, "expected_s": 0.1,
+               "idle_s": 0.01, "slowdown": 140.0, "excess_s": 1.3, "threshold": 2.0, "reproduced": "5/5",
+               "p_value": 0.0004, "effect": 12.0, "effect_ci": [10.0, 14.0, 0.95], "n_sample": 5, "n_baseline": 40,
+               "assumption": "max_num_batched_tokens=2048"}
+    x = Exhibit(finding_id=1, kind="ttft-outlier", signature="s", trace=TRACE, verdict=verdict,
+                target={"kind": "vllm", "version": "0.17.1", "model": "Qwen/Qwen2.5-0.5B", "url": "http://gpu:8000",
+                        "capabilities": {"n": False, "chat": True}},
+                original_requests=6, minimized={"reproduced": "10/10", "executions": 40}, repro_threshold_s=0.2)
+    text = markdown(x)
+    assert title(x).startswith("ttft-outlier: TTFT of request short is 1400.0 ms, 14.0x its FCFS bound (100.0 ms), 140x idle")
+    for needle in ("`vllm` 0.17.1", "`Qwen/Qwen2.5-0.5B`", "rejected by the server: n", "2 requests, minimized from 6",
+                   "| observed (median over the confirmation runs) | 1400.0 |", "**140.0x**", "**14.0x**",
+                   "p-value: 0.0004", "95% CI 10.00-14.00", "10/10", ">= 200.0 ms",
+                   "git bisect run python3 repro.py --base-url http://gpu:8000"):
+        assert needle in text, needle
