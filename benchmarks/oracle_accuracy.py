@@ -1,6 +1,6 @@
 """Oracle accuracy on the simulator (virtual time): false positives and detection per pathology.
 
-    .venv/bin/python benchmarks/oracle_accuracy.py [--seeds 3] [--clean 150] [--variants 10]
+    .venv/bin/python benchmarks/oracle_accuracy.py [--seeds 3] [--first-seed 0] [--clean 150] [--variants 10]
 
 False-positive rate: random traces (the campaign's own generator, fuzzer.mutators.generate)
 on a clean simulator, each examined as ``fuzz replay`` does (3 runs, judge, confirm the
@@ -143,6 +143,7 @@ async def _detection(name: str, seed: int, count: int, cal) -> dict:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from here (fresh ones: held-out data)")
     parser.add_argument("--clean", type=int, default=150, help="random clean traces per seed")
     parser.add_argument("--variants", type=int, default=10, help="trigger variants per pathology and seed")
     args = parser.parse_args()
@@ -150,7 +151,7 @@ async def main() -> None:
     fp = collections.Counter()
     kinds = collections.Counter()
     det: dict[str, collections.Counter] = {name: collections.Counter() for name in VARIANTS}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         cal = await _calibration(seed)
         r = await _false_positives(seed, args.clean, cal)
         fp.update({k: v for k, v in r.items() if k != "kinds"})
@@ -159,7 +160,7 @@ async def main() -> None:
             det[name].update(await _detection(name, seed, args.variants, cal))
     wall = time.perf_counter() - started
 
-    print(f"seeds: {args.seeds}; wall time {wall:.0f} s\n")
+    print(f"seeds: {args.first_seed}..{args.first_seed + args.seeds - 1}; wall time {wall:.0f} s\n")
     rate = fp["flagged"] / fp["traces"]
     print("| clean simulator | random traces | with a confirmed finding | false-positive rate | executions |")
     print("|---|---:|---:|---:|---:|")

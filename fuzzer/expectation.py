@@ -78,14 +78,18 @@ class StepModel:
         )
 
     def scaled(self, factor: float) -> StepModel:
-        """The same model with every engine cost multiplied by ``factor``."""
+        """The same model with every engine and frontend cost multiplied by ``factor``.
+
+        Scaling the frontend too reorders requests sent within a frontend-time of each
+        other: which of them the engine sees first is as uncertain as the fit.
+        """
         return StepModel(
             self.overhead_s * factor,
             self.prefill_token_s * factor,
             self.decode_seq_s * factor,
             self.context_token_s * factor,
             self.request_overhead_s,
-            self.frontend_token_s,
+            self.frontend_token_s * factor,
         )
 
     def to_dict(self) -> dict[str, float]:
