@@ -279,7 +279,7 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], *, header: bool =
 def _when(epoch: float | None) -> str:
     if epoch is None:
         return "-"
-    return dt.datetime.fromtimestamp(epoch, tz=dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return dt.datetime.fromtimestamp(epoch, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 _HEAD = """<!doctype html>

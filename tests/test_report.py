@@ -45,7 +45,7 @@ def test_gather_reads_the_campaign(campaign_db):
     assert cov[-1][1] <= data.features
     assert [n for _, n in report.corpus_series(data)] == list(range(1, len(data.corpus) + 1))
     assert len(report.findings_series(data)) == len(data.findings)  # each placed at its confirmation
-    starts, per_min, width = report.rate_series(data)
+    _starts, per_min, width = report.rate_series(data)
     total = sum(sum(v) for v in per_min.values()) * width
     assert total == pytest.approx(len(data.executions))
 

@@ -11,17 +11,22 @@ import sys
 
 import numpy as np
 import pytest
+from misbehaving_server import running as misbehaving
 
 from fuzzer import repro
 from fuzzer import trace as tf
 from fuzzer.calibration import calibrate
 from fuzzer.confirmation import examine
 from fuzzer.errors import ConfigError
-from fuzzer.repro import _script_net, _script_run, criterion_from_verdict, script_data, script_source
+from fuzzer.repro import (
+    _script_net,
+    _script_run,
+    criterion_from_verdict,
+    script_data,
+    script_source,
+)
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim.process import SimProcess
-
-from misbehaving_server import running as misbehaving
 
 # A short trace on which the simulator's logprobs-batch-cost pathology (vLLM 37343) stalls
 # request a's stream for ~100 ms against an FCFS bound of ~13 ms; each run lasts < 1 s.
@@ -70,7 +75,7 @@ def script(small_trace, tmp_path_factory):
 
 
 def run_script(path, *args, timeout=SCRIPT_TIMEOUT_S):
-    return subprocess.run([PYTHON, "-I", "-S", str(path), *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([PYTHON, "-I", "-S", str(path), *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
 async def run_script_async(path, *args, timeout=SCRIPT_TIMEOUT_S):
@@ -146,6 +151,17 @@ async def test_error_finding_reproduces_on_a_failing_server(tmp_path):
     assert "e500 ended http-error as the finding says" in out
 
 
+async def test_hang_finding_is_a_client_timeout(tmp_path):
+    trace = tf.from_dict({"requests": [{"id": "hang", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4}]})
+    path = tmp_path / "repro.py"
+    crit = criterion_from_verdict("hang", {"request_id": "hang", "detail": "timeout"})
+    path.write_text(script_source(script_data(finding={"id": 4, "kind": "hang"}, criterion=crit, trace=trace)))
+    async with misbehaving() as (url, _state):
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "1", "--timeout-s", "0.5")
+    assert rc == 1, out + err
+    assert "hang ended timeout as the finding says" in out
+
+
 async def test_protocol_finding_not_reproduced_when_the_stream_is_fine(tmp_path):
     trace = tf.from_dict({"requests": [{"id": "ok1", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4}]})
     path = tmp_path / "repro.py"
@@ -189,7 +205,7 @@ def test_script_is_python_3_9_and_standard_library_only(script):
 
 def test_script_embeds_the_trace_and_the_criterion(script, small_trace):
     namespace: dict = {"__name__": "not_main"}
-    exec(compile(script.read_text(), str(script), "exec"), namespace)  # defines, does not run
+    exec(compile(script.read_text(), str(script), "exec"), namespace)  # noqa: S102 - defines, does not run
     data = namespace["DATA"]
     assert tf.from_dict(data["trace"]).content_hash() == small_trace.content_hash()
     assert data["criterion"]["request_id"] == "a" and data["criterion"]["metric"] == "max_itl"
@@ -202,7 +218,7 @@ def test_quotes_in_data_survive_embedding():
     crit = criterion_from_verdict("ttft-outlier", {"request_id": "r", "metric": "ttft", "expected_s": 0.01})
     source = script_source(script_data(finding={"id": 1, "kind": "ttft-outlier"}, criterion=crit, trace=trace))
     namespace: dict = {"__name__": "not_main"}
-    exec(compile(source, "repro.py", "exec"), namespace)
+    exec(compile(source, "repro.py", "exec"), namespace)  # noqa: S102 - the generated script, to read DATA
     assert namespace["DATA"]["trace"]["name"] == "it's '''odd''' \\ name"
 
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from fuzzer import __version__
 from fuzzer import trace as trace_format
@@ -36,7 +37,7 @@ from fuzzer.oracle import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S
 from fuzzer.prompts import WORDS
 from fuzzer.trace import Trace
 
-__all__ = ["Criterion", "DATA_FORMAT", "criterion_from_verdict", "script_source"]
+__all__ = ["DATA_FORMAT", "Criterion", "criterion_from_verdict", "script_source"]
 
 #: Version of the DATA object embedded in a script.
 #:     1 - finding, criterion, server, trace, words.

@@ -14,8 +14,21 @@ import time
 import traceback
 
 from fuzzer.repro._script_net import (
-    DEFAULT_RUNS, DEFAULT_TIMEOUT_S, EXIT_CANNOT_TEST, IDLE_BARRIER_S, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, FAILURE_OUTCOMES,
-    LATENCY_KINDS, METRIC_NAMES, POLL_S, CannotTest, Counter, Server, check_server, say,
+    DEFAULT_RUNS,
+    DEFAULT_TIMEOUT_S,
+    EXIT_CANNOT_TEST,
+    EXIT_NOT_REPRODUCED,
+    EXIT_REPRODUCED,
+    FAILURE_OUTCOMES,
+    IDLE_BARRIER_S,
+    LATENCY_KINDS,
+    METRIC_NAMES,
+    POLL_S,
+    CannotTest,
+    Counter,
+    Server,
+    check_server,
+    say,
 )
 from fuzzer.repro._script_run import idle_barrier, run_once
 
@@ -31,7 +44,7 @@ def metric_value(res, metric):
         return res["ttft_s"]
     if metric == "max_itl":
         t = res["token_times_s"]
-        return max(b - a for a, b in zip(t, t[1:])) if len(t) >= 2 else None
+        return max(b - a for a, b in zip(t, t[1:])) if len(t) >= 2 else None  # noqa: RUF007 - pairwise is 3.10+
     return res["e2e_s"] if res["outcome"] in ("ok", "cancelled") else None
 
 
@@ -47,7 +60,7 @@ def threshold_s(criterion, override_ms):
 def judge_run(criterion, results, server, limit_s, leak_wait_s):
     """(verdict, words): verdict True (reproduced), False (not) or None (this run tests nothing)."""
     kind = criterion["kind"]
-    by_id = dict((res["id"], res) for res in results)
+    by_id = {res["id"]: res for res in results}
     victim = by_id.get(criterion.get("request_id")) if criterion.get("request_id") else None
     if victim is None and kind not in ("crash", "leak"):
         raise CannotTest("the trace has no request %r to judge" % criterion.get("request_id"))
@@ -178,7 +191,7 @@ def reproduce(args):
                 say("  note: the server counted other prompt lengths for %s (no /tokenize to fit them)" % ", ".join(off))
         verdict, words = judge_run(crit, results, server, limit_s, args.leak_wait_s)
         if kind in LATENCY_KINDS and crit.get("request_id"):
-            victim = [res for res in results if res["id"] == crit["request_id"]][0]
+            victim = next(res for res in results if res["id"] == crit["request_id"])
             value = metric_value(victim, crit["metric"])
             if value is not None:
                 values.append(value)

@@ -235,7 +235,7 @@ class Fitter:
             return head + " " + tail if head and tail else head or tail
 
         base = head_tokens if head else self.overhead
-        k = int(round((target - base) / self.per_word))
+        k = round((target - base) / self.per_word)
         best, tried = None, {}
         for _ in range(MAX_FIT_ROUNDS):
             k = min(max(k, 0), len(words))
@@ -256,7 +256,7 @@ class Fitter:
 def build_prompts(trace, counter, rng, words):
     """{request id: (text, counted tokens)}; one shared text per prefix group, fresh words every run."""
     prefixes = trace.get("prefixes") or {}
-    group_words = dict((g, draw_words(rng, n + SPARE_WORDS, words)) for g, n in sorted(prefixes.items()))
+    group_words = {g: draw_words(rng, n + SPARE_WORDS, words) for g, n in sorted(prefixes.items())}
     private = {}
     for r in trace["requests"]:
         own = r["prompt_tokens"] - (prefixes[r["prefix"]] if r.get("prefix") else 0)

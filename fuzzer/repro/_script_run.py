@@ -10,7 +10,12 @@ import threading
 import time
 
 from fuzzer.repro._script_net import (
-    POLL_S, QUIET_S, SPIN_S, START_DELAY_S, TOTAL_TIMEOUT_S, build_prompts,
+    POLL_S,
+    QUIET_S,
+    SPIN_S,
+    START_DELAY_S,
+    TOTAL_TIMEOUT_S,
+    build_prompts,
 )
 
 # --- repro.py begins ---
@@ -128,7 +133,7 @@ def send(server, conn, r, path, body, xid, timeout_s):
             except ValueError:
                 result["outcome"], result["detail"] = "malformed", "body is not JSON"
         result["e2e_s"] = time.perf_counter() - sent
-    except socket.timeout:
+    except socket.timeout:  # noqa: UP041 - an alias of TimeoutError only from Python 3.10; the script runs on 3.9
         result["outcome"], result["detail"] = "timeout", "no answer within %g s" % timeout_s
     except (OSError, http.client.HTTPException) as e:
         result["outcome"], result["detail"] = "connection-error", "%s: %s" % (e.__class__.__name__, e)
