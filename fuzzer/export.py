@@ -30,7 +30,7 @@ from fuzzer.store import Store, StoredFinding
 from fuzzer.trace import Trace
 from fuzzer.verdict import Metric
 
-__all__ = ["export_finding", "repro_script"]
+__all__ = ["export_finding", "repro_script", "verdict_for"]
 
 #: Stored executions of a trace looked at to pick the one drawn in timeline.png (the newest ones).
 MAX_EXECUTIONS_EXAMINED = 20
@@ -67,7 +67,7 @@ def export_finding(store: Store, finding_id: int | str, out_dir: str | Path) -> 
     finding = store.get_finding(finding_id)
     trace = store.get_trace(finding.minimized_trace_hash or finding.trace_hash)
     target = _target(store, finding)
-    verdict, note = _verdict_for(store, finding, trace, target)
+    verdict, note = verdict_for(store, finding, trace, target)
     criterion = criterion_from_verdict(finding.kind, verdict, note=note)
     folder = _folder(Path(out_dir) / str(finding.id))
 
@@ -118,10 +118,13 @@ def _target(store: Store, finding: StoredFinding) -> dict[str, Any] | None:
         return None
 
 
-def _verdict_for(
+def verdict_for(
     store: Store, finding: StoredFinding, trace: Trace, target: Mapping[str, Any] | None
 ) -> tuple[dict[str, Any], str]:
     """The verdict to report for ``trace``, and a note on where its bound comes from.
+
+    ``fuzz minimize`` can pass this verdict to :func:`repro_script` so the stored script
+    judges the minimized trace against its own bound.
 
     For a minimized trace of a latency finding, the victim's bound, idle expectation
     and observed time are recomputed by the oracle from the stored executions of the
