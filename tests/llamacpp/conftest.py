@@ -22,7 +22,9 @@ import pytest
 
 from .make_model import ModelShape, write_model
 
-__all__ = ["LlamaServer", "find_llama_server", "get_json", "post_json"]
+__all__ = [
+    "LlamaServer", "find_llama_server", "get_json", "post_json", "start_llama_server", "stop_llama_server",
+]
 
 # The server of issue 9: four slots sharing a 16k context (4k each), metrics on, the two cores.
 SERVER_ARGS = ("-np", "4", "-c", "16384", "--metrics", "-t", "2")
@@ -116,8 +118,12 @@ def _log_tail(log: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_llama_server(server: LlamaServer) -> None:
     """Stop the server by its PID: SIGTERM, then SIGKILL if it lingers."""
+    _stop(server.process)
+
+
+def _stop(process: subprocess.Popen) -> None:
     if process.poll() is not None:
         return
     process.terminate()
@@ -128,7 +134,8 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait(timeout=STOP_TIMEOUT_S)
 
 
-def _start(binary: Path, model: Path, log: Path) -> LlamaServer:
+def start_llama_server(binary: Path, model: Path, log: Path) -> LlamaServer:
+    """Start `binary` on 127.0.0.1:<free port> with SERVER_ARGS; return once /health answers 200."""
     port = _free_port()
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
     started = time.perf_counter()
@@ -177,8 +184,8 @@ def llama_model(tmp_path_factory) -> Path:
 def llama_server(llama_server_binary, llama_model, tmp_path_factory):
     """A llama-server on 127.0.0.1:<free port>, shared by the session, stopped at its end."""
     log = tmp_path_factory.mktemp("llama-log") / "llama-server.log"
-    server = _start(llama_server_binary, llama_model, log)
+    server = start_llama_server(llama_server_binary, llama_model, log)
     try:
         yield server
     finally:
-        _stop(server.process)
+        stop_llama_server(server)
