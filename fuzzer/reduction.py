@@ -43,16 +43,18 @@ class Reduction:
     others: tuple[int, ...]
 
 
-def shows(kind: FindingKind, metric: Metric | None, trace: Trace, result: ExecutionResult,
+def shows(kind: FindingKind, metric: Metric | None, victim: str | None, trace: Trace, result: ExecutionResult,
           calibration: Calibration, policy: OraclePolicy) -> tuple[bool, Candidate | None]:
-    """Does some request of this execution exceed its bound on ``metric`` (the finding's)?
+    """Does the finding's victim (any request when it has none) exceed its bound on ``metric``?
 
-    Also returns a failure of another kind seen on the way, if any, as a candidate.
+    Keeping the victim keeps the finding the same finding: its repro script judges that
+    request. Also returns a failure of another kind seen on the way, if any, as a candidate.
     """
     found = False
     other = None
     for rep in oracle.observe(trace, result, calibration, policy):
-        observed = rep.observations.get(metric) if metric else None
+        mine = victim is None or rep.request_id == victim
+        observed = rep.observations.get(metric) if metric and mine else None
         if observed is not None and observed.candidate:
             found = True
         if other is None and rep.failure is not None and rep.failure is not kind:
@@ -64,6 +66,7 @@ def make_check(
     target: Target,
     kind: FindingKind,
     metric: Metric | None,
+    victim: str | None,
     calibration: Calibration,
     *,
     policy: OraclePolicy = DEFAULT_POLICY,
@@ -84,8 +87,9 @@ def make_check(
         if kind is FindingKind.LEAK:
             return Check(result.idle_after is False)
         if kind.value in set(FAILURE_KIND.values()):
-            return Check(any(FAILURE_KIND.get(r.outcome) == kind.value for r in result.requests))
-        ok, other = shows(kind, metric, trace, result, calibration, shrinking if strict else policy)
+            return Check(any(FAILURE_KIND.get(r.outcome) == kind.value and victim in (None, r.request_id)
+                             for r in result.requests))
+        ok, other = shows(kind, metric, victim, trace, result, calibration, shrinking if strict else policy)
         if other is None:
             return Check(ok)
         sig = signature(other.kind, trace, other.request_id, outcome=other.detail)
@@ -125,7 +129,7 @@ async def minimize_finding(
 
     kwargs = {} if max_executions is None else {"max_executions": max_executions}
     minimizer = Minimizer(
-        make_check(target, kind, metric, calibration, policy=policy, sleep=sleep, record=record, others=met),
+        make_check(target, kind, metric, finding.verdict.get("request_id"), calibration, policy=policy, sleep=sleep, record=record, others=met),
         state=store.minimization_state(finding.id),
         on_state=lambda state: store.save_minimization(finding.id, state, status="running"),
         on_progress=on_progress,

@@ -49,6 +49,7 @@ async def test_minimized_trace_is_smaller_stored_and_still_reproduces(logprobs_c
     assert size_key(r.minimized) < size_key(trace)
     assert len(r.minimized.requests) < len(trace.requests)
     assert any(q.n > 1 or q.logprobs for q in r.minimized.requests)  # the trigger survived
+    assert finding.verdict["request_id"] in {q.id for q in r.minimized.requests}  # and so did the victim
     assert r.confirmed >= 7, r.reproduction
     stored = store.get_finding(finding.id)
     assert stored.minimized and store.get_trace(stored.minimized_trace_hash) == r.minimized

@@ -13,6 +13,7 @@ from fuzzer.cli._options import db_option, model_option, server_option, target_o
 from fuzzer.cli._render import trace_table
 from fuzzer.cli._target import open_target
 from fuzzer.errors import ConfigError
+from fuzzer.export import repro_script, verdict_for
 from fuzzer.minimizer import Progress
 from fuzzer.reduction import minimize_finding
 from fuzzer.store import Store
@@ -91,14 +92,12 @@ async def _run(store, finding, key, url, planted, server, model, max_execs):
 
         return await minimize_finding(
             store, finding, target, calibration, sleep=asyncio.sleep, on_progress=progress,
-            repro=_repro, max_executions=max_execs,
+            repro=lambda f, t: _repro(store, f, t), max_executions=max_execs,
         )
 
 
-def _repro(finding, trace):
-    """The stand-alone repro script of the minimized trace, when the exporter is available."""
-    try:
-        from fuzzer.export import repro_script  # noqa: PLC0415
-    except ImportError:
-        return None
-    return repro_script(finding, trace)
+def _repro(store: Store, finding, trace) -> str:
+    """The stand-alone repro script of the minimized trace, judged against the minimized trace's own bound."""
+    target = store.get_target(finding.target_id) if finding.target_id is not None else None
+    verdict, _ = verdict_for(store, finding, trace, target)
+    return repro_script(finding, trace, verdict, target=target)
