@@ -37,7 +37,7 @@ SHORT_PROMPT_TOKENS = 32
 # The short request arrives just after the four long ones, so it queues behind them.
 SHORT_DELAY_S = 0.05
 # A bound on every request of the queueing test: it must never hang the suite.
-QUEUE_TEST_TIMEOUT_S = 60.0
+QUEUE_TEST_TIMEOUT_S = 120.0
 IDLE_TIMEOUT_S = 30.0
 
 
@@ -234,3 +234,9 @@ async def test_short_request_waits_longer_behind_long_prompts(llama_server):
     # Generous margins: the ratio of prompt work is ~5x; noise on a shared 2-core box is large.
     assert behind_long > 2 * behind_medium
     assert behind_long > 0.5
+    # One prefill after another: the four long requests' first tokens come out spread over
+    # the whole span (~2 s apart here), not together as they would if prefilled side by side.
+    assert max(long_ttfts) > 1.5 * min(long_ttfts)
+    # All four slots are taken, so the short request is deferred until one frees: it cannot
+    # have its first token before the first long request had its own.
+    assert behind_long > min(long_ttfts)
