@@ -21,7 +21,7 @@ import numpy as np
 
 from fuzzer import oracle
 from fuzzer.calibration import Calibration
-from fuzzer.confirmation import _idle, confirm
+from fuzzer.confirmation import confirm, let_idle
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Target
 from fuzzer.minimizer import Check, Minimizer, MinimizeResult, Progress
 from fuzzer.oracle import DEFAULT_POLICY, Candidate, OraclePolicy
@@ -79,7 +79,7 @@ def make_check(
 
     async def check(trace: Trace, strict: bool) -> Check:
         if kind is FindingKind.COLD_START:
-            await _idle(target, policy.cold_idle_s, sleep)
+            await let_idle(target, policy.cold_idle_s, sleep)
         result = await target.execute(trace)
         record(trace, result)
         if kind is FindingKind.CRASH:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 
 import pytest
 from click.testing import CliRunner
+from misbehaving_server import running
+from paper_target import PaperTarget
 
+from fuzzer.calibration import calibrate
 from fuzzer.cli import cli
 from fuzzer.store import Store
-
-from misbehaving_server import running
 
 TRACE = {
     "name": "mini",
@@ -51,6 +53,29 @@ def server():
     thread.join(10)
 
 
+@pytest.fixture(scope="module")
+def calibrated_db(server, tmp_path_factory):
+    """A database holding a calibration for the test server, so replay does not measure one first.
+
+    The calibration comes from the paper-timed target (virtual time, milliseconds of work); the
+    test server answers within a few milliseconds, well inside its bounds.
+    """
+    url, _ = server
+    calibration = asyncio.run(calibrate(PaperTarget(), rng=random.Random(0)))
+    path = tmp_path_factory.mktemp("cal") / "cal.db"
+    with Store.open(path) as store:
+        store.save_calibration(url, calibration.to_dict())
+        store.save_calibration("sim:none", calibration.to_dict())
+    return path
+
+
+@pytest.fixture
+def db(calibrated_db, tmp_path):
+    copy = tmp_path / "replay.db"
+    copy.write_bytes(calibrated_db.read_bytes())
+    return copy
+
+
 @pytest.fixture
 def trace_file(tmp_path):
     path = tmp_path / "mini.json"
@@ -58,21 +83,26 @@ def trace_file(tmp_path):
     return path
 
 
-def test_replay_prints_a_table_and_a_summary_per_run(server, trace_file):
+def test_replay_prints_a_table_and_a_summary_per_run(server, trace_file, db):
     url, _ = server
-    result = CliRunner().invoke(cli, ["replay", str(trace_file), "--target", url, "--runs", "2"])
-    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(cli, ["replay", str(trace_file), "--target", url, "--runs", "2", "--db", str(db)])
+    assert result.exit_code == 1, result.output  # the 500s of e500_c are a confirmed error finding
+    assert "FINDING error on e500_c" in result.output and "oracle verdicts" in result.output
     assert result.output.count("run 1/2") == 1 and result.output.count("run 2/2") == 1
     for column in ("TTFT ms", "max ITL ms", "E2E ms", "late ms", "outcome"):
         assert column in result.output
     assert "http-error" in result.output and "3 requests, 1 failed" in result.output
 
 
-def test_replay_json_has_every_run_and_request_in_seconds(server, trace_file):
+def test_replay_json_has_every_run_and_request_in_seconds(server, trace_file, db):
     url, state = server
-    result = CliRunner().invoke(cli, ["replay", str(trace_file), "--target", url, "--runs", "2", "--json", "--seed", "5"])
-    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(
+        cli, ["replay", str(trace_file), "--target", url, "--runs", "2", "--json", "--seed", "5", "--db", str(db)]
+    )
+    assert result.exit_code == 1, result.output
     data = json.loads(result.output)
+    assert [f["kind"] for f in data["findings"]] == ["error"] and data["findings"][0]["request_id"] == "e500_c"
+    assert {v["request_id"] for v in data["verdicts"]} == {"ok_a", "ok_b", "e500_c"}
     assert data["seed"] == 5 and data["server"]["kind"] == "vllm" and len(data["runs"]) == 2
     for run in data["runs"]:
         reqs = {r["id"]: r for r in run["requests"]}
@@ -83,26 +113,24 @@ def test_replay_json_has_every_run_and_request_in_seconds(server, trace_file):
             assert r["x_request_id"].startswith(r["id"] + "-") and r["x_request_id"] in state.log
 
 
-def test_replay_stores_executions_with_db(server, trace_file, tmp_path):
+def test_replay_stores_executions_with_db(server, trace_file, db):
     url, _ = server
-    db = tmp_path / "replay.db"
     result = CliRunner().invoke(cli, ["replay", str(trace_file), "--target", url, "--runs", "2", "--db", str(db)])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output
     with Store.open(db) as store:
         ids = store.execution_ids()
-        assert len(ids) == 2
+        assert len(ids) >= 2  # the runs asked for, then the confirmation runs
         stored = store.get_execution(ids[0])
         assert {r.request_id for r in stored.requests} == {"ok_a", "ok_b", "e500_c"}
 
 
-def test_the_api_key_comes_from_the_environment_and_is_never_written(server, trace_file, tmp_path):
+def test_the_api_key_comes_from_the_environment_and_is_never_written(server, trace_file, db):
     url, state = server
     secret = "sk-never-written-anywhere"
-    db = tmp_path / "key.db"
     result = CliRunner(env={"MY_KEY": secret}).invoke(
         cli, ["replay", str(trace_file), "--target", url, "--runs", "1", "--json", "--api-key-env", "MY_KEY", "--db", str(db)]
     )
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output
     assert secret not in result.output
     assert secret.encode() not in db.read_bytes()
     sent = [e.authorization for e in state.log.values() if e.x_request_id in {r["x_request_id"] for r in json.loads(result.output)["runs"][0]["requests"]}]
@@ -116,13 +144,26 @@ def test_an_unreachable_target_is_one_line_and_exit_2(trace_file, unused_tcp_por
     assert len(lines) == 1 and lines[0].startswith("error: cannot reach http://127.0.0.1:")
 
 
-def test_without_target_replay_starts_the_simulator_in_its_own_process():
+def test_without_target_replay_starts_the_simulator_in_its_own_process(db):
     from conftest import CORPUS
 
-    result = CliRunner().invoke(cli, ["replay", str(CORPUS / "vllm-37308.json"), "--runs", "1", "--json"])
+    result = CliRunner().invoke(cli, ["replay", str(CORPUS / "vllm-37308.json"), "--runs", "1", "--json", "--db", str(db)])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     run = data["runs"][0]
     assert data["server"]["kind"] == "vllm" and run["failed"] == 0 and run["idle_after"] is True
     assert run["target"].startswith("http://127.0.0.1:")
     assert [r["id"] for r in run["requests"]] == ["r08", "r05", "r04", "r06", "r07", "r02"]
+
+
+def test_a_planted_pathology_makes_replay_exit_1(db):
+    from conftest import CORPUS
+
+    with Store.open(db) as store:
+        store.save_calibration("sim:logprobs-batch-cost", store.latest_calibration("sim:none"))
+    result = CliRunner().invoke(
+        cli, ["replay", str(CORPUS / "n-logprobs.json"), "--runs", "3", "--db", str(db), "--seed", "1",
+              "--pathologies", "logprobs-batch-cost"],
+    )
+    assert result.exit_code == 1, result.output
+    assert "FINDING" in result.output

@@ -11,12 +11,16 @@ import statistics
 from typing import Any, AsyncIterator
 
 import click
+import numpy as np
 from rich.table import Table
 
 from fuzzer import trace as trace_format
-from fuzzer.cli._console import out
+from fuzzer.calibration import Calibration, calibrate
+from fuzzer.cli import EXIT_FINDING
+from fuzzer.cli._console import err, out
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
-from fuzzer.errors import NotBuiltError
+from fuzzer.confirmation import Examination, examine
+from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult, RequestResult
 from fuzzer.executor import HttpTarget
 from fuzzer.servers import ServerInfo
@@ -43,61 +47,141 @@ DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 @click.option("--seed", type=int, default=None, help="Seed of the prompt text. Default: a fresh one (printed with --json).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds without a byte from the server before a request counts as hung.")
+@click.option("--pathologies", default=None, help="Built-in simulator only: pathologies to plant ('all', 'a,b').")
 @json_option
-def command(trace_path, target, runs, db_path, server, model, api_key_env, seed, timeout_s, as_json) -> None:
-    """Replay TRACE.json and show each request's TTFT, max ITL, E2E and outcome.
+def command(trace_path, target, runs, db_path, server, model, api_key_env, seed, timeout_s, pathologies, as_json) -> None:
+    """Replay TRACE.json, show every request and the oracle's verdict; exit 1 on a finding.
 
     Requests are sent open-loop at their at_ms offsets. Without --target the
-    built-in simulator is started in its own process.
+    built-in simulator is started in its own process. The oracle needs the
+    target's calibration: it is taken from --db when stored there, else measured
+    first (about a minute) and stored when --db is given.
 
     \b
     Example:
         fuzz replay corpus/vllm-37308.json --runs 5
         fuzz replay trace.json --target http://127.0.0.1:8000 --json
+        fuzz replay corpus/n-logprobs.json --pathologies logprobs-batch-cost
     """
     trace = trace_format.load(trace_path)
+    planted: tuple[str, ...] = ()
+    if pathologies is not None:
+        if target is not None:
+            raise ConfigError("--pathologies applies to the built-in simulator only; drop it or drop --target")
+        from fuzzer.sim.pathologies import parse  # noqa: PLC0415
+
+        planted = parse(pathologies)
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 32)
     api_key = os.environ.get(api_key_env) or None
-    info, results = asyncio.run(_replay(trace, target, runs, server, model, api_key, seed, timeout_s))
+    info, exam, results = asyncio.run(
+        _replay(trace, target, runs, server, model, api_key, seed, timeout_s, db_path, planted)
+    )
     if db_path is not None:
         _store(db_path, trace, info, results)
     if as_json:
-        out.print_json(json.dumps(_as_json(trace, info, results, seed)))
-        return
-    for i, result in enumerate(results, 1):
-        out.print(_table(result, title=f"run {i}/{len(results)}: {trace.name or trace_path} on {result.target}"))
-        for line in _summary(result):
-            out.print(line)
-        out.print()
+        data = _as_json(trace, info, results, seed)
+        data["verdicts"] = [v.to_dict() for v in exam.verdicts]
+        data["findings"] = [v.to_dict() for v in exam.findings]
+        out.print_json(json.dumps(data))
+    else:
+        for i, result in enumerate(exam.results, 1):
+            out.print(_table(result, title=f"run {i}/{len(exam.results)}: {trace.name or trace_path} on {result.target}"))
+            for line in _summary(result):
+                out.print(line)
+            out.print()
+        out.print(_verdict_table(exam.verdicts))
+        extra = len(results) - len(exam.results)
+        if extra:
+            out.print(f"{extra} more execution(s) were run to confirm candidates")
+        for v in exam.findings:
+            slow = "" if v.slowdown is None else f", {v.slowdown:.1f}x idle"
+            out.print(f"FINDING {v.kind} on {v.request_id or 'the execution'}{slow}, reproduced {v.reproduction}, "
+                      f"p={_p(v.p_value)}: {v.detail or v.method}")
+        if not exam.findings:
+            out.print("no confirmed finding")
+    if exam.findings:
+        raise SystemExit(EXIT_FINDING)
 
 
 async def _replay(
     trace: Trace, target: str | None, runs: int, server: str, model: str | None, api_key: str | None,
-    seed: int, timeout_s: float,
-) -> tuple[ServerInfo, list[ExecutionResult]]:
-    async with _base_url(target) as url:
+    seed: int, timeout_s: float, db_path: str | None, planted: tuple[str, ...],
+) -> tuple[ServerInfo, Examination, list[ExecutionResult]]:
+    key = target or f"sim:{','.join(planted) or 'none'}"
+    async with _base_url(target, planted) as url:
         async with HttpTarget(
             url, server=server, model=model, api_key=api_key, rng=random.Random(seed), timeout_s=timeout_s
         ) as http:
-            results = [await http.execute(trace) for _ in range(runs)]
+            calibration = _stored_calibration(db_path, key)
+            if calibration is None:
+                hint = "" if db_path else "; pass --db to keep it for the next replay"
+                err.print(f"calibrating {key} first (the oracle needs its idle latencies{hint})")
+                calibration = await calibrate(http, rng=random.Random(seed))
+                if db_path is not None:
+                    from fuzzer.store import Store  # noqa: PLC0415 - only with --db
+
+                    with Store.open(db_path) as store:
+                        store.save_calibration(key, calibration.to_dict())
+            recorder = _Recorder(http)
+            exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
             assert http.info is not None
-            return http.info, results
+            return http.info, exam, recorder.results
+
+
+class _Recorder:
+    """The target as the oracle sees it: every execution, confirmation runs included, is kept."""
+
+    def __init__(self, target: HttpTarget):
+        self._target = target
+        self.name = target.name
+        self.results: list[ExecutionResult] = []
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        result = await self._target.execute(trace)
+        self.results.append(result)
+        return result
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _stored_calibration(db_path: str | None, key: str) -> Calibration | None:
+    if db_path is None or not os.path.exists(db_path):
+        return None
+    from fuzzer.store import Store  # noqa: PLC0415 - only with --db
+
+    with Store.open(db_path) as store:
+        data = store.latest_calibration(key)
+    return None if data is None else Calibration.from_dict(data)
+
+
+def _p(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2g}"
+
+
+def _verdict_table(verdicts) -> Table:
+    table = Table(title="oracle verdicts")
+    for name in ("request", "decision", "kind", "metric", "observed ms", "FCFS bound ms", "idle ms", "effect",
+                 "p-value", "reproduced"):
+        table.add_column(name, justify="left" if name in ("request", "decision", "kind", "metric") else "right")
+    for v in verdicts:
+        table.add_row(
+            v.request_id or "(execution)", str(v.decision), str(v.kind or "-"), str(v.metric or "-"),
+            _ms(v.observed_s), _ms(v.expected_s), _ms(v.idle_s),
+            "-" if v.effect is None else f"{v.effect:.2f}x", _p(v.p_value), v.reproduction,
+        )
+    return table
 
 
 @contextlib.asynccontextmanager
-async def _base_url(target: str | None) -> AsyncIterator[str]:
+async def _base_url(target: str | None, planted: tuple[str, ...]) -> AsyncIterator[str]:
     if target is not None:
         yield target
         return
-    try:
-        from fuzzer.sim.process import SimProcess  # noqa: PLC0415 - the simulator is optional here
-    except ImportError:
-        raise NotBuiltError(
-            "`fuzz replay` without --target needs the built-in simulator, which does not exist in this "
-            "version; pass --target URL"
-        ) from None
-    async with SimProcess() as sim:
+    from fuzzer.sim.process import SimProcess  # noqa: PLC0415 - only without --target
+
+    async with SimProcess(pathologies=planted) as sim:
         yield sim.url
 
 
