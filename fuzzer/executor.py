@@ -61,8 +61,12 @@ _START_DELAY_S = 0.005
 _SPIN_S = 0.0015
 # A request sent later than this after its schedule gets a harness warning.
 LATENESS_WARN_S = 0.005
-# Keep-alive long enough to cover an idle barrier and prompt building between executions.
-_KEEPALIVE_S = 120.0
+# Idle pooled connections are dropped by the client after this long, before the server
+# drops them: llama-server (cpp-httplib) and uvicorn (vLLM, SGLang) close an idle
+# keep-alive connection after 5 s, and a request written onto a connection the server is
+# closing fails ("Can not write request body"), measured against llama-server. Connections
+# are warmed right before each execution, so nothing longer is needed.
+_KEEPALIVE_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,10 @@ class HttpTarget:
                 caps = await servers.probe_capabilities(
                     self._session, self.base_url, self._adapter, model, headers=self._headers
                 )
-            self.info = ServerInfo(kind=kind, version=version, model=model, max_model_len=max_len, capabilities=caps)
+            self.info = ServerInfo(
+                kind=kind, version=version, model=model, max_model_len=max_len, capabilities=caps,
+                scheduler=servers.reported_scheduler(fp, kind),
+            )
             if self._adapter.has_metrics and fp.ok(self._adapter.metrics_path or "") is not None:
                 self._scraper = Scraper(self._session, self.base_url, self._adapter, headers=self._headers)
             await self._choose_counter()

@@ -10,6 +10,7 @@ after it (did running + waiting return to 0?).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping
@@ -105,26 +106,55 @@ def busy(values: Mapping[str, float]) -> float | None:
 
 
 class Scraper:
-    """Fetches and parses one /metrics page with a shared session."""
+    """Fetches and parses one /metrics page with a shared session.
+
+    Where the adapter reads some common names from a slots endpoint instead (llama.cpp's
+    /slots for ``kv_usage``), that endpoint is fetched at the same time and its values
+    merged in. A slots endpoint that fails (llama-server started with ``--no-slots``
+    answers 501) is dropped for good: ``slots_disabled`` says why, and /metrics alone is read.
+    """
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, adapter: Adapter, *, headers: Mapping[str, str]):
         if adapter.metrics_path is None:
             raise TargetError(f"a {adapter.kind} server has no /metrics to scrape")
         self._session = session
         self._url = base_url + adapter.metrics_path
+        self._slots_url = base_url + adapter.slots_path if adapter.slots_path and adapter.slots_metrics else None
         self._adapter = adapter
         self._headers = dict(headers)
         self._timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        #: Why the slots endpoint is no longer read, or None while it is (or there is none).
+        self.slots_disabled: str | None = None
 
     async def __call__(self) -> dict[str, float]:
+        if self._slots_url is None:
+            return parse(await self._get(self._url), self._adapter)
+        page, slots = await asyncio.gather(self._get(self._url), self._get(self._slots_url), return_exceptions=True)
+        if isinstance(page, BaseException):
+            raise page
+        values = parse(page, self._adapter)
+        if isinstance(slots, TargetError):
+            self._slots_url, self.slots_disabled = None, str(slots)
+        elif isinstance(slots, BaseException):
+            raise slots
+        else:
+            try:
+                from_slots = self._adapter.slots_metrics(json.loads(slots))  # type: ignore[misc]
+            except (ValueError, TargetError) as e:
+                self._slots_url, self.slots_disabled = None, f"unreadable slots answer: {e}"
+            else:
+                values.update({k: v for k, v in from_slots.items() if k not in values})
+        return values
+
+    async def _get(self, url: str) -> str:
         try:
-            async with self._session.get(self._url, headers=self._headers, timeout=self._timeout) as resp:
+            async with self._session.get(url, headers=self._headers, timeout=self._timeout) as resp:
                 text = (await resp.read()).decode("utf-8", "replace")
                 if resp.status != 200:
-                    raise TargetError(f"GET {self._url} answered HTTP {resp.status}")
+                    raise TargetError(f"GET {url} answered HTTP {resp.status}")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise TargetError(f"GET {self._url} failed: {e.__class__.__name__}") from None
-        return parse(text, self._adapter)
+            raise TargetError(f"GET {url} failed: {e.__class__.__name__}") from None
+        return text
 
 
 Scrape = Callable[[], Awaitable[Mapping[str, float]]]

@@ -54,6 +54,12 @@ WORDS = tuple(
 
 #: How many times the fit asks the counter before it settles for the closest length.
 MAX_FIT_ROUNDS = 6
+# Where whole words jump past the target (a vocabulary that splits words into several
+# pieces, like a small SentencePiece model), the text is topped up with this word: one
+# token after a space in every BPE and SentencePiece vocabulary met so far.
+PAD_WORD = "the"
+# Top-up attempts: the second corrects a pad that merged with the text before it.
+PAD_ROUNDS = 2
 # Tokenize calls in flight at once: enough to hide loopback latency, few enough not
 # to load the server's frontend right before an execution.
 TOKENIZE_CONCURRENCY = 16
@@ -93,6 +99,7 @@ class ServerCounter:
         if not (adapter.tokenize_path and adapter.tokenize_body and adapter.tokenize_count):
             raise TargetError(f"a {adapter.kind} server has no tokenize endpoint")
         self._session = session
+        self._base_url = base_url
         self._url = base_url + adapter.tokenize_path
         self._adapter = adapter
         self._model = model
@@ -102,23 +109,38 @@ class ServerCounter:
 
     @property
     def templates_chat(self) -> bool:
-        return self._adapter.tokenize_body("x", self._model, True) is not None  # type: ignore[misc]
+        """True when a chat prompt is counted exactly (the tokenize endpoint or a template endpoint renders it)."""
+        return (
+            self._adapter.tokenize_body("x", self._model, True) is not None  # type: ignore[misc]
+            or self._adapter.template_path is not None
+        )
 
     async def count(self, text: str, *, chat: bool = False) -> int:
         body = self._adapter.tokenize_body(text, self._model, chat)  # type: ignore[misc]
         extra = 0
-        if body is None:
+        if body is None and chat and self._adapter.template_path is not None:
+            # Render the messages with the server's own template, then count the rendered text.
+            rendered = await self._post(
+                self._base_url + self._adapter.template_path, {"messages": [{"role": "user", "content": text}]}
+            )
+            if not isinstance(rendered, dict) or not isinstance(rendered.get("prompt"), str):
+                raise TargetError(f"the {self._adapter.template_path} answer has no prompt text: {str(rendered)[:80]}")
+            body = self._adapter.tokenize_body(rendered["prompt"], self._model, False)  # type: ignore[misc]
+        elif body is None:
             body = self._adapter.tokenize_body(text, self._model, False)  # type: ignore[misc]
             extra = self.chat_overhead
+        answer = await self._post(self._url, body)
+        return self._adapter.tokenize_count(answer) + extra  # type: ignore[misc]
+
+    async def _post(self, url: str, body: Any) -> Any:
         try:
-            async with self._session.post(self._url, json=body, headers=self._headers, timeout=self._timeout) as resp:
+            async with self._session.post(url, json=body, headers=self._headers, timeout=self._timeout) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise TargetError(f"POST {self._url} answered HTTP {resp.status}: {raw[:160]!r}")
-                answer: Any = await resp.json(content_type=None)
+                    raise TargetError(f"POST {url} answered HTTP {resp.status}: {raw[:160]!r}")
+                return await resp.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            raise TargetError(f"POST {self._url} failed: {e.__class__.__name__}: {e}") from None
-        return self._adapter.tokenize_count(answer) + extra  # type: ignore[misc]
+            raise TargetError(f"POST {url} failed: {e.__class__.__name__}: {e}") from None
 
 
 @dataclass
@@ -273,4 +295,18 @@ class _Fitter:
             step = (target - c) / self.per_word
             k += int(step) if abs(step) >= 1 else (1 if step > 0 else -1)
         assert best is not None
+        if best[2] != target:
+            under = [(kk, c) for kk, c in tried.items() if c < target]
+            if under:
+                # Word counts jump by more than one token (words of several pieces): top the
+                # longest text below the target up with PAD_WORD, one token per repetition.
+                kk, c = max(under, key=lambda item: item[1])
+                padded = text(kk)
+                for _ in range(PAD_ROUNDS):
+                    padded = (padded + " " if padded else "") + " ".join([PAD_WORD] * (target - c))
+                    c = await self.count(padded, chat=chat)
+                    if abs(c - target) < abs(best[2] - target):
+                        best = (kk, padded, c)
+                    if c >= target:
+                        break
         return best[1], best[2]

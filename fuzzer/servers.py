@@ -73,6 +73,13 @@ class Adapter:
     tokenize_body: Callable[[str, str | None, bool], dict[str, Any] | None] | None = None
     #: Reads the token count out of a tokenize answer.
     tokenize_count: Callable[[Any], int] | None = None
+    #: POST endpoint that renders chat messages with the model's template (``{"messages"}`` ->
+    #: ``{"prompt"}``), for a tokenize endpoint that cannot template chat itself; or None.
+    template_path: str | None = None
+    #: GET endpoint describing the server's slots, read for what /metrics lacks (KV pressure); or None.
+    slots_path: str | None = None
+    #: Reads common metric values (``kv_usage``) out of a slots answer.
+    slots_metrics: Callable[[Any], dict[str, float]] | None = None
 
     @property
     def has_metrics(self) -> bool:
@@ -89,6 +96,9 @@ class ServerInfo:
     max_model_len: int | None
     #: Feature -> accepted (see FEATURES); a feature never probed is absent.
     capabilities: Mapping[str, bool] = field(default_factory=dict)
+    #: Scheduler parameters the server itself reports (e.g. llama.cpp's slot count as
+    #: ``max_num_seqs``); they override the adapter's documented ``scheduler_defaults``.
+    scheduler: Mapping[str, Any] = field(default_factory=dict)
 
     def accepts(self, feature: str) -> bool:
         """True unless the probe saw the server reject the feature."""
@@ -138,8 +148,39 @@ def _openai_tokenize_count(answer: Any) -> int:
 
 
 def _llamacpp_tokenize_body(text: str, model: str | None, chat: bool) -> dict[str, Any] | None:
-    # llama.cpp's /tokenize does not apply the chat template.
-    return None if chat else {"content": text, "add_special": True}
+    """``{"content"}``, counted as /v1/completions counts a prompt: BOS added, special tokens parsed.
+
+    llama.cpp's /tokenize does not apply the chat template: a chat prompt is rendered
+    through /apply-template first (``template_path``) and its text counted here.
+    """
+    return None if chat else {"content": text, "add_special": True, "parse_special": True}
+
+
+def _llamacpp_slots_metrics(answer: Any) -> dict[str, float]:
+    """``kv_usage`` from llama.cpp's /slots: context tokens held by busy slots over all slots' context.
+
+    A busy slot holds its prompt plus the tokens decoded so far
+    (``n_prompt_tokens + next_token[0].n_decoded``). Idle slots are not counted: the
+    prompt cache they keep is reused or overwritten by the next request, so it is no
+    pressure. Raises :class:`TargetError` when the answer is not a list of slots.
+    """
+    if not isinstance(answer, list) or not answer:
+        raise TargetError(f"the /slots answer is not a list of slots: {str(answer)[:80]}")
+    capacity = used = 0
+    for slot in answer:
+        if not isinstance(slot, dict) or not isinstance(slot.get("n_ctx"), int):
+            raise TargetError(f"a /slots entry has no n_ctx: {str(slot)[:80]}")
+        capacity += slot["n_ctx"]
+        if not slot.get("is_processing"):
+            continue
+        decoded = 0
+        nxt = slot.get("next_token")
+        if isinstance(nxt, list) and nxt and isinstance(nxt[0], dict):
+            decoded = nxt[0].get("n_decoded") or 0
+        elif isinstance(nxt, dict):  # older builds: one object, not a list
+            decoded = nxt.get("n_decoded") or 0
+        used += int(slot.get("n_prompt_tokens") or 0) + int(decoded)
+    return {"kv_usage": min(1.0, used / capacity)} if capacity > 0 else {}
 
 
 def _tgi_tokenize_body(text: str, model: str | None, chat: bool) -> dict[str, Any] | None:
@@ -243,17 +284,25 @@ _LLAMACPP = Adapter(
         "prompt_tokens": Metric(("llamacpp:prompt_tokens_total",)),
         "generation_tokens": Metric(("llamacpp:tokens_predicted_total",)),
     },
-    # llama-server: n_batch 2048, n_ubatch 512, continuous batching on, fixed slots,
-    # cache_prompt true (per-slot longest-common-prefix reuse).
+    # llama-server (tools/server/README.md): n_batch 2048 tokens per llama_decode (decoding
+    # slots first, then prompt chunks slot by slot), n_ubatch 512, continuous batching on,
+    # --parallel -1 = auto = 4 slots (a request beyond them is deferred until one frees),
+    # cache_prompt true (per-slot longest-common-prefix reuse, any length: page size 1).
+    # /props reports the real slot count (total_slots), which overrides max_num_seqs.
     scheduler_defaults={
         "n_batch": 2048,
         "n_ubatch": 512,
+        "max_num_seqs": 4,
+        "page_size": 1,
         "continuous_batching": True,
         "prefix_caching": True,
     },
     tokenize_path="/tokenize",
     tokenize_body=_llamacpp_tokenize_body,
     tokenize_count=_list_count,
+    template_path="/apply-template",
+    slots_path="/slots",
+    slots_metrics=_llamacpp_slots_metrics,
 )
 
 _OPENAI = Adapter(
@@ -314,6 +363,20 @@ def detect(fp: Fingerprint) -> str:
     if isinstance(version, dict) and set(version) == {"version"}:
         return "vllm"
     return "openai"
+
+
+def reported_scheduler(fp: Fingerprint, kind: str) -> dict[str, Any]:
+    """Scheduler parameters the server reports about itself (see :attr:`ServerInfo.scheduler`).
+
+    llama.cpp: /props ``total_slots`` is the number of requests served at once
+    (``max_num_seqs``); more wait, deferred, until a slot frees.
+    """
+    if kind == "llamacpp":
+        props = fp.json("/props")
+        slots = props.get("total_slots") if isinstance(props, dict) else None
+        if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0:
+            return {"max_num_seqs": slots}
+    return {}
 
 
 def describe(fp: Fingerprint, kind: str) -> tuple[str | None, str | None, int | None]:

@@ -176,3 +176,62 @@ async def test_sampler_skips_ticks_instead_of_bursting_after_a_slow_scrape():
 def test_sampler_rejects_a_nonpositive_interval():
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         metrics.Sampler(scripted([{}]), interval_s=0)
+
+
+async def _slots_server(slots_status: int):
+    from aiohttp import web
+
+    live = DATA / "llamacpp" / "live"
+
+    async def page(request):
+        return web.Response(text=(live / "metrics_busy.txt").read_text())
+
+    async def slots(request):
+        if slots_status != 200:
+            return web.json_response({"error": {"code": 501, "message": "slots endpoint is disabled"}}, status=501)
+        return web.Response(text=(live / "slots_busy.json").read_text(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/metrics", page)
+    app.router.add_get("/slots", slots)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+def test_a_real_llama_server_page_maps_processing_and_deferred_onto_running_and_waiting():
+    values = metrics.parse((DATA / "llamacpp" / "live" / "metrics_busy.txt").read_text(), servers.adapter("llamacpp"))
+    assert values == {"running": 4, "waiting": 2, "prompt_tokens": 60, "generation_tokens": 24}
+
+
+async def test_llamacpp_scrape_adds_kv_usage_from_slots():
+    import aiohttp
+
+    runner, url = await _slots_server(200)
+    try:
+        async with aiohttp.ClientSession() as session:
+            scrape = metrics.Scraper(session, url, servers.adapter("llamacpp"), headers={})
+            values = await scrape()
+    finally:
+        await runner.cleanup()
+    assert values["running"] == 4 and values["waiting"] == 2
+    assert values["kv_usage"] == pytest.approx(36 / 16384)
+    assert scrape.slots_disabled is None
+
+
+async def test_a_disabled_slots_endpoint_is_dropped_and_metrics_still_read():
+    import aiohttp
+
+    runner, url = await _slots_server(501)
+    try:
+        async with aiohttp.ClientSession() as session:
+            scrape = metrics.Scraper(session, url, servers.adapter("llamacpp"), headers={})
+            first = await scrape()
+            second = await scrape()
+    finally:
+        await runner.cleanup()
+    assert "kv_usage" not in first and first == second
+    assert first["running"] == 4
+    assert "HTTP 501" in (scrape.slots_disabled or "")

@@ -140,3 +140,49 @@ async def test_server_counter_uses_the_servers_tokenize_for_text_and_chat():
 def test_server_counter_needs_a_tokenize_endpoint():
     with pytest.raises(TargetError, match="no tokenize endpoint"):
         prompts.ServerCounter(None, "http://127.0.0.1:1", servers.adapter("openai"), None, headers={})  # type: ignore[arg-type]
+
+
+async def test_words_of_several_tokens_are_topped_up_with_a_one_token_word_to_the_exact_length():
+    # Like the random llama model's small vocabulary: most words are 2 tokens, " the" is 1.
+    counter = WordCounter(per_word=lambda w: 1 if w == prompts.PAD_WORD else 2)
+    built = await prompts.build(TRACE, counter, random.Random(7))
+    assert built.warnings == ()
+    assert all(p.counted_tokens == p.target_tokens for p in built.prompts.values())
+
+
+async def test_a_server_without_chat_tokenize_counts_chat_through_its_template_endpoint():
+    """llama.cpp: /apply-template renders the messages, /tokenize counts the rendered text."""
+    from aiohttp import web
+
+    seen = []
+
+    async def apply_template(request):
+        body = await request.json()
+        seen.append("template")
+        return web.json_response({"prompt": "<|im_start|>user\n" + body["messages"][0]["content"] + "<|im_end|>\n"})
+
+    async def tokenize(request):
+        body = await request.json()
+        seen.append("tokenize")
+        assert body["add_special"] and body["parse_special"]
+        return web.json_response({"tokens": list(range(1 + len(body["content"].split())))})
+
+    app = web.Application()
+    app.router.add_post("/apply-template", apply_template)
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            counter = prompts.ServerCounter(session, f"http://127.0.0.1:{port}", servers.adapter("llamacpp"), None, headers={})
+            assert counter.templates_chat
+            assert await counter.count("one two three") == 4
+            assert seen == ["tokenize"]
+            # Rendered: "<|im_start|>user", "one", "two", "three<|im_end|>" = 4 words, + BOS.
+            assert await counter.count("one two three", chat=True) == 5
+            assert seen[1:] == ["template", "tokenize"]
+    finally:
+        await runner.cleanup()

@@ -164,3 +164,87 @@ async def test_probe_reports_a_refused_api_key():
                 )
     finally:
         await runner.cleanup()
+
+
+# --- llama.cpp, from a real llama-server's recorded answers (data/servers/llamacpp/live) ---
+
+LIVE = DATA / "llamacpp" / "live"
+_LIVE_FILES = {"/metrics": "metrics_idle.txt", "/v1/models": "v1_models.json", "/props": "props.json"}
+
+
+def live_llamacpp(*, without: tuple[str, ...] = ()) -> Fingerprint:
+    answers = {}
+    for path in servers.FINGERPRINT_PATHS:
+        name = _LIVE_FILES.get(path)
+        if name and path not in without:
+            answers[path] = (200, (LIVE / name).read_text())
+        elif path == "/metrics":
+            # llama-server without --metrics: 501 with an error object.
+            answers[path] = (501, '{"error":{"code":501,"message":"This server does not support metrics endpoint."}}')
+        else:
+            answers[path] = (404, '{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}')
+    return Fingerprint(answers)
+
+
+@pytest.mark.parametrize(
+    "without", [(), ("/metrics",), ("/metrics", "/props"), ("/props", "/v1/models")], ids=str
+)
+def test_a_real_llama_server_is_detected_from_any_of_its_answers(without):
+    assert servers.detect(live_llamacpp(without=without)) == "llamacpp"
+
+
+def test_describe_a_real_llama_server():
+    version, model, max_len = servers.describe(live_llamacpp(), "llamacpp")
+    assert version == "b0-unknown"  # build_info of a build from the sdist (no git metadata)
+    assert model is not None and model.endswith("random-llama.gguf")
+    assert max_len == 4096  # the per-slot context (-c 16384 over -np 4), not the model's n_ctx_train
+
+
+def test_a_real_llama_server_reports_its_slots_as_max_num_seqs():
+    assert servers.reported_scheduler(live_llamacpp(), "llamacpp") == {"max_num_seqs": 4}
+    assert servers.reported_scheduler(live_llamacpp(without=("/props",)), "llamacpp") == {}
+    assert servers.reported_scheduler(recorded("vllm"), "vllm") == {}
+
+
+def test_llamacpp_assumption_is_a_2048_token_step_and_its_slots():
+    from fuzzer.expectation import assumption_for
+
+    a = servers.adapter("llamacpp")
+    assumption = assumption_for("llamacpp", {**a.scheduler_defaults, "max_num_seqs": 2})
+    assert (assumption.token_budget, assumption.max_num_seqs, assumption.block_size) == (2048, 2, 1)
+    assert assumption_for("llamacpp", a.scheduler_defaults).max_num_seqs == 4
+
+
+def _json(name: str):
+    import json
+
+    return json.loads((LIVE / name).read_text())
+
+
+def test_kv_usage_from_real_slots_counts_busy_slots_only():
+    read = servers.adapter("llamacpp").slots_metrics
+    assert read is not None
+    # Four busy slots holding 8, 8, 9+1, 9+1 tokens of 4 x 4096.
+    assert read(_json("slots_busy.json")) == {"kv_usage": pytest.approx(36 / 16384)}
+    assert read(_json("slots_idle.json")) == {"kv_usage": 0.0}
+
+
+def test_kv_usage_reads_decoded_tokens_and_rejects_what_is_not_slots():
+    read = servers.adapter("llamacpp").slots_metrics
+    slots = [
+        {"n_ctx": 100, "is_processing": True, "n_prompt_tokens": 30, "next_token": [{"n_decoded": 20}]},
+        {"n_ctx": 100, "is_processing": False, "n_prompt_tokens": 99, "next_token": [{"n_decoded": 99}]},
+        {"n_ctx": 100, "is_processing": True, "n_prompt_tokens": 10, "next_token": {"n_decoded": 5}},
+    ]
+    assert read(slots) == {"kv_usage": pytest.approx(65 / 300)}
+    for bad in ({"slots": []}, [], [{"id": 0}]):
+        with pytest.raises(TargetError):
+            read(bad)
+
+
+def test_llamacpp_tokenize_counts_as_completions_do_and_leaves_chat_to_the_template():
+    a = servers.adapter("llamacpp")
+    assert a.tokenize_body("hi", None, False) == {"content": "hi", "add_special": True, "parse_special": True}
+    assert a.tokenize_body("hi", None, True) is None
+    assert a.template_path == "/apply-template"
+    assert a.tokenize_count(_json("tokenize.json")) == 6

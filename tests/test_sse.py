@@ -120,3 +120,36 @@ def test_nothing_after_done_counts():
 def test_usage_counts_tolerates_missing_and_odd_values():
     assert usage_counts(None) == (None, None, None)
     assert usage_counts({"prompt_tokens": True, "completion_tokens": 3}) == (None, 3, None)
+
+
+# --- a real llama-server's streams (data/servers/llamacpp/live/*.sse) ---
+
+_LIVE = __import__("pathlib").Path(__file__).parent / "data" / "servers" / "llamacpp" / "live"
+
+
+def _feed_per_event(name: str) -> StreamAccount:
+    """Feed a recorded stream one event per read, the read's time being the event's index."""
+    account = StreamAccount()
+    for i, block in enumerate((_LIVE / name).read_bytes().split(b"\n\n")):
+        if block.strip():
+            account.feed(block + b"\n\n", float(i))
+    return account
+
+
+def test_llamacpp_chat_stream_role_chunk_is_not_a_token_and_usage_comes_from_the_empty_choices_chunk():
+    a = _feed_per_event("chat_completions_stream.sse")
+    assert a.fault is None and a.done_t is not None
+    assert a.first_event_t == 0.0  # the role-only chunk (content null)
+    assert a.first_token_t == 1.0  # the first chunk with content
+    assert a.tokens == 8 and a.finish_reason == "length"
+    assert usage_counts(a.usage) == (40, 8, 0)
+
+
+def test_llamacpp_completion_stream_carries_usage_on_the_finishing_chunk():
+    a = _feed_per_event("completions_stream.sse")
+    assert a.fault is None and a.done_t is not None
+    assert a.finish_reason == "length"
+    assert usage_counts(a.usage) == (6, 8, 5)
+    # 7 text events for 8 tokens: llama.cpp holds a byte-fallback piece back until its UTF-8
+    # character is whole; the finishing chunk has empty text and is not a token.
+    assert a.tokens == 7 and a.token_times[-1] == a.done_t - 2
