@@ -29,12 +29,13 @@ import functools
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
+
+import numpy as np
 
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult
-from fuzzer.trace import Trace
+from fuzzer.trace import Request, Trace
 from fuzzer.verdict import Metric
 
 # vLLM's API server defaults (vllm/config/scheduler.py, research/servers.md §3): a token
@@ -53,6 +54,14 @@ ENVELOPE_SCALES = (0.85, 1.15)
 # A trace whose paper schedule needs more steps than this is not a fuzzing input
 # (a million steps is hours of decoding); stop rather than spin.
 MAX_MODEL_STEPS = 1_000_000
+
+# A stretch of pure decode steps with no end in sight (nobody decoding, a request that can
+# never be admitted) is computed this many steps at a time, so memory stays small.
+_DECODE_RUN_MAX = 65_536
+# Campaigns hold each execution against its expectations twice (coverage, then the oracle)
+# and confirmations re-run the same trace; results are kept for this many recent
+# (trace, send times, model, assumption) keys. An entry is a few KB.
+_EXPECT_CACHE_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -232,10 +241,10 @@ class PaperRequest:
     def ttft_s(self) -> float:
         return self.token_times_s[0]
 
-    @property
+    @functools.cached_property
     def max_itl_s(self) -> float | None:
         t = self.token_times_s
-        return max((b - a for a, b in pairwise(t)), default=None)
+        return float(np.diff(np.array(t)).max()) if len(t) > 1 else None
 
 
 def paper_schedule(
@@ -251,18 +260,32 @@ def paper_schedule(
     With ``result``, requests arrive when they were actually sent (``sent_s``), so the
     client's own lateness is never counted against the server.
     """
-    sent = {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
+    return _paper(trace.requests, trace.prefixes, _sent(result), model, assumption, lookahead)
+
+
+def _sent(result: ExecutionResult | None) -> dict[str, float]:
+    return {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
+
+
+def _paper(
+    requests: tuple[Request, ...],
+    prefixes: Mapping[str, int],
+    sent: Mapping[str, float],
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    lookahead: bool,
+) -> dict[str, PaperRequest]:
     jobs = [
         _Job(
             id=r.id,
             arrival_s=sent.get(r.id, r.at_ms / 1000.0),
             prompt=r.prompt_tokens,
             group=r.prefix,
-            prefix=trace.prefix_tokens(r),
+            prefix=prefixes[r.prefix] if r.prefix else 0,
             out=r.cancel_after_tokens or r.max_tokens,
             n=r.n,
         )
-        for r in trace.requests
+        for r in requests
     ]
     return {j.id: j.paper(model) for j in _schedule(jobs, model, assumption, lookahead=lookahead)}
 
@@ -282,16 +305,30 @@ def expect(
     with noise; the envelope keeps a request that merely met an unlucky boundary from
     looking slow. The max-ITL bound is the longest step the request was exposed to.
     """
-    variants = [paper_schedule(trace, model.scaled(k), assumption, result) for k in ENVELOPE_SCALES]
-    variants.append(paper_schedule(trace, model, assumption, result, lookahead=True))
-    loaded = paper_schedule(trace, model, assumption, result)
+    sent = tuple((r.request_id, r.sent_s) for r in result.requests) if result is not None else ()
+    key_prefixes = tuple(trace.prefixes.items())
+    return dict(_expect(trace.requests, key_prefixes, sent, model, assumption))
+
+
+# The expectations depend on nothing but these arguments (all immutable); an execution is
+# held against them more than once, and a confirmation re-runs the same trace.
+@functools.lru_cache(maxsize=_EXPECT_CACHE_SIZE)
+def _expect(
+    requests: tuple[Request, ...],
+    prefix_items: tuple[tuple[str, int], ...],
+    sent_items: tuple[tuple[str, float], ...],
+    model: StepModel,
+    assumption: SchedulerAssumption,
+) -> dict[str, Expectation]:
+    prefixes, sent = dict(prefix_items), dict(sent_items)
+    variants = [_paper(requests, prefixes, sent, model.scaled(k), assumption, False) for k in ENVELOPE_SCALES]
+    variants.append(_paper(requests, prefixes, sent, model, assumption, True))
+    loaded = _paper(requests, prefixes, sent, model, assumption, False)
     out: dict[str, Expectation] = {}
-    for r in trace.requests:
+    for r in requests:
         done = loaded[r.id]
         out_tokens = r.cancel_after_tokens or r.max_tokens
-        alone = idle_expectation(
-            r.prompt_tokens, out_tokens, model, assumption, cached_tokens=done.cached_tokens, n=r.n,
-        )
+        alone = _idle(r.prompt_tokens, out_tokens, model, assumption, done.cached_tokens, r.n)
         every = [done, *(v[r.id] for v in variants)]
         out[r.id] = Expectation(
             request_id=r.id,
@@ -365,7 +402,7 @@ class _Job:
         return PaperRequest(
             request_id=self.id,
             arrival_s=self.arrival_s,
-            token_times_s=tuple(t + shift for t in self.token_times),
+            token_times_s=tuple((np.array(self.token_times) + shift).tolist()),
             e2e_s=self.finish_s + shift,
             cached_tokens=self.cached,
             max_step_s=self.max_step,
@@ -384,6 +421,10 @@ def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, loo
     With ``lookahead``, each step boundary of a busy engine falls up to one step-length
     later, just after the arrivals of that window, which then share the step: the most
     unlucky alignment a real engine's drifting boundaries can give.
+
+    Stretches of pure decoding (nothing to prefill, nothing admissible, no arrival, no
+    request finishing) are computed for many steps at once by :func:`_decode_run`; the
+    result is the same, float for float, as stepping them one by one.
     """
     for j in jobs:
         j.ready_s = j.arrival_s + model.frontend_token_s * j.prompt
@@ -408,11 +449,23 @@ def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, loo
         if not waiting and not running:
             t = pending[0].ready_s
             continue
-        budget = a.token_budget
         decoding = [j for j in running if j.prefilled]
         decode_seqs = sum(j.n for j in decoding)
         context = sum(j.n * (j.prompt + j.tokens) for j in decoding)
-        budget -= decode_seqs
+        budget = a.token_budget - decode_seqs
+        if (
+            len(decoding) == len(running)
+            and (not waiting or budget <= 0 or decode_seqs + waiting[0].n > a.max_num_seqs)
+            and steps < MAX_MODEL_STEPS
+        ):
+            # Nothing to prefill and nobody admissible: only decode steps until something changes.
+            t, last_dt, done = _decode_run(
+                t, last_dt, decoding, decode_seqs, context, waiting, running, pending, model,
+                lookahead=lookahead, max_steps=MAX_MODEL_STEPS - steps,
+            )
+            steps += done
+            _retire(running, t)
+            continue
         chunks: list[tuple[_Job, int]] = []
         for j in running:
             if not j.prefilled and budget > 0:
@@ -453,10 +506,78 @@ def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, loo
             if j.computed >= j.prompt:
                 j.tokens = 1
                 j.token_times.append(t)
-        for j in [j for j in running if j.prefilled and j.tokens >= j.out]:
-            j.finish_s = t
-            running.remove(j)
+        _retire(running, t)
     return jobs
+
+
+def _retire(running: list[_Job], t: float) -> None:
+    """Finish (at ``t``) and remove the running requests that have all their tokens."""
+    for j in [j for j in running if j.prefilled and j.tokens >= j.out]:
+        j.finish_s = t
+        running.remove(j)
+
+
+def _decode_run(
+    t: float,
+    last_dt: float,
+    decoding: list[_Job],
+    decode_seqs: int,
+    context: int,
+    waiting: deque[_Job],
+    running: list[_Job],
+    pending: deque[_Job],
+    model: StepModel,
+    *,
+    lookahead: bool,
+    max_steps: int,
+) -> tuple[float, float, int]:
+    """Take the pure-decode steps from ``t`` on at once; returns (t, last_dt, steps taken).
+
+    The run stops after the step in which the first decoding request gets its last
+    token, or before the step at whose start the next arrival would be admitted to the
+    waiting queue, whichever comes first (at least one step is taken: the caller found
+    none admissible at ``t``). Step k has the context of step 0 plus k tokens of every
+    decoding sequence; the times are accumulated in order, exactly as step-by-step.
+    """
+    left = min((j.out - j.tokens for j in decoding), default=None)
+    count = min(max_steps, _DECODE_RUN_MAX if left is None else left)
+    # overhead + prefill x 0 + decode: the same float operations, in the same order, as step_s.
+    base = model.overhead_s + model.prefill_token_s * 0 + model.decode_seq_s * decode_seqs
+    contexts = np.arange(count, dtype=np.float64)
+    contexts *= decode_seqs
+    contexts += context
+    dts = base + model.context_token_s * contexts
+    ends = np.cumsum(np.concatenate(([t], dts)))[1:]  # sequential: ends[k] = ends[k-1] + dts[k]
+    if pending:
+        # Step k >= 1 starts at ends[k-1]; the next arrival joins the queue there when it is
+        # due (with lookahead: due within the previous step's length).
+        due = ends[:-1] + dts[:-1] if lookahead and running else ends[:-1]
+        late = np.flatnonzero(pending[0].ready_s <= due)
+        if late.size:
+            count = int(late[0]) + 1
+            dts, ends = dts[:count], ends[:count]
+    longest = float(dts.max())
+    for j in (*waiting, *running):
+        j.max_step = max(j.max_step, longest)
+    if pending:
+        # An arrival is exposed to every step that ends after it arrives.
+        rising = bool(dts.min() > 0)
+        tail_max = np.maximum.accumulate(dts[::-1])[::-1]
+        for j in pending:
+            if rising:
+                k = int(np.searchsorted(ends, j.ready_s, side="right"))
+                exposed = float(tail_max[k]) if k < count else None
+            else:  # a fitted model with negative costs: step ends need not rise
+                mask = ends > j.ready_s
+                exposed = float(dts[mask].max()) if mask.any() else None
+            if exposed is None:
+                break
+            j.max_step = max(j.max_step, exposed)
+    times = ends.tolist()
+    for j in decoding:
+        j.tokens += count
+        j.token_times.extend(times)
+    return times[-1], float(dts[-1]), count
 
 
 def _admit(job: _Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption) -> None:

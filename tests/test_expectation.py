@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import expectation_reference as reference
 import pytest
-from hypothesis import given, settings
+from conftest import CORPUS
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
+from fuzzer import trace as tf
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult, Outcome, RequestResult
 from fuzzer.expectation import (
@@ -178,3 +182,113 @@ def test_bad_assumption_is_a_config_error():
 
 def test_step_model_round_trips():
     assert StepModel.from_dict(MODEL.to_dict()) == MODEL
+
+
+# --- the fast scheduler gives exactly what the step-by-step reference gives ----------------
+
+_models = st.builds(
+    StepModel,
+    overhead_s=st.sampled_from([0.0, 0.001, 0.004, 0.02]),
+    prefill_token_s=st.sampled_from([0.0, 5e-6, 30e-6, 2e-4]),
+    decode_seq_s=st.sampled_from([0.0, 50e-6, 1e-3]),
+    context_token_s=st.sampled_from([0.0, 1e-8, 3e-7]),
+    request_overhead_s=st.sampled_from([0.0, 0.002]),
+    frontend_token_s=st.sampled_from([0.0, 1e-6, 2e-5]),
+)
+_assumptions = st.builds(
+    SchedulerAssumption,
+    token_budget=st.sampled_from([16, 256, 512, 2048, 8192]),
+    max_num_seqs=st.sampled_from([1, 2, 4, 8, 256]),
+    block_size=st.sampled_from([1, 16, 32]),
+    prefix_caching=st.booleans(),
+)
+
+
+@st.composite
+def _sent_times(draw, trace):
+    """None, or an execution whose requests left late by random amounts (some not at all)."""
+    if draw(st.booleans()):
+        return None
+    late = st.sampled_from([0.0, 0.0, 1e-4, 0.003, 0.05, 0.5])
+    requests = tuple(
+        RequestResult(r.id, f"{r.id}-1", r.at_ms / 1000, r.at_ms / 1000 + draw(late), Outcome.OK)
+        for r in trace.requests
+    )
+    return ExecutionResult(trace_hash="", target="t", started_at=0.0, duration_s=1.0, requests=requests)
+
+
+def _admissible(trace, assumption):
+    # A request with more sequences than max_num_seqs is never admitted: both schedulers spin
+    # to MAX_MODEL_STEPS and raise (a test of its own below; a million reference steps are slow).
+    return all(r.n <= assumption.max_num_seqs for r in trace.requests)
+
+
+def _assert_same(fast, slow):
+    assert fast.keys() == slow.keys()
+    for rid in slow:
+        assert fast[rid] == slow[rid], rid  # dataclass equality: every float identical
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    traces(max_requests=10, max_prompt_tokens=4096, max_output_tokens=256),
+    _models,
+    _assumptions,
+    st.booleans(),
+    st.data(),
+)
+def test_fast_schedule_equals_the_step_by_step_reference(trace, model, assumption, lookahead, data):
+    assume(_admissible(trace, assumption))
+    result = data.draw(_sent_times(trace))
+    fast = paper_schedule(trace, model, assumption, result, lookahead=lookahead)
+    _assert_same(fast, reference.paper_schedule(trace, model, assumption, result, lookahead=lookahead))
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces(max_requests=12, max_prompt_tokens=8192, max_output_tokens=512), _models, _assumptions, st.data())
+def test_fast_expect_equals_the_step_by_step_reference(trace, model, assumption, data):
+    assume(_admissible(trace, assumption))
+    result = data.draw(_sent_times(trace))
+    _assert_same(expect(trace, model, assumption, result), reference.expect(trace, model, assumption, result))
+    # a second call is answered from the cache, with the same values in a fresh dict
+    again = expect(trace, model, assumption, result)
+    _assert_same(again, reference.expect(trace, model, assumption, result))
+    again.clear()
+    assert expect(trace, model, assumption, result).keys() == {r.id for r in trace.requests}
+
+
+def test_fast_schedule_equals_the_reference_on_the_committed_corpus():
+    for path in sorted(CORPUS.glob("*.json")):
+        trace = tf.load(path)
+        for lookahead in (False, True):
+            fast = paper_schedule(trace, MODEL, FCFS, lookahead=lookahead)
+            _assert_same(fast, reference.paper_schedule(trace, MODEL, FCFS, lookahead=lookahead))
+
+
+def test_a_model_with_a_negative_fitted_cost_is_scheduled_as_the_reference_does():
+    # A least-squares fit can give a slightly negative per-context cost: steps then shrink.
+    model = StepModel(overhead_s=0.004, prefill_token_s=30e-6, decode_seq_s=50e-6, context_token_s=-3e-6)
+    trace = Trace(requests=(_req("a", 0, 100, out=300), _req("b", 40, 50, out=20), _req("c", 41, 50, out=5)))
+    for lookahead in (False, True):
+        fast = paper_schedule(trace, model, FCFS, lookahead=lookahead)
+        _assert_same(fast, reference.paper_schedule(trace, model, FCFS, lookahead=lookahead))
+
+
+def test_a_request_that_can_never_be_admitted_still_ends_in_a_config_error(monkeypatch):
+    monkeypatch.setattr("fuzzer.expectation.MAX_MODEL_STEPS", 200_000)
+    trace = Trace(requests=(_req("a", 0, 100, out=4, n=8),))
+    with pytest.raises(ConfigError, match="scheduler steps"):
+        paper_schedule(trace, MODEL, SchedulerAssumption(max_num_seqs=4))
+
+
+def test_an_arrival_during_a_decode_run_is_exposed_to_the_step_it_arrived_in():
+    # a decodes with a long context (44 ms steps); b arrives during a's last step and then
+    # runs alone with short steps: only its exposure makes its max-step bound 44 ms.
+    model = StepModel(overhead_s=0.004, prefill_token_s=30e-6, decode_seq_s=0.0, context_token_s=1e-5)
+    trace = Trace(requests=(_req("a", 0, 4000, out=3), _req("b", 190, 1, out=2)))
+    for lookahead in (False, True):
+        fast = paper_schedule(trace, model, FCFS, lookahead=lookahead)
+        _assert_same(fast, reference.paper_schedule(trace, model, FCFS, lookahead=lookahead))
+    alone = paper_schedule(trace, model, FCFS)["b"]
+    assert alone.max_step_s == pytest.approx(0.004 + 1e-5 * 4002)  # a's last step, context 4000 + 2
+    assert alone.max_itl_s < 0.01

@@ -1,0 +1,205 @@
+"""The paper scheduler as it was before it was made fast (commit c932925), kept as the reference.
+
+tests/test_expectation.py checks that :func:`fuzzer.expectation.expect` and
+:func:`fuzzer.expectation.paper_schedule` give exactly what this straightforward
+step-by-step version gives, on many random traces. Do not optimise this file: its
+value is that it is obviously the specification.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from fuzzer.errors import ConfigError
+from fuzzer.execution import ExecutionResult
+from fuzzer.expectation import (
+    ENVELOPE_SCALES,
+    MAX_MODEL_STEPS,
+    Expectation,
+    PaperRequest,
+    SchedulerAssumption,
+    StepModel,
+)
+from fuzzer.trace import Trace
+
+
+def paper_schedule(
+    trace: Trace,
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    result: ExecutionResult | None = None,
+    *,
+    lookahead: bool = False,
+) -> dict[str, PaperRequest]:
+    sent = {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
+    jobs = [
+        _Job(
+            id=r.id,
+            arrival_s=sent.get(r.id, r.at_ms / 1000.0),
+            prompt=r.prompt_tokens,
+            group=r.prefix,
+            prefix=trace.prefix_tokens(r),
+            out=r.cancel_after_tokens or r.max_tokens,
+            n=r.n,
+        )
+        for r in trace.requests
+    ]
+    return {j.id: j.paper(model) for j in _schedule(jobs, model, assumption, lookahead=lookahead)}
+
+
+def expect(
+    trace: Trace,
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    result: ExecutionResult | None = None,
+) -> dict[str, Expectation]:
+    variants = [paper_schedule(trace, model.scaled(k), assumption, result) for k in ENVELOPE_SCALES]
+    variants.append(paper_schedule(trace, model, assumption, result, lookahead=True))
+    loaded = paper_schedule(trace, model, assumption, result)
+    out: dict[str, Expectation] = {}
+    for r in trace.requests:
+        done = loaded[r.id]
+        out_tokens = r.cancel_after_tokens or r.max_tokens
+        alone = _idle(r.prompt_tokens, out_tokens, model, assumption, done.cached_tokens, r.n)
+        every = [done, *(v[r.id] for v in variants)]
+        out[r.id] = Expectation(
+            request_id=r.id,
+            idle_ttft_s=alone.idle_ttft_s,
+            idle_max_itl_s=alone.idle_max_itl_s,
+            idle_e2e_s=alone.idle_e2e_s,
+            ttft_s=max(p.ttft_s for p in every),
+            max_itl_s=max(max(p.max_step_s, p.max_itl_s or 0.0) for p in every) if out_tokens > 1 else None,
+            e2e_s=max(p.e2e_s for p in every),
+            cached_tokens=done.cached_tokens,
+        )
+    return out
+
+
+def _idle(prompt: int, out: int, model: StepModel, assumption: SchedulerAssumption, cached: int, n: int) -> Expectation:
+    job = _Job(id="alone", arrival_s=0.0, prompt=prompt, group=None, prefix=0, out=out, n=n, forced_cached=cached)
+    done = _schedule([job], model, assumption)[0].paper(model)
+    ttft, itl, e2e = done.ttft_s, done.max_itl_s, done.e2e_s
+    return Expectation("alone", ttft, itl, e2e, ttft, itl, e2e, cached)
+
+
+@dataclass
+class _Job:
+    id: str
+    arrival_s: float
+    prompt: int
+    group: str | None
+    prefix: int
+    out: int
+    n: int
+    forced_cached: int | None = None
+    cached: int = 0
+    computed: int = 0
+    admitted: bool = False
+    tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+    finish_s: float | None = None
+    max_step: float = 0.0
+    ready_s: float = 0.0
+
+    @property
+    def prefilled(self) -> bool:
+        return self.admitted and self.computed >= self.prompt
+
+    def paper(self, model: StepModel) -> PaperRequest:
+        assert self.finish_s is not None and self.token_times
+        shift = model.request_overhead_s - self.arrival_s
+        return PaperRequest(
+            request_id=self.id,
+            arrival_s=self.arrival_s,
+            token_times_s=tuple(t + shift for t in self.token_times),
+            e2e_s=self.finish_s + shift,
+            cached_tokens=self.cached,
+            max_step_s=self.max_step,
+        )
+
+
+def _cacheable(job: _Job, block: int) -> int:
+    full = (job.prefix // block) * block
+    return min(full, ((job.prompt - 1) // block) * block)
+
+
+def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, lookahead: bool = False) -> list[_Job]:
+    for j in jobs:
+        j.ready_s = j.arrival_s + model.frontend_token_s * j.prompt
+    order = sorted(jobs, key=lambda j: j.ready_s)
+    pending = deque(order)
+    waiting: deque[_Job] = deque()
+    running: list[_Job] = []
+    ready: dict[str, float] = {}
+    t = order[0].ready_s if order else 0.0
+    steps = 0
+    last_dt = 0.0
+    while pending or waiting or running:
+        horizon = t
+        if lookahead and running and pending and pending[0].ready_s <= t + last_dt:
+            horizon = max(t, pending[0].ready_s + last_dt)
+        while pending and pending[0].ready_s <= horizon:
+            job = pending.popleft()
+            waiting.append(job)
+            t = max(t, job.ready_s)
+        if not waiting and not running:
+            t = pending[0].ready_s
+            continue
+        budget = a.token_budget
+        decoding = [j for j in running if j.prefilled]
+        decode_seqs = sum(j.n for j in decoding)
+        context = sum(j.n * (j.prompt + j.tokens) for j in decoding)
+        budget -= decode_seqs
+        chunks: list[tuple[_Job, int]] = []
+        for j in running:
+            if not j.prefilled and budget > 0:
+                c = min(j.prompt - j.computed, budget)
+                chunks.append((j, c))
+                budget -= c
+        seqs = sum(j.n for j in running)
+        while waiting and budget > 0 and seqs + waiting[0].n <= a.max_num_seqs:
+            j = waiting.popleft()
+            _admit(j, t, ready, a)
+            running.append(j)
+            seqs += j.n
+            c = min(j.prompt - j.computed, budget)
+            chunks.append((j, c))
+            budget -= c
+        prefill = sum(c for _, c in chunks)
+        dt = model.step_s(prefill, decode_seqs, context)
+        for j in (*waiting, *running):
+            j.max_step = max(j.max_step, dt)
+        for j in pending:
+            if j.ready_s >= t + dt:
+                break
+            j.max_step = max(j.max_step, dt)
+        t += dt
+        last_dt = dt
+        steps += 1
+        if steps > MAX_MODEL_STEPS:
+            raise ConfigError(f"the trace needs more than {MAX_MODEL_STEPS} scheduler steps to model; shorten it")
+        for j in decoding:
+            j.tokens += 1
+            j.token_times.append(t)
+        for j, c in chunks:
+            j.computed += c
+            if j.group is not None and j.group not in ready and j.computed >= _cacheable(j, a.block_size) > 0:
+                ready[j.group] = t
+            if j.computed >= j.prompt:
+                j.tokens = 1
+                j.token_times.append(t)
+        for j in [j for j in running if j.prefilled and j.tokens >= j.out]:
+            j.finish_s = t
+            running.remove(j)
+    return jobs
+
+
+def _admit(job: _Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption) -> None:
+    job.admitted = True
+    if job.forced_cached is not None:
+        job.cached = job.forced_cached
+    elif a.prefix_caching and job.group is not None and ready.get(job.group, float("inf")) <= t:
+        job.cached = _cacheable(job, a.block_size)
+    job.computed = job.cached
