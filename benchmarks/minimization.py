@@ -55,12 +55,12 @@ async def _target(pathology: str, seed: int, http: bool):
     if not http:
         yield VirtualTarget(pathologies=(pathology,), seed=seed), _no_sleep
         return
-    from fuzzer.executor import HttpTarget  # noqa: PLC0415
-    from fuzzer.sim.process import SimProcess  # noqa: PLC0415
+    from fuzzer.executor import HttpTarget
+    from fuzzer.sim.process import SimProcess
 
-    async with SimProcess(pathologies=(pathology,), seed=seed) as sim:
-        async with HttpTarget(sim.url, rng=random.Random(seed)) as target:
-            yield target, asyncio.sleep
+    async with SimProcess(pathologies=(pathology,), seed=seed) as sim, \
+            HttpTarget(sim.url, rng=random.Random(seed)) as target:
+        yield target, asyncio.sleep
 
 
 async def one_case(name: str, seed: int, http: bool) -> dict:
