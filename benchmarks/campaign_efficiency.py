@@ -57,7 +57,8 @@ class _Recording:
     def __init__(self, target: VirtualTarget):
         self._target = target
         self.name = target.name
-        self.idle = target.idle
+        if hasattr(target, "idle"):  # virtual time: confirmation advances the clock instead of sleeping
+            self.idle = target.idle
         self.delayed: dict[str, dict[str, set[str]]] = {}
         self.execute_s = 0.0
 
@@ -129,6 +130,41 @@ async def one_run(pathology: str, mutator: str, seed: int, max_execs: int) -> di
     }
 
 
+async def overhead(pathology: str, max_execs: int, seed: int = 0) -> dict:
+    """A short campaign over HTTP to a SimProcess: the share of wall time outside the target.
+
+    Time inside ``execute`` (the idle barrier, sending, streaming, the /metrics sampler) and
+    inside the campaign's sleeps is the server's; everything else (coverage, oracle,
+    corpus, mutation, store) is the fuzzer's overhead.
+    """
+    from fuzzer.executor import HttpTarget  # noqa: PLC0415
+    from fuzzer.sim.process import SimProcess  # noqa: PLC0415
+
+    slept = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        start = time.perf_counter()
+        await asyncio.sleep(seconds)
+        slept[0] += time.perf_counter() - start
+
+    async with SimProcess(pathologies=(pathology,), seed=seed) as sim, \
+            HttpTarget(sim.url, rng=random.Random(seed)) as http:
+        target = _Recording(http)  # type: ignore[arg-type]
+        calibration = await calibrate(target, rng=random.Random(seed))
+        target.execute_s = 0.0
+        store = Store.memory()
+        seeds = [tf.load(p) for p in sorted(CORPUS.glob("*.json"))]
+        campaign = Campaign(target, store, Settings(seed=seed, max_execs=max_execs), seeds=seeds,
+                            target_key="bench:http", calibration=calibration, sleep=sleep)
+        start = time.perf_counter()
+        summary = await campaign.run()
+        wall = time.perf_counter() - start
+    outside = wall - target.execute_s - slept[0]
+    return {"pathology": pathology, "executions": summary.stats.executions, "wall_s": wall,
+            "execute_s": target.execute_s, "sleep_s": slept[0], "overhead_s": outside, "overhead": outside / wall,
+            "findings": len(summary.new_findings)}
+
+
 def _load(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -166,7 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mutators", default="guided,null")
     parser.add_argument("--out", type=Path, default=Path("campaign_efficiency.jsonl"))
     parser.add_argument("--table", action="store_true", help="print the Markdown table of --out and exit")
+    parser.add_argument("--overhead", type=int, metavar="EXECS", default=0,
+                        help="instead: a campaign of EXECS executions over HTTP to a SimProcess; print the overhead share")
     args = parser.parse_args(argv)
+    if args.overhead:
+        for pathology in args.pathologies.split(","):
+            print(json.dumps(asyncio.run(overhead(pathology, args.overhead))), flush=True)
+        return
     if args.table:
         print(table(_load(args.out)))
         return
