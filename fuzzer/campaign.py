@@ -24,11 +24,11 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from fuzzer import oracle
-from fuzzer.confirmation import confirm
 from fuzzer.calibration import Calibration, calibrate
+from fuzzer.confirmation import confirm
 from fuzzer.corpus import Corpus, Entry
 from fuzzer.coverage import Coverage, measure
-from fuzzer.errors import FuzzError
+from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.expectation import expect
 from fuzzer.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
@@ -49,6 +49,9 @@ RECONFIRM_AFTER = 5
 BACKOFF_FIRST_S = 1.0
 BACKOFF_FACTOR = 2.0
 BACKOFF_MAX_S = 60.0
+# A periodic recalibration that fails (a flaky server failed a probe) keeps the previous
+# calibration and is tried again this much later, not after every execution.
+RECALIBRATE_RETRY_S = 600.0
 
 
 class Phase(enum.StrEnum):
@@ -163,6 +166,9 @@ class Campaign:
         self._last_find: float | None = None
         self._since_checkpoint = 0
         self._seeded = 0
+        self._server_errors = 0
+        self._last_server_error: str | None = None
+        self._recalibrate_at: float | None = None
 
     # --- setup and resume ---------------------------------------------------------------
 
@@ -217,10 +223,12 @@ class Campaign:
                 if (reason := self._should_stop()) is not None:
                     break
                 await self._fuzz_one()
-                if self.calibration and self.calibration.is_stale(time.time(), max_age_s=self.settings.recalibrate_after_s):
+                if self._recalibration_due():
                     await self._ensure_calibration(force=True)
         except asyncio.CancelledError:
             reason = ExitReason.INTERRUPTED
+        except _Stopped:
+            reason = self._should_stop()
         finally:
             self._phase = Phase.DONE
             self._checkpoint(status="stopped", force=True)
@@ -255,14 +263,31 @@ class Campaign:
         self._phase = Phase.CALIBRATE
         self._emit()
         assumption = self.calibration.assumption if self.calibration else None
-        self.calibration = await calibrate(self.target, assumption=assumption, rng=random.Random(self.rng.getrandbits(64)))
-        self.store.save_calibration(self.target_key, self.calibration.to_dict())
+        try:
+            self.calibration = await calibrate(
+                self.target, assumption=assumption, rng=random.Random(self.rng.getrandbits(64))
+            )
+        except TargetError as e:
+            if self.calibration is None:
+                raise  # no calibration to fall back on: the CLI says why in one line
+            self._server_errors += 1
+            self._last_server_error = f"recalibration failed, the previous calibration stays: {e}"
+            self._recalibrate_at = self._clock() + RECALIBRATE_RETRY_S
+        else:
+            self.store.save_calibration(self.target_key, self.calibration.to_dict())
         self._phase = previous
+
+    def _recalibration_due(self) -> bool:
+        if self.calibration is None:
+            return False
+        if self._recalibrate_at is not None and self._clock() < self._recalibrate_at:
+            return False
+        return self.calibration.is_stale(time.time(), max_age_s=self.settings.recalibrate_after_s)
 
     # --- executing ---------------------------------------------------------------------
 
     async def _execute(self, trace: Trace, purpose: str) -> ExecutionResult:
-        result = await self.target.execute(trace)
+        result = await self._execute_when_up(trace)
         number = self.executions + 1
         self.store.record_execution(
             result, trace, target_id=self.target_id, campaign_id=self.campaign_id, purpose=purpose, number=number
@@ -271,6 +296,24 @@ class Campaign:
         self._checkpoint()
         self._emit()
         return result
+
+    async def _execute_when_up(self, trace: Trace) -> ExecutionResult:
+        """Run ``trace``; when the target cannot even be asked (down, refusing), wait for it and retry.
+
+        A request that fails is data (the executor returns it); a server that cannot be reached
+        before the trace starts (its /tokenize or /metrics refused) raises TargetError. Nothing
+        was measured then, so nothing is recorded: the campaign waits with backoff and runs the
+        trace again once the server answers.
+        """
+        while True:
+            try:
+                return await self.target.execute(trace)
+            except TargetError as e:
+                self._server_errors += 1
+                self._last_server_error = str(e)
+                await self._wait_for_server()
+                if self._should_stop() is not None:
+                    raise _Stopped from None
 
     def _coverage(self, trace: Trace, result: ExecutionResult) -> Coverage:
         assert self.calibration is not None
@@ -369,6 +412,7 @@ class Campaign:
 
     async def _wait_for_server(self) -> None:
         """After a crash: wait with backoff until a one-token request is answered again."""
+        previous = self._phase
         self._phase, self._server = Phase.RECOVER, "down"
         self._emit()
         probe = Trace(requests=(Request(id="health", at_ms=0, prompt_tokens=8, max_tokens=1),), name="health-probe")
@@ -382,7 +426,7 @@ class Campaign:
                 pass
             await self._sleep(wait)
             wait = min(BACKOFF_MAX_S, wait * BACKOFF_FACTOR)
-        self._phase, self._server = Phase.FUZZ, "up"
+        self._phase, self._server = previous, "up"
 
     # --- state -------------------------------------------------------------------------
 
@@ -423,6 +467,10 @@ class Campaign:
         self._dirty.clear()
         self._new_features = {}
         self._since_checkpoint = 0
+
+
+class _Stopped(Exception):
+    """Asked to stop while waiting for a server that is down."""
 
 
 class _CountingTarget:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fuzzer.errors import ConfigError
 from fuzzer.mutators import Limits
@@ -29,23 +29,78 @@ async def open_target(
     model: str | None = None,
     pathologies: Sequence[str] = (),
     seed: int = 0,
+    sim_options: Mapping[str, Any] | None = None,
+    timeout_s: float | None = None,
 ) -> AsyncIterator:
-    """Yield a started HttpTarget on ``url``, or on a simulator child process when ``url`` is None."""
+    """Yield a started HttpTarget on ``url``, or on a simulator child process when ``url`` is None.
+
+    ``sim_options``: more SimProcess arguments for the built-in simulator (speed, faults,
+    fault_rate, fault_grace). ``timeout_s``: the client's read timeout (a hang is declared
+    after it); the executor's default when None.
+    """
     from fuzzer.executor import HttpTarget  # noqa: PLC0415 - aiohttp import only for commands that run traces
 
     api_key = os.environ.get(API_KEY_ENV) or None
     rng = random.Random(seed)
+    extra: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}
     if url is None:
         from fuzzer.sim.process import SimProcess  # noqa: PLC0415
 
-        async with SimProcess(pathologies=tuple(pathologies), seed=seed) as sim:
-            async with HttpTarget(sim.url, server=server, model=model, api_key=api_key, rng=rng) as target:
+        async with SimProcess(pathologies=tuple(pathologies), seed=seed, **dict(sim_options or {})) as sim:
+            async with HttpTarget(sim.url, server=server, model=model, api_key=api_key, rng=rng, **extra) as target:
                 yield target
         return
-    if pathologies:
-        raise ConfigError("--pathologies applies to the built-in simulator only; drop it or drop --target")
-    async with HttpTarget(url, server=server, model=model, api_key=api_key, rng=rng) as target:
+    if pathologies or sim_options:
+        raise ConfigError("--pathologies, --faults and --speed apply to the built-in simulator only; drop them or drop --target")
+    async with HttpTarget(url, server=server, model=model, api_key=api_key, rng=rng, **extra) as target:
         yield target
+
+
+SIM_PREFIX = "sim:"
+
+
+def sim_key(planted: Sequence[str], sim_options: Mapping[str, Any] | None = None, seed: int = 0) -> str:
+    """The built-in simulator's identity in the store: what it plants, how fast it runs, its faults.
+
+    ``sim:hol-prefix-burst;speed=10;faults=crash,hang;rate=0.05;seed=7``. The fault seed is
+    part of it because it decides which requests a fault hits: ``fuzz minimize`` must start
+    the same simulator to reproduce a fault finding. :func:`parse_sim_key` reads it back.
+    """
+    options = dict(sim_options or {})
+    key = SIM_PREFIX + (",".join(planted) or "none")
+    speed = float(options.get("speed", 1.0))
+    if speed != 1.0:
+        key += f";speed={speed:g}"
+    faults = tuple(options.get("faults", ()))
+    if faults:
+        from fuzzer.sim.faults import DEFAULT_RATE  # noqa: PLC0415
+
+        key += f";faults={','.join(faults)};rate={float(options.get('fault_rate', DEFAULT_RATE)):g};seed={seed}"
+    return key
+
+
+def parse_sim_key(key: str) -> tuple[tuple[str, ...], dict[str, Any], int]:
+    """(pathologies, SimProcess options, seed) of a key made by :func:`sim_key`."""
+    head, *parts = key[len(SIM_PREFIX):].split(";")
+    planted = tuple(n for n in head.split(",") if n and n != "none")
+    options: dict[str, Any] = {}
+    seed = 0
+    for part in parts:
+        name, _, value = part.partition("=")
+        try:
+            if name == "speed":
+                options["speed"] = float(value)
+            elif name == "faults":
+                options["faults"] = tuple(f for f in value.split(",") if f)
+            elif name == "rate":
+                options["fault_rate"] = float(value)
+            elif name == "seed":
+                seed = int(value)
+            else:
+                raise ValueError(name)
+        except ValueError:
+            raise ConfigError(f"cannot read the simulator settings {key!r} stored with this finding") from None
+    return planted, options, seed
 
 
 def limits_for(target) -> Limits:

@@ -16,9 +16,15 @@ from fuzzer import trace as trace_format
 from fuzzer.campaign import Campaign, ExitReason, Settings, Stats, Summary
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
-from fuzzer.cli._target import DEFAULT_SIM_PATHOLOGIES, limits_for, open_target, parse_duration
+from fuzzer.cli._target import (
+    DEFAULT_SIM_PATHOLOGIES,
+    limits_for,
+    open_target,
+    parse_duration,
+    sim_key,
+)
 from fuzzer.errors import ConfigError
-from fuzzer.store import Store
+from fuzzer.store import CampaignLock, Store
 from fuzzer.verdict import Verdict
 
 # AFL: stability "harmless when it stays over 90% or so".
@@ -49,32 +55,62 @@ LIVE_REFRESH_PER_S = 4
     default=None,
     help=f"Built-in simulator only: what to plant (default {','.join(DEFAULT_SIM_PATHOLOGIES)}; 'none', 'all').",
 )
+@click.option(
+    "--faults",
+    default=None,
+    help="Built-in simulator only: fault modes to switch on (crash,hang,reset,http-500,malformed-sse,truncated-sse; 'all').",
+)
+@click.option("--fault-rate", type=float, default=None, help="Built-in simulator only: share of requests a fault hits.")
+@click.option("--speed", type=float, default=None, help="Built-in simulator only: run simulated time this much faster.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.01),
+    default=None,
+    help="Seconds without a byte from the server before a request counts as a hang (default 60).",
+)
 @click.option("--null-mutator", is_flag=True, help="Random generation instead of guided mutation (the baseline).")
-def command(target, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, null_mutator) -> None:
+def command(
+    target, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, faults, fault_rate, speed,
+    timeout_s, null_mutator,
+) -> None:
     """Fuzz a server for latency pathologies; resume with the same --db.
 
     Without --target, a simulated vLLM-like server with planted pathologies is
     started on a free loopback port. Ctrl-C finishes the current execution,
-    saves everything and prints what to run next.
+    saves everything and prints what to run next. Only one campaign at a time
+    may write to a database; a second one on the same --db is refused.
 
     \b
     Example:
         fuzz campaign --duration 2m
         fuzz campaign --target http://127.0.0.1:8000 --duration 8h --db night.db
+        fuzz campaign --faults all --fault-rate 0.1 --speed 10 --timeout 2 --duration 5m
     """
     duration_s = parse_duration(duration)
     seeds = _load_seeds(Path(corpus_dir))
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "big")
     planted: tuple[str, ...] = ()
+    sim: dict = {}
     if target is None:
+        from fuzzer.sim import faults as sim_faults  # noqa: PLC0415
         from fuzzer.sim import pathologies as sim_pathologies  # noqa: PLC0415
 
         planted = sim_pathologies.parse(pathologies) if pathologies else DEFAULT_SIM_PATHOLOGIES
-    elif pathologies:
-        raise ConfigError("--pathologies applies to the built-in simulator only; drop it or drop --target")
+        if speed is not None:
+            if not speed > 0:
+                raise ConfigError(f"--speed must be > 0 (2 runs twice as fast), got {speed}")
+            sim["speed"] = speed
+        if faults:
+            sim["faults"] = sim_faults.parse(faults)
+        if fault_rate is not None:
+            sim["fault_rate"] = sim_faults.check_rate(fault_rate)
+    elif pathologies or faults or fault_rate is not None or speed is not None:
+        raise ConfigError("--pathologies, --faults, --fault-rate and --speed apply to the built-in simulator only; "
+                          "drop them or drop --target")
     summary = asyncio.run(
-        _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, null_mutator)
+        _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator)
     )
     _print_summary(summary, db_path)
 
@@ -85,7 +121,9 @@ def _load_seeds(folder: Path) -> list[trace_format.Trace]:
     return [trace_format.load(p) for p in sorted(folder.glob("*.json"))]
 
 
-async def _run(url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, null_mutator) -> Summary:
+async def _run(
+    url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator
+) -> Summary:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -98,10 +136,17 @@ async def _run(url, db_path, duration_s, max_execs, seed, seeds, server, model, 
     loop.add_signal_handler(signal.SIGINT, on_interrupt)
     loop.add_signal_handler(signal.SIGTERM, on_interrupt)
     try:
-        with Store.open(db_path) as store:
-            async with open_target(url, server=server, model=model, pathologies=planted, seed=seed) as target:
+        with Store.open(db_path) as store, CampaignLock(db_path):
+            key = url or sim_key(planted, sim, seed)
+            if sim.get("faults") and store.latest_calibration(key) is None:
+                # The calibration's probes must meet a clean server (it stops at the first failure).
+                from fuzzer.sim.faults import CALIBRATION_GRACE_REQUESTS  # noqa: PLC0415
+
+                sim = {**sim, "fault_grace": CALIBRATION_GRACE_REQUESTS}
+            async with open_target(
+                url, server=server, model=model, pathologies=planted, seed=seed, sim_options=sim, timeout_s=timeout_s
+            ) as target:
                 info = target.info
-                key = url or f"sim:{','.join(planted) or 'none'}"
                 target_id = store.upsert_target(
                     key, info.kind if info else "unknown", info.model if info else None,
                     info.version if info else None, dict(info.capabilities) if info else {},

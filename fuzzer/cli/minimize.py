@@ -11,14 +11,12 @@ from fuzzer.calibration import Calibration, calibrate
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._render import trace_table
-from fuzzer.cli._target import open_target
+from fuzzer.cli._target import SIM_PREFIX, open_target, parse_sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.export import repro_script, verdict_for
 from fuzzer.minimizer import Progress
 from fuzzer.reduction import minimize_finding
 from fuzzer.store import Store
-
-SIM_PREFIX = "sim:"
 
 
 @click.command("minimize")
@@ -28,7 +26,14 @@ SIM_PREFIX = "sim:"
 @server_option
 @model_option
 @click.option("--max-execs", type=click.IntRange(min=1), default=None, help="Execution budget of the search.")
-def command(finding_id, db_path, target, server, model, max_execs) -> None:
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.01),
+    default=None,
+    help="Seconds without a byte from the server before a request counts as a hang (default 60).",
+)
+def command(finding_id, db_path, target, server, model, max_execs, timeout_s) -> None:
     """Minimize the trace of finding FINDING_ID (resumable).
 
     Delta debugging over the requests, then passes that lower prompt and output
@@ -42,9 +47,9 @@ def command(finding_id, db_path, target, server, model, max_execs) -> None:
     """
     with Store.open(db_path, create=False) as store:
         finding = store.get_finding(finding_id)
-        key, url, planted = _where(store, finding.target_id, target)
+        key, url, planted, sim, seed = _where(store, finding.target_id, target)
         try:
-            reduction = asyncio.run(_run(store, finding, key, url, planted, server, model, max_execs))
+            reduction = asyncio.run(_run(store, finding, key, url, (planted, sim, seed), server, model, max_execs, timeout_s))
         except KeyboardInterrupt:
             _console.err.print(f"interrupted; progress is saved: `fuzz minimize {finding.id}` resumes")
             raise SystemExit(130) from None
@@ -62,21 +67,24 @@ def command(finding_id, db_path, target, server, model, max_execs) -> None:
     out.print(f"next: fuzz export {finding.id}{db}")
 
 
-def _where(store: Store, target_id: int | None, given: str | None) -> tuple[str, str | None, tuple[str, ...]]:
-    """(calibration key, URL or None for the simulator, pathologies to plant)."""
+def _where(store: Store, target_id: int | None, given: str | None) -> tuple[str, str | None, tuple[str, ...], dict, int]:
+    """(calibration key, URL or None for the simulator, pathologies to plant, simulator options, seed)."""
     if given is not None:
-        return given, given, ()
+        return given, given, (), {}, 0
     if target_id is None:
-        return f"{SIM_PREFIX}none", None, ()
+        return f"{SIM_PREFIX}none", None, (), {}, 0
     url = store.get_target(target_id)["url"]
     if url.startswith(SIM_PREFIX):
-        names = url[len(SIM_PREFIX):]
-        return url, None, tuple(n for n in names.split(",") if n and n != "none")
+        planted, sim, seed = parse_sim_key(url)
+        return url, None, planted, sim, seed
     raise ConfigError(f"this finding was found on {url}; pass --target {url} (or where that server runs now)")
 
 
-async def _run(store, finding, key, url, planted, server, model, max_execs):
-    async with open_target(url, server=server, model=model, pathologies=planted) as target:
+async def _run(store, finding, key, url, sim, server, model, max_execs, timeout_s):
+    planted, options, seed = sim
+    async with open_target(
+        url, server=server, model=model, pathologies=planted, sim_options=options, seed=seed, timeout_s=timeout_s
+    ) as target:
         stored = store.latest_calibration(key)
         if stored is not None:
             calibration = Calibration.from_dict(stored)

@@ -23,8 +23,29 @@ from fuzzer.errors import ConfigError
     default=None,
     help="Append per-request ground truth (JSON lines) to this file. Never served over HTTP.",
 )
-@click.option("--list", "list_only", is_flag=True, help="Describe the pathologies and exit.")
-def command(host, port, pathologies, speed, seed, ground_truth, list_only) -> None:
+@click.option(
+    "--faults",
+    default="none",
+    show_default=True,
+    help="Fault modes, comma-separated, 'all' or 'none': " + "crash,hang,reset,http-500,malformed-sse,truncated-sse.",
+)
+@click.option(
+    "--fault-rate",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="Share of requests each fault hits (fixed per request shape and --seed).",
+)
+@click.option(
+    "--fault-grace",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Serve this many generation requests before any fault (e.g. 1000 lets a fuzzer calibrate first).",
+)
+@click.option("--parent-pid", type=int, default=None, hidden=True, help="Exit when this process is gone.")
+@click.option("--list", "list_only", is_flag=True, help="Describe the pathologies and faults, and exit.")
+def command(host, port, pathologies, speed, seed, ground_truth, faults, fault_rate, fault_grace, parent_pid, list_only) -> None:
     """Serve a simulated vLLM-like server until interrupted.
 
     It speaks vLLM's OpenAI-compatible API and metrics; planted pathologies are
@@ -33,9 +54,11 @@ def command(host, port, pathologies, speed, seed, ground_truth, list_only) -> No
     \b
     Example:
         fuzz sim --port 8000 --pathologies hol-prefix-burst,cold-start
+        fuzz sim --faults http-500,crash --fault-rate 0.1
         fuzz sim --list
     """
     from fuzzer.sim import SimConfig, describe, parse  # noqa: PLC0415 - keep `fuzz --help` fast
+    from fuzzer.sim import faults as sim_faults  # noqa: PLC0415
     from fuzzer.sim.server import serve_forever  # noqa: PLC0415
 
     if list_only:
@@ -45,8 +68,13 @@ def command(host, port, pathologies, speed, seed, ground_truth, list_only) -> No
             out.print(f"    models:  {info.models}", markup=False)
             out.print(f"    trigger: {info.trigger}", markup=False)
             out.print(f"    effect:  {info.effect}", markup=False)
+        for fault in sim_faults.describe():
+            out.print(f"{fault.name}  (fault, {fault.kind})", markup=False)
+            out.print(f"    {fault.summary}", markup=False)
+            out.print(f"    client sees: {fault.client_sees}", markup=False)
         return
     names = parse(pathologies)
+    plan = sim_faults.FaultPlan(sim_faults.parse(faults), sim_faults.check_rate(fault_rate), seed, fault_grace)
     if not speed > 0:
         raise ConfigError(f"--speed must be > 0 (2 runs twice as fast), got {speed}")
 
@@ -54,4 +82,7 @@ def command(host, port, pathologies, speed, seed, ground_truth, list_only) -> No
         out.print(f"ready on {url}", markup=False)
         sys.stdout.flush()
 
-    serve_forever(host, port, SimConfig(speed=speed), names, seed, on_ready=ready, ground_truth_path=ground_truth)
+    serve_forever(
+        host, port, SimConfig(speed=speed), names, seed, on_ready=ready, ground_truth_path=ground_truth,
+        faults=plan, parent_pid=parent_pid,
+    )

@@ -18,6 +18,8 @@ import time
 from typing import Sequence
 
 from fuzzer.errors import TargetError
+from fuzzer.sim.faults import DEFAULT_RATE, check_rate
+from fuzzer.sim.faults import validate as validate_faults
 from fuzzer.sim.pathologies import validate
 
 #: Python start-up, imports and binding a port take ~1 s; a loaded CI machine can take many more.
@@ -41,8 +43,14 @@ class SimProcess:
         speed: float = 1.0,
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        faults: Sequence[str] | str = (),
+        fault_rate: float = DEFAULT_RATE,
+        fault_grace: int = 0,
     ) -> None:
         self.pathologies = validate(pathologies if isinstance(pathologies, str) else tuple(pathologies))
+        self.faults = validate_faults(faults if isinstance(faults, str) else tuple(faults))
+        self.fault_rate = check_rate(fault_rate)
+        self.fault_grace = fault_grace
         self.seed = seed
         self.speed = speed
         self.extra_args = tuple(extra_args)
@@ -56,7 +64,11 @@ class SimProcess:
         return [
             sys.executable, "-m", "fuzzer", "sim", "--host", "127.0.0.1", "--port", "0",
             "--pathologies", ",".join(self.pathologies) or "none",
-            "--speed", repr(float(self.speed)), "--seed", str(self.seed), *self.extra_args,
+            "--speed", repr(float(self.speed)), "--seed", str(self.seed),
+            "--faults", ",".join(self.faults) or "none", "--fault-rate", repr(float(self.fault_rate)),
+            "--fault-grace", str(self.fault_grace),
+            # The child exits when we do, even when we are SIGKILLed and cannot stop it.
+            "--parent-pid", str(os.getpid()), *self.extra_args,
         ]
 
     @property

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import time
@@ -31,11 +32,12 @@ from aiohttp import web
 
 from fuzzer import __version__
 from fuzzer.errors import ConfigError
+from fuzzer.sim import faults as sim_faults
+from fuzzer.sim import protocol as wire
 from fuzzer.sim.config import SimConfig
 from fuzzer.sim.engine import Engine
 from fuzzer.sim.metrics import CONTENT_TYPE, SimMetrics
 from fuzzer.sim.protocol import BadRequest, Generation, parse_generation
-from fuzzer.sim import protocol as wire
 from fuzzer.sim.request import GroundTruth, SimRequest
 from fuzzer.sim.tokenizer import Tokenizer, output_text, output_token
 
@@ -55,11 +57,21 @@ class SimServer:
         seed: int = 0,
         ground_truth_path: str | Path | None = None,
         *,
+        faults: sim_faults.FaultPlan | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = Engine(config, pathologies, seed)
         self.config = self.engine.config
+        self._engine_args = (config, pathologies, seed)
+        self.faults = faults or sim_faults.FaultPlan()
+        #: Faults injected so far, by name (a crash counts once per crash).
+        self.fault_counts: dict[str, int] = {name: 0 for name in sim_faults.NAMES}
+        self._site: web.BaseSite | None = None
+        self._address: tuple[str, int] | None = None
+        self._crash: asyncio.Task | None = None
+        #: Generation requests received since start, over crashes (the faults' grace period).
+        self.served = 0
         self.tokenizer = Tokenizer()
         self.metrics = SimMetrics(self.engine)
         self._clock = clock
@@ -95,6 +107,17 @@ class SimServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
+        # handler_cancellation: a client that goes away cancels its handler, which aborts its request.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        port = await self._listen(host, port)
+        self._driver = asyncio.create_task(self._drive(), name="sim-engine")
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{port}"
+        return self.url
+
+    async def _listen(self, host: str, port: int) -> int:
+        assert self._runner is not None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -103,16 +126,48 @@ class SimServer:
         except OSError as e:
             sock.close()
             raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-        # handler_cancellation: a client that goes away cancels its handler, which aborts its request.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        await web.SockSite(self._runner, sock).start()
+        self._site = web.SockSite(self._runner, sock)
+        await self._site.start()
+        self._address = (host, sock.getsockname()[1])
+        return self._address[1]
+
+    @property
+    def down(self) -> bool:
+        """True while a crashed server waits to restart."""
+        return self._crash is not None and not self._crash.done()
+
+    async def crash(self, down_s: float | None = None) -> None:
+        """Go down like a crashed process (connections reset, port closed), restart cold after ``down_s``."""
+        if down_s is None:
+            down_s = sim_faults.CRASH_DOWN_S / self.config.speed
+        self.fault_counts[sim_faults.CRASH] += 1
+        assert self._runner is not None and self._address is not None
+        if self._site is not None:
+            await self._site.stop()  # closes the listening socket: new connections are refused
+            self._site = None
+        for handler in list(self._runner.server.connections if self._runner.server else ()):
+            if handler.transport is not None:
+                handler.transport.abort()
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+        # A restarted process: a fresh engine (no KV, no prefix cache, cold), metrics from zero.
+        self.engine = Engine(*self._engine_args)
+        if self._gt_file is not None:
+            self.engine.on_finish = self._write_ground_truth
+        self.metrics = SimMetrics(self.engine)
+        self._waiters.clear()
+        await asyncio.sleep(down_s)
+        await self._listen(*self._address)
         self._driver = asyncio.create_task(self._drive(), name="sim-engine")
-        shown = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{sock.getsockname()[1]}"
-        return self.url
 
     async def stop(self) -> None:
+        if self._crash is not None:
+            self._crash.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._crash
+            self._crash = None
         if self._driver is not None:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -183,6 +238,19 @@ class SimServer:
         header_id = request.headers.get("X-Request-Id")
         engine_id = header_id or uuid.uuid4().hex
         response_id = f"{'chatcmpl' if api == 'chat' else 'cmpl'}-{engine_id}"
+        fault = self.faults.choose(len(gen.prompt_ids), gen.max_tokens, self.served)
+        self.served += 1
+        if fault == sim_faults.CRASH:
+            if not self.down:
+                # Its own task: the crash aborts this very connection, which cancels this handler.
+                self._crash = asyncio.create_task(self.crash(), name="sim-crash")
+            await asyncio.Event().wait()
+        if fault is not None:
+            self.fault_counts[fault] += 1
+            return await sim_faults.respond(
+                fault, request, stream=gen.stream, chat=api == "chat", response_id=response_id,
+                model=self.config.model_name,
+            )
         req = self.engine.add_request(
             engine_id,
             gen.prompt_ids,
@@ -377,9 +445,10 @@ async def running_server(
     host: str = "127.0.0.1",
     port: int = 0,
     ground_truth_path: str | Path | None = None,
+    faults: sim_faults.FaultPlan | None = None,
 ) -> AsyncIterator[str]:
     """Serve a simulator in the current event loop; yields its base URL, stops on exit."""
-    server = SimServer(config, pathologies, seed, ground_truth_path)
+    server = SimServer(config, pathologies, seed, ground_truth_path, faults=faults)
     url = await server.start(host, port)
     try:
         yield url
@@ -395,21 +464,41 @@ def serve_forever(
     seed: int,
     on_ready: Callable[[str], None],
     ground_truth_path: str | Path | None = None,
+    faults: sim_faults.FaultPlan | None = None,
+    parent_pid: int | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM (for ``fuzz sim``); ``on_ready(url)`` once listening."""
+    """Serve until SIGINT or SIGTERM (for ``fuzz sim``); ``on_ready(url)`` once listening.
+
+    With ``parent_pid``, also stop when that process is gone (a SIGKILLed campaign must
+    not leave its simulator running).
+    """
 
     async def main() -> None:
-        server = SimServer(config, pathologies, seed, ground_truth_path)
+        server = SimServer(config, pathologies, seed, ground_truth_path, faults=faults)
         url = await server.start(host, port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
+        watcher = asyncio.create_task(_watch_parent(parent_pid, stop)) if parent_pid else None
         try:
             on_ready(url)
             await stop.wait()
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await server.stop()
 
     asyncio.run(main())
+
+
+#: How often a child simulator checks that the process that started it is still there.
+PARENT_POLL_S = 0.5
+
+
+async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
+    """Set ``stop`` once ``parent_pid`` is no longer our parent (it died; we were re-parented)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    stop.set()

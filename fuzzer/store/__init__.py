@@ -22,6 +22,7 @@ import sqlite_utils
 from fuzzer import trace as trace_format
 from fuzzer.errors import NotFoundError, StoreError
 from fuzzer.execution import ExecutionResult, MetricSample
+from fuzzer.store._lock import CampaignLock
 from fuzzer.store._migrations import MIGRATIONS, SCHEMA_VERSION
 from fuzzer.store._rows import (
     StoredFinding,
@@ -34,7 +35,7 @@ from fuzzer.store._rows import (
 )
 from fuzzer.trace import Trace
 
-__all__ = ["SCHEMA_VERSION", "Store", "StoredFinding"]
+__all__ = ["SCHEMA_VERSION", "CampaignLock", "Store", "StoredFinding"]
 
 # A writer holding the lock for longer than this is stuck or dead; a reader waits
 # this long before reporting the database as busy.
