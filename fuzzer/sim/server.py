@@ -70,6 +70,7 @@ class SimServer:
         self._site: web.BaseSite | None = None
         self._address: tuple[str, int] | None = None
         self._crash: asyncio.Task | None = None
+        self._down = False
         #: Generation requests received since start, over crashes (the faults' grace period).
         self.served = 0
         self.tokenizer = Tokenizer()
@@ -134,13 +135,14 @@ class SimServer:
     @property
     def down(self) -> bool:
         """True while a crashed server waits to restart."""
-        return self._crash is not None and not self._crash.done()
+        return self._down
 
     async def crash(self, down_s: float | None = None) -> None:
         """Go down like a crashed process (connections reset, port closed), restart cold after ``down_s``."""
         if down_s is None:
             down_s = sim_faults.CRASH_DOWN_S / self.config.speed
         self.fault_counts[sim_faults.CRASH] += 1
+        self._down = True
         assert self._runner is not None and self._address is not None
         if self._site is not None:
             await self._site.stop()  # closes the listening socket: new connections are refused
@@ -161,6 +163,7 @@ class SimServer:
         await asyncio.sleep(down_s)
         await self._listen(*self._address)
         self._driver = asyncio.create_task(self._drive(), name="sim-engine")
+        self._down = False
 
     async def stop(self) -> None:
         if self._crash is not None:
