@@ -60,10 +60,10 @@ def start_campaign(db: Path, *more: str, cwd: Path, extra_env: dict | None = Non
 
 
 def calibrated_template(root: Path) -> Path:
-    """A database with a stored calibration of the faulty simulator and one short campaign (made once)."""
+    """A database with a stored calibration of the faulty simulator and a short campaign that met some faults (made once)."""
     if "db" not in _template:
         db = root / "template.db"
-        done = run_fuzz(*campaign_args(db, "--max-execs", "2"), cwd=root, timeout_s=300)
+        done = run_fuzz(*campaign_args(db, "--max-execs", "12"), cwd=root, timeout_s=300)
         assert done.returncode == 0, done.stderr + done.stdout
         _template["db"] = db
     return _template["db"]
