@@ -23,7 +23,12 @@ CORPUS = ROOT / "corpus"
 #: The simulator settings of every campaign here (part of the stored target key, so a copy
 #: of the template resumes with its calibration). Speed 20: a calibration in ~15 s.
 SEED = 11
-SIM_ARGS = ("--speed", "20", "--faults", "all", "--fault-rate", "0.1", "--seed", str(SEED), "--timeout", "0.5")
+SIM_ARGS = ("--speed", "20", "--faults", "all", "--fault-rate", "0.1", "--seed", str(SEED))
+#: The client timeout of the campaigns here: a hang fault costs this much per request.
+TIMEOUT = "1.0"
+#: The calibrating campaign's: non-streaming probes say nothing until they end, and a
+#: loaded 2-core machine may take seconds (a probe that times out fails the calibration).
+CALIBRATION_TIMEOUT = "10"
 #: Any one fuzz command here must end within this (a hung command fails the test, not CI).
 COMMAND_TIMEOUT_S = 120.0
 
@@ -48,8 +53,8 @@ def run_fuzz(*args: str, cwd: Path, timeout_s: float = COMMAND_TIMEOUT_S, extra_
     )
 
 
-def campaign_args(db: Path, *more: str) -> list[str]:
-    return ["campaign", "--db", str(db), "--corpus", str(CORPUS), *SIM_ARGS, *more]
+def campaign_args(db: Path, *more: str, timeout: str = TIMEOUT) -> list[str]:
+    return ["campaign", "--db", str(db), "--corpus", str(CORPUS), *SIM_ARGS, "--timeout", timeout, *more]
 
 
 def start_campaign(db: Path, *more: str, cwd: Path, extra_env: dict | None = None) -> subprocess.Popen:
@@ -63,8 +68,13 @@ def calibrated_template(root: Path) -> Path:
     """A database with a stored calibration of the faulty simulator and a short campaign that met some faults (made once)."""
     if "db" not in _template:
         db = root / "template.db"
+        # First run: calibrates (the simulator holds its faults back for it), one execution.
+        done = run_fuzz(*campaign_args(db, "--max-execs", "1", timeout=CALIBRATION_TIMEOUT), cwd=root, timeout_s=300)
+        assert done.returncode == 0, done.stderr + done.stdout
+        # Resumed with a stored calibration: the faults are on from the first request.
         done = run_fuzz(*campaign_args(db, "--max-execs", "12"), cwd=root, timeout_s=300)
         assert done.returncode == 0, done.stderr + done.stdout
+        assert db_facts(db)["findings"], "the faulty simulator gave the template campaign nothing"
         _template["db"] = db
     return _template["db"]
 

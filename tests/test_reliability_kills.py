@@ -83,7 +83,7 @@ def test_minimization_survives_sigkill_and_resumes(template, tmp_path):
     rng = random.Random(7)
     for _ in range(2):
         proc = subprocess.Popen(
-            fuzz_command("minimize", str(finding), "--db", str(db), "--timeout", "0.5"), cwd=tmp_path, env=env(),
+            fuzz_command("minimize", str(finding), "--db", str(db), "--timeout", "1.0"), cwd=tmp_path, env=env(),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         time.sleep(rng.uniform(2.0, 4.0))
@@ -94,7 +94,7 @@ def test_minimization_survives_sigkill_and_resumes(template, tmp_path):
         now = db_facts(db)
         _assert_nothing_lost(facts, now)
         facts = now
-    done = run_fuzz("minimize", str(finding), "--db", str(db), "--timeout", "0.5", cwd=tmp_path)
+    done = run_fuzz("minimize", str(finding), "--db", str(db), "--timeout", "1.0", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "minimized" in done.stdout
     _assert_nothing_lost(facts, db_facts(db))
