@@ -16,6 +16,7 @@ import pytest
 from reliability_support import (
     calibrated_template,
     campaign_args,
+    children,
     copy_db,
     db_facts,
     env,
@@ -26,11 +27,13 @@ from reliability_support import (
     wait_gone,
 )
 
-#: Kills per test, and where they fall (seconds after the process started). The first
-#: second or two is Python start-up and the simulator's; later kills land mid-fuzzing,
+#: Kills per test, and where they fall: seconds after the campaign's simulator child is up
+#: (start-up takes 1-5 s on a loaded machine). Kills land mid-calibration-lookup, mid-fuzzing,
 #: mid-confirmation or mid-recovery from a crash fault.
 KILLS = 3
-KILL_WINDOW_S = (1.5, 7.0)
+KILL_WINDOW_S = (0.2, 6.0)
+#: How long a campaign may take to start its simulator.
+STARTUP_S = 30.0
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +41,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def template(tmp_path_factory):
     return calibrated_template(tmp_path_factory.mktemp("calibrated"))
+
+
+def _wait_for_child(proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while not children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _assert_nothing_lost(before: dict, after: dict) -> None:
@@ -54,6 +63,7 @@ def test_campaign_survives_sigkill_and_resumes(template, tmp_path):
     first = facts
     for _ in range(KILLS):
         proc = start_campaign(db, "--duration", "60s", cwd=tmp_path)
+        _wait_for_child(proc)
         time.sleep(rng.uniform(*KILL_WINDOW_S))
         assert proc.poll() is None, "the campaign ended before it could be killed"
         simulators = kill9(proc)
@@ -86,7 +96,8 @@ def test_minimization_survives_sigkill_and_resumes(template, tmp_path):
             fuzz_command("minimize", str(finding), "--db", str(db), "--timeout", "1.0"), cwd=tmp_path, env=env(),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        time.sleep(rng.uniform(2.0, 4.0))
+        _wait_for_child(proc)
+        time.sleep(rng.uniform(0.5, 3.0))
         if proc.poll() is not None:
             break  # it finished before the kill: nothing left to interrupt
         for pid in kill9(proc):
