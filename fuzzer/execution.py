@@ -132,6 +132,9 @@ class ExecutionResult:
     idle_after: bool | None = None
     #: Harness warnings: prompt-length mismatches, dispatch lateness, ... (client trouble).
     warnings: tuple[str, ...] = ()
+    #: The worst stall of the client's own event loop while the requests ran (a busy or
+    #: descheduled client stamps events late); None when not measured (virtual time).
+    client_lag_s: float | None = None
     #: Simulator ground truth (request id -> pathologies that delayed it). Filled only by the
     #: in-process simulator, for tests and benchmarks; the oracle never reads it.
     ground_truth: Mapping[str, tuple[str, ...]] = field(default_factory=dict)

@@ -30,6 +30,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from fuzzer import clientlag
 from fuzzer import prompts as prompt_builder
 from fuzzer import servers
 from fuzzer.errors import TargetError
@@ -251,12 +252,17 @@ class HttpTarget:
         if self._scraper is not None:
             sampler = Sampler(self._scraper, interval_s=self._metrics_interval_s, clock=self._clock, sleep=self._sleep)
             sampler.start(t0)
-        tasks: list[asyncio.Task[RequestResult]] = []
-        for plan in plans:
-            await self._sleep_until(t0 + plan.scheduled_s)
-            tasks.append(asyncio.create_task(self._send(plan, t0)))
-        results = await asyncio.gather(*tasks)
-        duration_s = self._clock() - t0
+        lag = clientlag.LagMonitor(clock=self._clock, sleep=self._sleep)
+        lag.start()
+        try:
+            tasks: list[asyncio.Task[RequestResult]] = []
+            for plan in plans:
+                await self._sleep_until(t0 + plan.scheduled_s)
+                tasks.append(asyncio.create_task(self._send(plan, t0)))
+            results = await asyncio.gather(*tasks)
+            duration_s = self._clock() - t0
+        finally:
+            client_lag_s = await lag.stop()
         idle_after = await settles_idle(
             self._scraper, timeout_s=self._idle_after_timeout_s, clock=self._clock, sleep=self._sleep
         )
@@ -266,6 +272,9 @@ class HttpTarget:
             if failed:
                 warnings.append(f"{failed} /metrics scrapes failed during the execution")
         warnings.extend(_result_warnings(trace, results))
+        lag_warning = clientlag.warning(client_lag_s)
+        if lag_warning:
+            warnings.append(lag_warning)
         return ExecutionResult(
             trace_hash=trace.content_hash(),
             target=self.base_url,
@@ -276,6 +285,7 @@ class HttpTarget:
             idle_before_s=idle.idle_s,
             idle_after=idle_after,
             warnings=tuple(warnings),
+            client_lag_s=client_lag_s,
         )
 
     def _plan(

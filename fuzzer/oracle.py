@@ -59,6 +59,11 @@ MIN_MARGIN_S = 0.020
 #: ... and more than this many measured noise widths (1.4826 x MAD of the calibration
 #: residuals) above the bound, so a noisy target needs a bigger excess.
 NOISE_MARGINS = 6.0
+#: ... and more than this many times the worst stall of the client's own event loop in that
+#: execution (``ExecutionResult.client_lag_s``): a busy or descheduled client stamps events
+#: late, and a stall it cannot tell from server latency is never blamed on the server.
+#: Twice, since a max ITL or an E2E can take in two stalls.
+CLIENT_LAG_MARGINS = 2.0
 #: Confirmation starts with this many re-executions: three samples against a ~40-value
 #: baseline can already reach p <= 0.01 with MWU/KS.
 MIN_RUNS = 3
@@ -102,6 +107,7 @@ class OraclePolicy:
     factor: float = CANDIDATE_FACTOR
     min_margin_s: float = MIN_MARGIN_S
     noise_margins: float = NOISE_MARGINS
+    client_lag_margins: float = CLIENT_LAG_MARGINS
     alpha: float = ALPHA
     same_p: float = SAME_P
     min_runs: int = MIN_RUNS
@@ -113,8 +119,10 @@ class OraclePolicy:
     kv_pressure_factor: float = KV_PRESSURE_FACTOR
     thrash_preemptions_per_request: float = THRASH_PREEMPTIONS_PER_REQUEST
 
-    def margin_s(self, calibration: Calibration, metric: Metric) -> float:
-        return max(self.min_margin_s, self.noise_margins * calibration.noise_s.get(metric, 0.0))
+    def margin_s(self, calibration: Calibration, metric: Metric, client_lag_s: float | None = None) -> float:
+        """How far above its bound a latency must be, in seconds, to be a candidate."""
+        return max(self.min_margin_s, self.noise_margins * calibration.noise_s.get(metric, 0.0),
+                   self.client_lag_margins * (client_lag_s or 0.0))
 
 
 DEFAULT_POLICY = OraclePolicy()
@@ -207,7 +215,8 @@ def observe(
                 bound, idle = e.bound(metric), e.idle(metric)
                 if value is None or bound is None or idle is None:
                     continue
-                slow = value >= factor * bound and value - bound >= policy.margin_s(calibration, metric)
+                margin = policy.margin_s(calibration, metric, result.client_lag_s)
+                slow = value >= factor * bound and value - bound >= margin
                 observations[metric] = Observation(metric, value, bound, idle, slow, factor)
         failure = FindingKind(FAILURE_KIND[r.outcome]) if r.outcome in FAILURE_KIND else None
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))

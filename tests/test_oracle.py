@@ -79,6 +79,21 @@ def test_a_stalled_request_is_a_candidate_with_its_excess():
     assert small.excess_s == pytest.approx(0.5, abs=0.05)
 
 
+def test_a_stall_the_client_may_have_caused_itself_is_not_blamed_on_the_server():
+    import dataclasses
+
+    result = _warm(delay_s={"small": 0.5}).run(BURST)  # 0.5 s above the bound
+    # The client's own loop stalled 0.3 s during the execution: 2 x 0.3 s covers the excess.
+    assert candidates(BURST, dataclasses.replace(result, client_lag_s=0.3), _calibration()) == []
+    # A 0.1 s stall cannot explain a 0.5 s excess: still a candidate.
+    (cand,) = candidates(BURST, dataclasses.replace(result, client_lag_s=0.1), _calibration())
+    assert cand.request_id == "small" and cand.kind is FindingKind.TTFT_OUTLIER
+    # The margin itself: the largest of the floor, the noise widths and the client lag.
+    policy = OraclePolicy()
+    assert policy.margin_s(_calibration(), Metric.TTFT, 0.3) == pytest.approx(0.6)
+    assert policy.margin_s(_calibration(), Metric.TTFT, None) == policy.margin_s(_calibration(), Metric.TTFT)
+
+
 def test_three_clean_runs_judge_same_everywhere():
     target = _warm(seed=5)
     results = [target.run(BURST) for _ in range(3)]

@@ -238,7 +238,8 @@ def _summary(result: ExecutionResult) -> list[str]:
     lines = [
         f"{len(result.requests)} requests, {failed} failed, {result.duration_s:.3f} s; "
         f"TTFT p50 {_ms(_percentile(ttfts, 50))} ms, p99 {_ms(_percentile(ttfts, 99))} ms; "
-        f"dispatch lateness max {_ms(max(late))} ms; idle before {idle_before}, back to idle after: {idle_after}; "
+        f"dispatch lateness max {_ms(max(late))} ms; client lag max {_ms(result.client_lag_s)} ms; "
+        f"idle before {idle_before}, back to idle after: {idle_after}; "
         f"{len(result.samples)} metric samples"
     ]
     lines.extend(f"warning: {w}" for w in result.warnings)
@@ -286,6 +287,7 @@ def _as_json(trace: Trace, info: ServerInfo, results: list[ExecutionResult], see
                 "duration_s": res.duration_s,
                 "idle_before_s": res.idle_before_s,
                 "idle_after": res.idle_after,
+                "client_lag_s": res.client_lag_s,
                 "failed": len(res.failures),
                 "samples": len(res.samples),
                 "warnings": list(res.warnings),

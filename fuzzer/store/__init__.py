@@ -240,6 +240,7 @@ class Store:
                     "idle_before_s": result.idle_before_s,
                     "idle_after": None if result.idle_after is None else int(result.idle_after),
                     "warnings": to_json(list(result.warnings)),
+                    "client_lag_s": result.client_lag_s,
                     "ground_truth": to_json({k: list(v) for k, v in result.ground_truth.items()}),
                     "number": number,
                 }
@@ -284,6 +285,7 @@ class Store:
             idle_before_s=row["idle_before_s"],
             idle_after=None if row["idle_after"] is None else bool(row["idle_after"]),
             warnings=tuple(json.loads(row["warnings"] or "[]")),
+            client_lag_s=row.get("client_lag_s"),
             ground_truth={k: tuple(v) for k, v in json.loads(row["ground_truth"] or "{}").items()},
         )
 

@@ -149,8 +149,14 @@ def _m3_minimizations(db: sqlite_utils.Database) -> None:
     )
 
 
+def _m4_client_lag(db: sqlite_utils.Database) -> None:
+    db["executions"].add_column("client_lag_s", float)
+
+
 #: Schema history: append, never edit a released step. Index i brings a database to version i + 1.
-MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (_m1_initial, _m2_corpus, _m3_minimizations)
+MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (
+    _m1_initial, _m2_corpus, _m3_minimizations, _m4_client_lag,
+)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
