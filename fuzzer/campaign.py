@@ -33,6 +33,7 @@ from fuzzer.execution import ExecutionResult, Target
 from fuzzer.expectation import expect
 from fuzzer.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
 from fuzzer.oracle import OraclePolicy
+from fuzzer.recovery import backoff
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
 from fuzzer.verdict import FindingKind, Metric, Verdict, signature
@@ -45,10 +46,6 @@ CHECKPOINT_EVERY = 10
 # A candidate whose confirmation came back SAME is not confirmed again until it has been
 # seen this many more times: noise must not eat the campaign's time.
 RECONFIRM_AFTER = 5
-# Waiting for a server that went down: first wait, growth factor, longest wait.
-BACKOFF_FIRST_S = 1.0
-BACKOFF_FACTOR = 2.0
-BACKOFF_MAX_S = 60.0
 # A periodic recalibration that fails (a flaky server failed a probe) keeps the previous
 # calibration and is tried again this much later, not after every execution.
 RECALIBRATE_RETRY_S = 600.0
@@ -416,7 +413,7 @@ class Campaign:
         self._phase, self._server = Phase.RECOVER, "down"
         self._emit()
         probe = Trace(requests=(Request(id="health", at_ms=0, prompt_tokens=8, max_tokens=1),), name="health-probe")
-        wait = BACKOFF_FIRST_S
+        waits = backoff()
         while self._should_stop() is None:
             try:
                 result = await self.target.execute(probe)
@@ -424,8 +421,7 @@ class Campaign:
                     break
             except FuzzError:
                 pass
-            await self._sleep(wait)
-            wait = min(BACKOFF_MAX_S, wait * BACKOFF_FACTOR)
+            await self._sleep(next(waits))
         self._phase, self._server = previous, "up"
 
     # --- state -------------------------------------------------------------------------

@@ -46,10 +46,6 @@ async def let_idle(target: Target, seconds: float, sleep: Callable[[float], Awai
         await sleep(seconds)
 
 
-#: The old private name, still imported by fuzzer.reduction.
-_idle = let_idle
-
-
 async def confirm(
     target: Target,
     trace: Trace,

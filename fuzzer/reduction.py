@@ -25,6 +25,7 @@ from fuzzer.confirmation import confirm, let_idle
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Target
 from fuzzer.minimizer import Check, Minimizer, MinimizeResult, Progress
 from fuzzer.oracle import DEFAULT_POLICY, Candidate, OraclePolicy
+from fuzzer.recovery import DEFAULT_PATIENCE_S, PatientTarget
 from fuzzer.store import Store, StoredFinding
 from fuzzer.trace import Trace
 from fuzzer.verdict import FindingKind, Metric, Verdict, signature
@@ -112,8 +113,16 @@ async def minimize_finding(
     on_progress: Callable[[Progress], None] | None = None,
     repro: Callable[[StoredFinding, Trace], str | None] = lambda f, t: None,
     max_executions: int | None = None,
+    patience_s: float = DEFAULT_PATIENCE_S,
+    on_down: Callable[[str], None] = lambda reason: None,
 ) -> Reduction:
-    """Shrink ``finding``'s trace on ``target``, store the result and its repro script."""
+    """Shrink ``finding``'s trace on ``target``, store the result and its repro script.
+
+    When the server goes down on the way (a crash finding takes it down by definition),
+    every execution waits for it with backoff for up to ``patience_s``, then gives up with
+    a TargetError; the state saved after every test lets the same call resume.
+    """
+    target = PatientTarget(target, sleep=sleep, patience_s=patience_s, on_down=on_down)
     kind = FindingKind(finding.kind)
     metric = Metric(finding.verdict["metric"]) if finding.verdict.get("metric") else None
     trace = store.get_trace(finding.trace_hash)

@@ -80,3 +80,52 @@ async def test_interrupted_minimization_resumes(logprobs_case):
     assert reduction.result.executions > saved["executions"]
     assert size_key(reduction.result.minimized) < size_key(trace)
     assert store.get_finding(finding.id).minimized
+
+
+async def test_a_server_that_goes_down_while_minimizing_is_waited_for(logprobs_case):
+    """A crash on the way (connection refused before a trace can start) is waited out with backoff."""
+    from fuzzer.errors import TargetError
+
+    target, trace = logprobs_case
+    store = Store.memory()
+    finding, calibration = await _finding(store, target, trace)
+    calls = {"n": 0}
+    real = target.execute
+    slept = []
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    async def flaky(t):
+        calls["n"] += 1
+        if 5 <= calls["n"] < 9:  # down for four tries in a row
+            raise TargetError("POST http://127.0.0.1:1/tokenize failed: ClientConnectorError")
+        return await real(t)
+
+    target.execute = flaky
+    reduction = await minimize_finding(store, finding, target, calibration, sleep=sleep)
+    assert slept[:4] == [1.0, 2.0, 4.0, 8.0]  # the backoff, then the server was back
+    assert len(reduction.result.minimized.requests) < len(trace.requests)
+    assert store.get_finding(finding.id).minimized
+
+
+async def test_a_server_that_stays_down_ends_the_minimization_with_a_clear_error_and_its_state_saved(logprobs_case):
+    from fuzzer.errors import TargetError
+
+    target, trace = logprobs_case
+    store = Store.memory()
+    finding, calibration = await _finding(store, target, trace)
+    calls = {"n": 0}
+    real = target.execute
+
+    async def dies(t):
+        calls["n"] += 1
+        if calls["n"] >= 6:
+            raise TargetError("POST http://127.0.0.1:1/tokenize failed: ClientConnectorError")
+        return await real(t)
+
+    target.execute = dies
+    with pytest.raises(TargetError, match="stayed unreachable for 30 s"):
+        await minimize_finding(store, finding, target, calibration, sleep=_no_sleep, patience_s=30)
+    saved = store.minimization_state(finding.id)
+    assert saved is not None and saved["tests"] > 0  # the same command resumes from here

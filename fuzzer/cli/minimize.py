@@ -15,6 +15,7 @@ from fuzzer.cli._target import SIM_PREFIX, open_target, parse_sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.export import repro_script, verdict_for
 from fuzzer.minimizer import Progress
+from fuzzer.recovery import DEFAULT_PATIENCE_S
 from fuzzer.reduction import minimize_finding
 from fuzzer.store import Store
 
@@ -101,6 +102,9 @@ async def _run(store, finding, key, url, sim, server, model, max_execs, timeout_
         return await minimize_finding(
             store, finding, target, calibration, sleep=asyncio.sleep, on_progress=progress,
             repro=lambda f, t: _repro(store, f, t), max_executions=max_execs,
+            on_down=lambda reason: _console.err.print(
+                f"  the server is unreachable ({reason}); waiting for it, up to {DEFAULT_PATIENCE_S:g} s"
+            ),
         )
 
 
