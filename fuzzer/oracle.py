@@ -361,11 +361,7 @@ def latency_verdict(
     if not worst:
         return Verdict(kind=None, decision=Decision.INSUFFICIENT_DATA, method=_METHOD, request_id=request_id,
                        runs=len(per_run), assumption=assumption, detail="no latency measured in any run")
-    # The metric to judge: the earliest symptom that made a candidate in some run (a late
-    # first token also delays the end; blaming the end would hide the cause), else the
-    # metric furthest above its bound.
-    slow = {m for rep in per_run for m, o in rep.observations.items() if o.candidate}
-    metric = next((m for m in _SYMPTOM_ORDER if m in slow), None) or max(worst, key=lambda o: o.ratio).metric
+    metric = _judged_metric(per_run) or max(worst, key=lambda o: o.ratio).metric
     obs = [rep.observations.get(metric) for rep in per_run]
     warm = [o for o, c in zip(obs, cold) if o is not None and not c]
     cold_obs = [o for o, c in zip(obs, cold) if o is not None and c]
@@ -403,6 +399,26 @@ def latency_verdict(
     sig = signature(kind, trace, request_id) if kind else None
     return _make_verdict(kind, decision, c, request_id, metric, sample, assumption, sig, threshold=threshold,
                          detail=detail)
+
+
+def _judged_metric(per_run: Sequence[RequestReport]) -> Metric | None:
+    """The metric to judge a request on, or None when no run made it a candidate.
+
+    The earliest symptom that made a candidate in at least half of the runs (a late first
+    token also delays the end; blaming the end would hide the cause). A symptom that made
+    one only now and then is not the one to test when another does so in most runs: a
+    request that streams every token 40x too slowly and whose first token is borderline
+    slow in 2 runs of 10 is an inter-token stall, not a TTFT that tests SAME. When no
+    symptom reaches half of the runs (a slowdown only after idle periods, say), the one
+    that made a candidate most often, earliest first on a tie.
+    """
+    counts = {m: sum(1 for rep in per_run if (o := rep.observations.get(m)) is not None and o.candidate)
+              for m in _SYMPTOM_ORDER}
+    steady = [m for m in _SYMPTOM_ORDER if counts[m] and 2 * counts[m] >= len(per_run)]
+    if steady:
+        return steady[0]
+    best = max(counts.values())
+    return next((m for m in _SYMPTOM_ORDER if counts[m] == best), None) if best else None
 
 
 def _make_verdict(

@@ -363,3 +363,28 @@ def test_hundreds_of_random_traces_on_a_clean_simulator_yield_no_confirmed_findi
         trace = generate(rng)
         exam = asyncio.run(examine(target, trace, _sim_calibration(), runs=3, rng=_rng(i)))
         assert exam.findings == (), (i, trace, exam.findings)
+
+
+def _report(**slow):
+    """A RequestReport whose metrics are candidates as given (True/False); None leaves a metric out."""
+    from fuzzer.oracle import Observation, RequestReport
+
+    obs = {Metric(m): Observation(Metric(m), 1.0, 0.1, 0.05, flag) for m, flag in slow.items() if flag is not None}
+    return RequestReport("r", Outcome.OK, None, obs)
+
+
+def test_the_judged_symptom_is_the_earliest_one_seen_in_most_runs_not_a_flicker():
+    from fuzzer.oracle import _judged_metric
+
+    # Every token 3x too slow in all runs, the first token borderline in 2 runs of 10: an ITL stall.
+    runs = [_report(ttft=i < 2, max_itl=True, e2e=True) for i in range(10)]
+    assert _judged_metric(runs) is Metric.MAX_ITL
+    # A late first token in most runs delays the end too: the cause, TTFT, is judged.
+    runs = [_report(ttft=i < 6, max_itl=False, e2e=True) for i in range(10)]
+    assert _judged_metric(runs) is Metric.TTFT
+    # No symptom in half the runs (slow only after idle periods): the most frequent, earliest on a tie.
+    runs = [_report(ttft=i < 2, max_itl=False, e2e=i < 2) for i in range(10)]
+    assert _judged_metric(runs) is Metric.TTFT
+    runs = [_report(ttft=i < 1, max_itl=False, e2e=i < 3) for i in range(10)]
+    assert _judged_metric(runs) is Metric.E2E
+    assert _judged_metric([_report(ttft=False, e2e=False)] * 3) is None
