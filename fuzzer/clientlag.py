@@ -18,6 +18,8 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
+from fuzzer.periodic import Periodic
+
 #: Wake-up period. asyncio timers have ~1 ms granularity; 5 ms is cheap (200 wake-ups a
 #: second) and short enough that a stall worth reporting (tens of ms) is never missed.
 DEFAULT_INTERVAL_S = 0.005
@@ -25,7 +27,7 @@ DEFAULT_INTERVAL_S = 0.005
 WARN_S = 0.020
 
 
-class LagMonitor:
+class LagMonitor(Periodic):
     """Measures the worst event-loop stall between :meth:`start` and :meth:`stop`."""
 
     def __init__(
@@ -35,18 +37,12 @@ class LagMonitor:
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
-        self._interval_s = interval_s
-        self._clock = clock
-        self._sleep = sleep
-        self._task: asyncio.Task[None] | None = None
+        super().__init__(interval_s=interval_s, clock=clock, sleep=sleep)
         self.worst_s = 0.0
         self.ticks = 0
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run())
+        self._launch()
 
     async def _run(self) -> None:
         while True:
@@ -57,13 +53,7 @@ class LagMonitor:
 
     async def stop(self) -> float:
         """Stop measuring; the worst stall seen, in seconds (0.0 when none was measured)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._cancel()
         return self.worst_s
 
 

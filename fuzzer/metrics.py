@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fuzzer.errors import TargetError
 from fuzzer.execution import MetricSample
+from fuzzer.periodic import Periodic
 from fuzzer.servers import Adapter
 
 #: Common metric names every adapter maps onto (counters are cumulative).
@@ -238,7 +239,7 @@ async def settles_idle(
     return report.reached
 
 
-class Sampler:
+class Sampler(Periodic):
     """Polls /metrics every ``interval_s`` on an absolute schedule while an execution runs.
 
     A tick that comes due while the previous scrape is still running is skipped
@@ -254,31 +255,20 @@ class Sampler:
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        super().__init__(interval_s=interval_s, clock=clock, sleep=sleep)
         self._scrape = scrape
-        self._interval_s = interval_s
-        self._clock = clock
-        self._sleep = sleep
         self._samples: list[MetricSample] = []
         self._failures = 0
-        self._task: asyncio.Task[None] | None = None
         self._t0 = 0.0
 
     def start(self, t0: float) -> None:
         """Poll from half an interval after ``t0``, so a scrape never competes with the first dispatch."""
         self._t0 = t0
-        self._task = asyncio.create_task(self._run())
+        self._launch()
 
     async def stop(self) -> tuple[tuple[MetricSample, ...], int]:
         """Stop polling; returns (samples, failed scrapes)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._cancel()
         return tuple(self._samples), self._failures
 
     async def _run(self) -> None:
