@@ -275,7 +275,7 @@ def test_a_model_with_a_negative_fitted_cost_is_scheduled_as_the_reference_does(
 
 
 def test_a_request_that_can_never_be_admitted_still_ends_in_a_config_error(monkeypatch):
-    monkeypatch.setattr("fuzzer.expectation.MAX_MODEL_STEPS", 200_000)
+    monkeypatch.setattr("fuzzer.paper.MAX_MODEL_STEPS", 200_000)
     trace = Trace(requests=(_req("a", 0, 100, out=4, n=8),))
     with pytest.raises(ConfigError, match="scheduler steps"):
         paper_schedule(trace, MODEL, SchedulerAssumption(max_num_seqs=4))
