@@ -9,7 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from fuzzer import __version__
+from fuzzer.cli import campaign as campaign_cli
 from fuzzer.cli import cli
+from fuzzer.errors import ConfigError
 from fuzzer.store import Store
 
 from conftest import ROOT
@@ -86,3 +88,23 @@ def test_findings_json_fields_and_unknown_id(runner, tmp_path, seed_trace):
     unknown = runner.invoke(cli, ["show", "42", "--db", str(path)])
     assert unknown.exit_code == 2
     assert unknown.output.strip() == "error: no finding with id 42 (see `fuzz findings` for the ids)"
+
+
+def test_campaign_seeds_come_from_the_corpus_folder_wherever_fuzz_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # No ./corpus: the project's own seeds (the README's main job run from anywhere).
+    assert campaign_cli._seed_folder(None) == ROOT / "corpus"
+    names = {t.name for t in campaign_cli._load_seeds(campaign_cli._seed_folder(None))}
+    assert len(names) == len(list((ROOT / "corpus").glob("*.json"))) and "vllm-37308" in names
+    # A ./corpus folder wins over them.
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "one.json").write_text((ROOT / "corpus" / "kv-fill.json").read_text())
+    assert campaign_cli._seed_folder(None).resolve() == (tmp_path / "corpus").resolve()
+    assert len(campaign_cli._load_seeds(campaign_cli._seed_folder(None))) == 1
+    # A named folder must exist; with no seeds anywhere the campaign generates its own.
+    with pytest.raises(ConfigError, match="does not exist"):
+        campaign_cli._seed_folder(str(tmp_path / "missing"))
+    (tmp_path / "corpus" / "one.json").unlink()
+    (tmp_path / "corpus").rmdir()
+    monkeypatch.setattr(campaign_cli, "BUNDLED_CORPUS", tmp_path / "nowhere")
+    assert campaign_cli._seed_folder(None) is None and campaign_cli._load_seeds(None) == []

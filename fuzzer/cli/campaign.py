@@ -32,6 +32,9 @@ STABILITY_WARNING = 0.90
 # Without a terminal (CI logs, nohup) print one status line this often instead of a live panel.
 PLAIN_STATUS_EVERY_S = 30.0
 LIVE_REFRESH_PER_S = 4
+# The seed traces of the project (corpus/ beside the package): found when fuzz runs from a
+# checkout (pip install -e), whatever the working directory.
+BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
 
 
 @click.command("campaign")
@@ -43,10 +46,9 @@ LIVE_REFRESH_PER_S = 4
 @click.option(
     "--corpus",
     "corpus_dir",
-    default="corpus",
-    show_default=True,
+    default=None,
     type=click.Path(file_okay=False),
-    help="Folder of seed traces (*.json).",
+    help="Folder of seed traces (*.json) [default: ./corpus, else the seeds that come with fuzz].",
 )
 @server_option
 @model_option
@@ -88,7 +90,7 @@ def command(
         fuzz campaign --faults all --fault-rate 0.1 --speed 10 --timeout 2 --duration 5m
     """
     duration_s = parse_duration(duration)
-    seeds = _load_seeds(Path(corpus_dir))
+    seeds = _load_seeds(_seed_folder(corpus_dir))
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "big")
     planted: tuple[str, ...] = ()
@@ -115,10 +117,22 @@ def command(
     _print_summary(summary, db_path)
 
 
-def _load_seeds(folder: Path) -> list[trace_format.Trace]:
-    if not folder.exists():
-        raise ConfigError(f"--corpus folder {folder} does not exist")
-    return [trace_format.load(p) for p in sorted(folder.glob("*.json"))]
+def _seed_folder(corpus_dir: str | None) -> Path | None:
+    """The folder named by --corpus; else ./corpus; else the seeds of the checkout fuzz runs from."""
+    if corpus_dir is not None:
+        folder = Path(corpus_dir)
+        if not folder.is_dir():
+            raise ConfigError(f"--corpus folder {folder} does not exist")
+        return folder
+    for folder in (Path("corpus"), BUNDLED_CORPUS):
+        if folder.is_dir():
+            return folder
+    _console.err.print("note: no ./corpus folder and no bundled seeds; the campaign starts from generated traces")
+    return None
+
+
+def _load_seeds(folder: Path | None) -> list[trace_format.Trace]:
+    return [trace_format.load(p) for p in sorted(folder.glob("*.json"))] if folder is not None else []
 
 
 async def _run(
