@@ -8,7 +8,8 @@ pathology on, once per seed and mutator, until its first *right* confirmed findi
 or the execution cap. Right: the finding's request was really delayed by the
 pathology (simulator ground truth, read here only, never by the oracle); for a
 finding without a request (leak, crash), some request of its trace was. Counted:
-every execution the campaign stored (seed, fuzz, stability and confirmation runs);
+every execution the campaign stored (seed, fuzz, stability, cold-probe and confirmation
+runs; the row's "purposes" counts them by kind);
 the calibration that starts every campaign is done first on the same simulator and
 not counted (it is the same for both mutators). Wall time is this process's time
 (simulator and fuzzer together); virtual time is what the runs would take on a
@@ -127,6 +128,7 @@ async def one_run(pathology: str, mutator: str, seed: int, max_execs: int) -> di
         "phase": found.get("phase"), "wall_s": found.get("wall_s"), "virtual_s": found.get("virtual_s"),
         "total_executions": summary.stats.executions, "total_wall_s": wall, "execute_s": target.execute_s,
         "findings": found.get("all", []), "dropped_seeds": dropped,
+        "purposes": store.purposes(campaign_id=summary.campaign_id),
     }
 
 

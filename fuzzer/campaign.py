@@ -6,6 +6,15 @@ Hypothesis' engine does:
     calibrate -> seed (the corpus/ traces) -> fuzz (pick, mutate, execute, keep)
                  -> confirm candidates with the oracle -> record findings
 
+Time (fuzzer.pacing): a new corpus entry (seed or child) is kept on its first run and
+re-run for stability only when it is first picked to be fuzzed (most never are); seeds
+run cheapest first, and once the corpus has an entry, seeding takes at most a share of
+the server time and goes on between fuzz iterations. Now and then a
+fuzz iteration is a *cold probe*: the server is left idle long enough to go cold
+before a corpus trace runs, so that cold-start slowdowns can be found at all.
+``--duration`` holds during stability runs and confirmations too: a confirmation cut
+short by the deadline (or Ctrl-C) is saved as pending and done first on resume.
+
 Every execution is written to the store before the next one starts, and the
 campaign checkpoints its state (RNG, corpus, counters) so that running it again
 on the same database resumes where it stopped. The campaign never prints: it
@@ -15,110 +24,41 @@ hands :class:`Stats` snapshots and events to callbacks, and the CLI renders them
 from __future__ import annotations
 
 import asyncio
-import enum
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace
 from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
 from fuzzer import oracle
 from fuzzer.calibration import Calibration, calibrate
-from fuzzer.confirmation import confirm
+from fuzzer.campaign_oracle import OracleSteps, OutOfTime, candidate_from_dict, candidate_to_dict
+from fuzzer.campaign_types import STABILITY_RUNS, ExitReason, Phase, Settings, Stats, Summary
+from fuzzer.confirmation import let_idle
 from fuzzer.corpus import Corpus, Entry
 from fuzzer.coverage import Coverage, measure
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.expectation import expect
-from fuzzer.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
-from fuzzer.oracle import OraclePolicy
+from fuzzer.mutators import Child, Mutator, NullMutator, OperatorStats
+from fuzzer.pacing import ColdProbes, ServerTime
 from fuzzer.recovery import backoff
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
-from fuzzer.verdict import FindingKind, Metric, Verdict, signature
+from fuzzer.verdict import FindingKind, Metric, Verdict
 
-# AFL calibrates a new queue entry with 3-7 runs (CAL_CYCLES); our runs cost seconds, so 3.
-STABILITY_RUNS = 3
+__all__ = ["Campaign", "ExitReason", "Phase", "Settings", "Stats", "Summary", "STABILITY_RUNS"]
+
 # Checkpoint the campaign state at least every this many executions even when nothing changed,
 # so a resumed campaign repeats little.
 CHECKPOINT_EVERY = 10
-# A candidate whose confirmation came back SAME is not confirmed again until it has been
-# seen this many more times: noise must not eat the campaign's time.
-RECONFIRM_AFTER = 5
 # A periodic recalibration that fails (a flaky server failed a probe) keeps the previous
 # calibration and is tried again this much later, not after every execution.
 RECALIBRATE_RETRY_S = 600.0
 
 
-class Phase(enum.StrEnum):
-    CALIBRATE = "calibrate"
-    SEED = "seed"
-    FUZZ = "fuzz"
-    CONFIRM = "confirm"
-    RECOVER = "recover"
-    DONE = "done"
-
-
-class ExitReason(enum.StrEnum):
-    DURATION = "duration"
-    MAX_EXECS = "max-execs"
-    INTERRUPTED = "interrupted"
-
-
-@dataclass(frozen=True)
-class Settings:
-    duration_s: float | None = None
-    max_execs: int | None = None
-    seed: int = 0
-    #: "guided" (coverage-guided mutation) or "null" (random generation, the baseline).
-    mutator: str = "guided"
-    stability_runs: int = STABILITY_RUNS
-    recalibrate_after_s: float = 3600.0
-    limits: Limits = field(default_factory=Limits)
-    policy: OraclePolicy = field(default_factory=OraclePolicy)
-
-    def to_dict(self) -> dict:
-        return {
-            "duration_s": self.duration_s, "max_execs": self.max_execs, "seed": self.seed,
-            "mutator": self.mutator, "stability_runs": self.stability_runs,
-        }
-
-
-@dataclass(frozen=True)
-class Stats:
-    """A snapshot for the live status and `fuzz status` (AFL's fuzzer_stats)."""
-
-    campaign_id: int
-    phase: str
-    executions: int
-    execs_per_min: float
-    corpus: int
-    favoured: int
-    features: int
-    stability: float
-    findings: int
-    candidates: int
-    confirmations: int
-    elapsed_s: float
-    since_last_find_s: float | None
-    server: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Summary:
-    campaign_id: int
-    reason: ExitReason
-    stats: Stats
-    #: Findings recorded in this run (id, kind).
-    new_findings: tuple[tuple[int, str], ...]
-    resumed: bool
-
-
-class Campaign:
+class Campaign(OracleSteps):
     """One campaign on one target, stored in one database."""
 
     def __init__(
@@ -129,6 +69,7 @@ class Campaign:
         *,
         seeds: Sequence[Trace] = (),
         target_key: str | None = None,
+        calibration_key: str | None = None,
         target_id: int | None = None,
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -143,6 +84,8 @@ class Campaign:
         # Cheapest seeds first (AFL favours fast inputs): a short campaign gets through more of them.
         self.seeds = sorted(seeds, key=_work)
         self.target_key = target_key or target.name
+        #: Where calibrations are stored and read (one key for every command); the target's name by default.
+        self.calibration_key = calibration_key or self.target_key
         self.target_id = target_id
         self.calibration = calibration
         self._clock = clock
@@ -166,6 +109,10 @@ class Campaign:
         self._server_errors = 0
         self._last_server_error: str | None = None
         self._recalibrate_at: float | None = None
+        self.probes = ColdProbes()
+        self.server_time = ServerTime()
+        #: Candidates whose confirmation the deadline cut short: (trace, candidate, key).
+        self._pending: list[tuple[Trace, oracle.Candidate, str]] = []
 
     # --- setup and resume ---------------------------------------------------------------
 
@@ -191,6 +138,10 @@ class Campaign:
             op_stats = OperatorStats.from_dict(state.get("operators", {}))
             self._rejected = dict(state.get("rejected", {}))
             self._seeded = int(state.get("seeded", 0))
+            self.probes = ColdProbes.from_dict(state.get("cold_probes"))
+            self.server_time = ServerTime.from_dict(state.get("server_time"))
+            self._pending = [(self.store.get_trace(p["trace_hash"]), candidate_from_dict(p), p["key"])
+                             for p in state.get("pending", [])]
         self.np_rng = np.random.default_rng(self.rng.getrandbits(64))
         if self.settings.mutator == "null":
             self.mutator = NullMutator(self.settings.limits)
@@ -207,24 +158,23 @@ class Campaign:
         reason = ExitReason.INTERRUPTED
         try:
             await self._ensure_calibration()
-            self._phase = Phase.SEED
-            for trace in self.seeds[self._seeded:]:
-                if (reason := self._should_stop()) is not None:
-                    break
-                await self._seed(trace)
-                self._seeded += 1
-            else:
-                reason = None
-            self._phase = Phase.FUZZ
-            while reason is None:
-                if (reason := self._should_stop()) is not None:
-                    break
-                await self._fuzz_one()
-                if self._recalibration_due():
+            while (reason := self._should_stop()) is None:
+                if self._pending:
+                    await self._confirm_pending()
+                elif self._seeded < len(self.seeds) and self.server_time.seed_due(len(self.corpus), self.settings.seed_share):
+                    self._phase = Phase.SEED
+                    await self._seed(self.seeds[self._seeded])
+                else:
+                    self._phase = Phase.FUZZ
+                    if self._cold_probe_due():
+                        await self._cold_probe()
+                    else:
+                        await self._fuzz_one()
+                if not self._out_of_time() and self._recalibration_due():
                     await self._ensure_calibration(force=True)
         except asyncio.CancelledError:
             reason = ExitReason.INTERRUPTED
-        except _Stopped:
+        except (_Stopped, OutOfTime):
             reason = self._should_stop()
         finally:
             self._phase = Phase.DONE
@@ -251,7 +201,7 @@ class Campaign:
         if self.calibration is not None and not force:
             return
         if not force:
-            stored = self.store.latest_calibration(self.target_key)
+            stored = self.store.latest_calibration(self.calibration_key)
             if stored is not None:
                 self.calibration = Calibration.from_dict(stored)
                 if not self.calibration.is_stale(time.time(), max_age_s=self.settings.recalibrate_after_s):
@@ -271,7 +221,7 @@ class Campaign:
             self._last_server_error = f"recalibration failed, the previous calibration stays: {e}"
             self._recalibrate_at = self._clock() + RECALIBRATE_RETRY_S
         else:
-            self.store.save_calibration(self.target_key, self.calibration.to_dict())
+            self.store.save_calibration(self.calibration_key, self.calibration.to_dict())
         self._phase = previous
 
     def _recalibration_due(self) -> bool:
@@ -283,8 +233,12 @@ class Campaign:
 
     # --- executing ---------------------------------------------------------------------
 
-    async def _execute(self, trace: Trace, purpose: str) -> ExecutionResult:
+    async def _execute(self, trace: Trace, purpose: str, *, idled_s: float = 0.0) -> ExecutionResult:
         result = await self._execute_when_up(trace)
+        if idled_s and (result.idle_before_s or 0.0) < idled_s:
+            # We left the server idle this long on purpose; an HTTP idle barrier only sees its own polls.
+            result = replace(result, idle_before_s=idled_s)
+        self.server_time.record(purpose, result.duration_s)
         number = self.executions + 1
         self.store.record_execution(
             result, trace, target_id=self.target_id, campaign_id=self.campaign_id, purpose=purpose, number=number
@@ -324,9 +278,11 @@ class Campaign:
         return measure(result, trace, idle)
 
     async def _seed(self, trace: Trace) -> None:
-        runs = [await self._execute(trace, "seed") for _ in range(self.settings.stability_runs)]
-        self._keep(trace, runs, parent=None, operators=("seed",), force=True)
-        await self._examine(trace, runs[-1])
+        """Run a seed once and keep it provisionally (its stability runs come when it is first fuzzed)."""
+        result = await self._execute(trace, "seed")
+        self._keep(trace, [result], parent=None, operators=("seed",), force=True)
+        self._seeded += 1
+        await self._examine(trace, result)
 
     async def _fuzz_one(self) -> None:
         if not self.corpus.entries:
@@ -334,24 +290,83 @@ class Campaign:
             parent: Entry | None = None
         else:
             parent = self.corpus.choose(self.rng)
+            if self.settings.mutator != "null" and parent.id in self.corpus.provisional:
+                await self._settle(parent)
             other = self.corpus.choose(self.rng).trace if len(self.corpus) > 1 else None
             child = self.mutator.mutate(parent.trace, self.rng, other)
             self._dirty.add(parent.id)
         first = await self._execute(child.trace, "fuzz")
         kept = False
-        if self.corpus.is_interesting(self._coverage(child.trace, first)):
-            runs = [first] + [await self._execute(child.trace, "stability") for _ in range(self.settings.stability_runs - 1)]
-            kept = self._keep(child.trace, runs, parent=parent.id if parent else None, operators=child.operators)
+        # The null mutator never reads the corpus: re-running its children for stability would
+        # only make the baseline of the fuzzing benchmark pay for guidance it does not get.
+        if self.settings.mutator != "null" and self.corpus.is_interesting(self._coverage(child.trace, first)):
+            kept = self._keep(child.trace, [first], parent=parent.id if parent else None, operators=child.operators)
         self.mutator.feedback(child, kept)
         await self._examine(child.trace, first)
 
+    async def _settle(self, entry: Entry) -> None:
+        """Re-run a provisional entry before it is first fuzzed, so its flickering features drop out.
+
+        Up to ``stability_runs`` runs in all, and only while they disagree (AFL extends
+        calibration for variable inputs; runs that agree are stable enough).
+        """
+        runs: list[Coverage] = []
+        features = entry.features
+        while len(runs) < self.settings.stability_runs - 1:
+            self._check_time()
+            runs.append(self._coverage(entry.trace, await self._execute(entry.trace, "stability")))
+            if runs[-1].features == features:
+                break
+            features &= runs[-1].features
+        self.corpus.settle(entry.id, runs)
+        self._dirty.add(entry.id)
+
+    # --- cold probes (fuzzer.pacing) -----------------------------------------------------------
+
+    def _idle_cost_s(self) -> float:
+        """Wall seconds one idle period costs: none when the target keeps a virtual clock."""
+        return 0.0 if getattr(self.target, "idle", None) is not None else self.settings.policy.cold_idle_s
+
+    def _cold_probe_due(self) -> bool:
+        if not self.corpus.entries or self.settings.idle_share <= 0:
+            return False
+        return self.probes.due(self.rng, self._idle_cost_s(), elapsed_s=self._clock() - self._started,
+                               horizon_s=self.settings.duration_s, share=self.settings.idle_share)
+
+    async def _cold_probe(self) -> None:
+        """Leave the server idle until it may be cold, run a corpus trace, and examine that run."""
+        ids = sorted(self.corpus.entries)
+        entry = self.corpus.entries[self.rng.choice(ids)]
+        idle_s = self.settings.policy.cold_idle_s
+        previous, self._phase = self._phase, Phase.IDLE
+        self._emit()
+        await let_idle(self.target, idle_s, self._idle_sleep)
+        self._phase = previous
+        result = await self._execute(entry.trace, "cold-probe", idled_s=idle_s)
+        before = self._candidates
+        verdict = await self._examine(entry.trace, result, cold=True)
+        found = verdict is not None and verdict.is_finding and verdict.kind is FindingKind.COLD_START
+        self.probes.record(candidate=self._candidates > before, cold_start_found=found)
+        self._checkpoint(force=True)
+
+    async def _idle_sleep(self, seconds: float) -> None:
+        """Sleep on purpose (a probe, a confirmation's cold arm), counting the wall time it takes."""
+        start = self._clock()
+        try:
+            await self._sleep(seconds)
+        finally:
+            self.probes.idle_spent_s += max(0.0, self._clock() - start)
+
     def _keep(self, trace: Trace, runs: list[ExecutionResult], *, parent: int | None,
               operators: tuple[str, ...], force: bool = False) -> bool:
+        """Keep ``trace`` provisionally on its first run (:meth:`_settle` re-runs it when first fuzzed)."""
         coverages = [self._coverage(trace, r) for r in runs]
-        entry = self.corpus.add(trace, coverages, parent=parent, operators=operators, found_at_exec=self.executions)
+        entry = self.corpus.add(trace, coverages, parent=parent, operators=operators, found_at_exec=self.executions,
+                                provisional=True)
         if entry is None and force and not self.corpus.contains(trace):
             # Seeds are kept even when they add nothing new (AFL keeps every input of -i).
-            entry = self.corpus.add_forced(trace, coverages, operators=operators, found_at_exec=self.executions)
+            entry = self.corpus.add_forced(trace, coverages, operators=operators, found_at_exec=self.executions,
+                                           provisional=True)
         if entry is None:
             return False
         self._dirty.add(entry.id)
@@ -362,50 +377,13 @@ class Campaign:
         self._checkpoint(force=True)
         return True
 
-    # --- the oracle ----------------------------------------------------------------------
+    def _out_of_time(self) -> bool:
+        """Past ``--duration``, or asked to stop (a cap on executions lets a confirmation finish)."""
+        return self._should_stop() in (ExitReason.DURATION, ExitReason.INTERRUPTED)
 
-    async def _examine(self, trace: Trace, result: ExecutionResult) -> None:
-        """Confirm the worst new candidate of an execution; record it when confirmed."""
-        assert self.calibration is not None
-        for candidate in oracle.candidates(trace, result, self.calibration, self.settings.policy):
-            key = signature(candidate.kind, trace, candidate.request_id)
-            if key in self._found:
-                continue
-            seen = self._rejected.get(key)
-            if seen is not None and seen < RECONFIRM_AFTER:
-                self._rejected[key] = seen + 1
-                continue
-            self._candidates += 1
-            previous, self._phase = self._phase, Phase.CONFIRM
-            self._emit()
-            verdict = await self._confirm(trace, candidate)
-            self._phase = previous
-            if verdict.is_finding:
-                self._record(trace, verdict, key)
-                if candidate.kind is FindingKind.CRASH:
-                    await self._wait_for_server()
-            else:
-                self._rejected[key] = 0
-            return  # one confirmation per execution keeps the fuzzing going
-
-    async def _confirm(self, trace: Trace, candidate: oracle.Candidate) -> Verdict:
-        self._confirmations += 1
-        counting = _CountingTarget(self)
-        return await confirm(counting, trace, candidate, self.calibration, rng=self.np_rng,
-                                    policy=self.settings.policy, sleep=self._sleep)
-
-    def _record(self, trace: Trace, verdict: Verdict, key: str) -> None:
-        sig = verdict.signature or key
-        finding_id, created = self.store.add_finding(
-            kind=str(verdict.kind), signature=sig, trace=trace, verdict=verdict.to_dict(),
-            slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=self.campaign_id,
-            target_id=self.target_id, details={"request_id": verdict.request_id, "pre_signature": key},
-        )
-        self._found.update({sig, key})
-        if created:
-            self._new_findings.append((finding_id, str(verdict.kind)))
-            self._last_find = self._clock()
-            self._on_finding(finding_id, verdict)
+    def _check_time(self) -> None:
+        if self._out_of_time():
+            raise OutOfTime
 
     async def _wait_for_server(self) -> None:
         """After a crash: wait with backoff until a one-token request is answered again."""
@@ -452,6 +430,9 @@ class Campaign:
             "operators": self.mutator.stats.to_dict(),
             "rejected": self._rejected,
             "seeded": self._seeded,
+            "cold_probes": self.probes.to_dict(),
+            "server_time": self.server_time.to_dict(),
+            "pending": [{**candidate_to_dict(c), "trace_hash": t.content_hash(), "key": k} for t, c, k in self._pending],
             "stats": self.stats().to_dict(),
         }
         rows = [
@@ -467,23 +448,6 @@ class Campaign:
 
 class _Stopped(Exception):
     """Asked to stop while waiting for a server that is down."""
-
-
-class _CountingTarget:
-    """The campaign's target seen by the oracle: every confirmation run is stored too."""
-
-    def __init__(self, campaign: Campaign):
-        self._campaign = campaign
-        self.name = campaign.target.name
-        idle = getattr(campaign.target, "idle", None)
-        if idle is not None:
-            self.idle = idle
-
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        return await self._campaign._execute(trace, "confirm")
-
-    async def aclose(self) -> None:  # the campaign owns the real target
-        return None
 
 
 def _work(trace: Trace) -> int:

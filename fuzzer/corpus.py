@@ -2,9 +2,13 @@
 
 A trace is kept when it reaches a feature no entry has reached, or when it sets a
 new maximum slowdown for a request class (PerfFuzz keeps the best input per key;
-those "top-rated" entries are favoured). New entries are executed several times
-and only the features seen in every run count ("stable"); the rest are unstable
-and ignored, and the campaign reports stability as AFL does.
+those "top-rated" entries are favoured). Entries are executed several times and
+only the features seen in every run count ("stable"); the rest are unstable and
+ignored, and the campaign reports stability as AFL does. An entry may be kept
+*provisionally* on its first run and settled (re-run, flickering features dropped)
+when it is first picked to be fuzzed: early in a campaign nearly every new trace
+brings new behaviour, and most kept traces are never picked, so re-running each one
+at once would spend most executions on stability runs.
 
 Scheduling follows AFL's "fast" power schedule in spirit: favoured entries and
 entries fuzzed rarely get more energy, entries whose children stopped finding
@@ -66,6 +70,8 @@ class Corpus:
     unstable: set[str] = field(default_factory=set)
     stable_observations: int = 0
     unstable_observations: int = 0
+    #: Entries kept on one run, not yet re-run (see :meth:`settle`).
+    provisional: set[int] = field(default_factory=set)
     _next_id: int = 1
 
     # --- what is interesting ---------------------------------------------------------
@@ -97,16 +103,22 @@ class Corpus:
         parent: int | None = None,
         operators: tuple[str, ...] = (),
         found_at_exec: int = 0,
+        provisional: bool = False,
     ) -> Entry | None:
         """Keep ``trace`` with the features stable over ``runs`` (its calibration executions).
 
         Returns the new entry, or None when nothing stable is new (the find was noise).
+        ``provisional``: ``runs`` is the first execution only; :meth:`settle` re-runs come later.
         """
-        candidate = self._stable(list(runs))
+        runs = list(runs)
+        candidate = self._first(runs) if provisional else self._stable(runs)
         new, better = self.novelty(candidate)
         if not (new or better) or self.contains(trace):
             return None
-        return self._insert(trace, candidate, better, parent, operators, found_at_exec)
+        entry = self._insert(trace, candidate, better, parent, operators, found_at_exec)
+        if provisional:
+            self.provisional.add(entry.id)
+        return entry
 
     def add_forced(
         self,
@@ -115,13 +127,42 @@ class Corpus:
         *,
         operators: tuple[str, ...] = (),
         found_at_exec: int = 0,
+        provisional: bool = False,
     ) -> Entry | None:
         """Keep a seed even when it covers nothing new (AFL keeps every input it starts from)."""
         if self.contains(trace):
             return None
-        candidate = self._stable(list(runs))
+        runs = list(runs)
+        candidate = self._first(runs) if provisional else self._stable(runs)
         _, better = self.novelty(candidate)
-        return self._insert(trace, candidate, better, None, operators, found_at_exec)
+        entry = self._insert(trace, candidate, better, None, operators, found_at_exec)
+        if provisional:
+            self.provisional.add(entry.id)
+        return entry
+
+    def settle(self, entry_id: int, runs: Iterable[Coverage]) -> Entry:
+        """Re-runs of a provisional entry: keep only the features seen in every run, lowest scores."""
+        entry = self.entries[entry_id]
+        runs = list(runs)
+        stable = entry.features.intersection(*(r.features for r in runs))
+        union = entry.features.union(*(r.features for r in runs))
+        self.stable_observations += len(stable)
+        self.unstable_observations += len(union - stable)
+        self.unstable |= union - stable
+        for f in entry.features - stable:
+            self.seen[f] -= 1
+            if self.seen[f] == 0:
+                del self.seen[f]
+        entry.features = frozenset(stable)
+        entry.scores = {k: min([v, *(r.scores.get(k, 0.0) for r in runs)]) for k, v in entry.scores.items()}
+        self.provisional.discard(entry_id)
+        return entry
+
+    @staticmethod
+    def _first(runs: list[Coverage]) -> Coverage:
+        if not runs:
+            raise ValueError("a corpus entry needs at least one execution")
+        return runs[0]
 
     def _stable(self, runs: list[Coverage]) -> Coverage:
         """The features seen in every run, the smallest score per key; records stability."""
@@ -203,6 +244,7 @@ class Corpus:
             "unstable": sorted(self.unstable),
             "stable_observations": self.stable_observations,
             "unstable_observations": self.unstable_observations,
+            "provisional": sorted(self.provisional),
             "next_id": self._next_id,
         }
 
@@ -223,6 +265,7 @@ class Corpus:
         corpus.unstable = set(data.get("unstable", []))
         corpus.stable_observations = data.get("stable_observations", 0)
         corpus.unstable_observations = data.get("unstable_observations", 0)
+        corpus.provisional = {int(i) for i in data.get("provisional", []) if int(i) in corpus.entries}
         corpus._next_id = data.get("next_id", max(corpus.entries, default=0) + 1)
         return corpus
 
@@ -246,3 +289,4 @@ class Corpus:
             best = self.entries[entry_id].scores.get(key)
             assert best is not None, f"top-rated entry {entry_id} has no score for {key}"
         assert 0.0 <= self.stability <= 1.0
+        assert self.provisional <= set(self.entries), "a provisional id names no entry"

@@ -28,6 +28,12 @@ MAX_STORM = 12
 # Havoc stacks up to 2**HAVOC_STACK_POW2 operators (AFL uses 2**4 on bytes; traces are
 # small structured inputs, so fewer).
 HAVOC_STACK_POW2 = 3
+# Share of random requests (generation, add_request) that ask for sampling work: n, logprobs or both.
+SAMPLING_RATE = 0.1
+_SAMPLING_KINDS = ("n", "logprobs", "both")
+# n and logprobs values the operators draw (vLLM 37343 used n=8, logprobs=20; small values cost nothing).
+_N_VALUES = (2, 4, 8)
+_LOGPROB_VALUES = (1, 5, MAX_LOGPROBS)
 # Bandit: add-one smoothing and a floor, so no operator starves before it had a chance.
 OPERATOR_FLOOR = 0.2
 
@@ -43,6 +49,8 @@ class Limits:
     max_output_tokens: int = 1024
     #: Features the target rejected in the capability probe (e.g. {"n", "logprobs", "chat"}).
     unsupported: frozenset[str] = frozenset()
+    #: The largest n the target accepted in the capability probe (None: no limit seen).
+    max_n: int | None = None
 
     def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
         return prompt_tokens + max_tokens <= self.max_model_len
@@ -91,6 +99,10 @@ def random_request(rng: random.Random, limits: Limits, request_id: str, at_ms: f
     prompt_cap = max(prefix_tokens + 1, limits.max_model_len - max_tokens)
     prompt = max(prefix_tokens or 1, int(2 ** rng.uniform(3, math.log2(max(9, min(prompt_cap, 8192))))))
     stream = rng.random() < 0.8
+    api = "chat" if "chat" not in limits.unsupported and rng.random() < 0.2 else "completions"
+    n, logprobs = 1, None
+    if rng.random() < SAMPLING_RATE:  # sampling work is part of the input space (random baseline too)
+        n, logprobs = _sampling(rng, limits, rng.choice(_SAMPLING_KINDS))
     return Request(
         id=request_id,
         at_ms=float(round(at_ms)),
@@ -98,8 +110,23 @@ def random_request(rng: random.Random, limits: Limits, request_id: str, at_ms: f
         max_tokens=max_tokens,
         prefix=prefix,
         stream=stream,
-        api="chat" if "chat" not in limits.unsupported and rng.random() < 0.2 else "completions",
+        api=api,
+        n=n,
+        logprobs=logprobs,
+        temperature=1.0 if n > 1 else 0.0,
     )
+
+
+def _sampling(rng: random.Random, limits: Limits, what: str, request: Request | None = None) -> tuple[int, int | None]:
+    """(n, logprobs) for ``what`` in "n", "logprobs", "both" (unsupported parameters stay as they were)."""
+    n = request.n if request is not None else 1
+    logprobs = request.logprobs if request is not None else None
+    if what in ("n", "both") and "n" not in limits.unsupported:
+        allowed = [v for v in _N_VALUES if limits.max_n is None or v <= limits.max_n]
+        n = rng.choice(allowed) if allowed else n
+    if what in ("logprobs", "both") and "logprobs" not in limits.unsupported:
+        logprobs = rng.choice(_LOGPROB_VALUES)
+    return n, logprobs
 
 
 # --- operators --------------------------------------------------------------------
@@ -259,21 +286,27 @@ def uncancel(trace, rng, limits):
 
 
 def n_logprobs(trace, rng, limits):
-    """Raise a request's sampling work: n choices and/or logprobs (vLLM 37343)."""
-    options = []
-    if "n" not in limits.unsupported:
-        options.append("n")
-    if "logprobs" not in limits.unsupported:
-        options.append("logprobs")
+    """Raise a request's sampling work: n choices, logprobs, or both at once (vLLM 37343).
+
+    The cost of vLLM 37343 needs n > 1 *and* logprobs on one request, and grows with
+    their product: setting one of them per application, with small values half the
+    time, reached it in none of 300 executions; "both" with large values does.
+    """
+    options = [o for o in ("n", "logprobs") if o not in limits.unsupported]
     if not options:
         return None
+    if len(options) == 2:
+        options += ["both", "both"]  # both at once half of the time
     req = rng.choice(trace.requests)
     what = rng.choice(options)
-    if what == "n":
-        new = replace(req, n=rng.choice([1, 2, 4, 8]), temperature=1.0 if req.temperature == 0 else req.temperature)
+    if what != "both" and rng.random() < 0.5:
+        # Switch it off again (the minimizer's direction; also keeps traces cheap).
+        n, logprobs = (1, req.logprobs) if what == "n" else (req.n, None)
     else:
-        new = replace(req, logprobs=rng.choice([None, 1, 5, MAX_LOGPROBS]))
-    return _replace_request(trace, req, new)
+        n, logprobs = _sampling(rng, limits, what, req)
+    temperature = 1.0 if n > 1 and req.temperature == 0 else req.temperature
+    new = replace(req, n=n, logprobs=logprobs, temperature=temperature)
+    return None if new == req else _replace_request(trace, req, new)
 
 
 def fill(trace, rng, limits):

@@ -68,6 +68,16 @@ def test_unsupported_features_are_avoided(seed_trace):
         assert all(r.api == "completions" and r.n == 1 and r.logprobs is None for r in child.requests)
 
 
+def test_n_stays_within_what_the_probe_saw_accepted(seed_trace):
+    """A 4-slot llama-server refuses n=8: the mutators draw only n <= max_n, and still draw n > 1."""
+    m = Mutator(Limits(max_n=4))
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(400):
+        seen.update(r.n for r in m.mutate(seed_trace, rng).trace.requests)
+    assert max(seen) <= 4 and seen & {2, 4}
+
+
 def test_snap_prompt_reaches_block_and_budget_boundaries(seed_trace):
     rng = random.Random(1)
     seen = set()

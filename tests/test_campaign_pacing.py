@@ -1,0 +1,204 @@
+"""How a campaign spends its time (fuzzer.pacing): cold probes, the deadline, cheap seeding.
+
+All on the simulator's virtual time; where the wall clock matters (idling over HTTP, a
+``--duration``), the campaign gets a fake clock and a fake sleep.
+"""
+
+from __future__ import annotations
+
+import random
+
+from conftest import CORPUS
+
+from fuzzer import trace as tf
+from fuzzer.calibration import calibrate
+from fuzzer.campaign import Campaign, ExitReason, Settings
+from fuzzer.corpus import Corpus
+from fuzzer.coverage import Coverage
+from fuzzer.pacing import ColdProbes, ServerTime
+from fuzzer.sim import VirtualTarget
+from fuzzer.sim import pathologies as P
+from fuzzer.store import Store
+
+
+class _Sim:
+    """A VirtualTarget remembering ground truth per trace; ``virtual_idle=False`` hides its clock
+    (the campaign then idles with its sleep, as over HTTP) and every execution and sleep moves
+    a fake wall clock."""
+
+    def __init__(self, target: VirtualTarget, *, exec_cost_s: float = 0.0, virtual_idle: bool = True):
+        self._target = target
+        self.name = target.name
+        self.now = 0.0
+        self.exec_cost_s = exec_cost_s
+        self.slept = 0.0
+        self.delayed: dict[str, dict[str, set[str]]] = {}
+        if virtual_idle:
+            self.idle = target.idle
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.slept += seconds
+        self._target.idle(seconds)  # the simulated server sits idle meanwhile
+
+    async def execute(self, trace):
+        result = await self._target.execute(trace)
+        self.now += self.exec_cost_s
+        seen = self.delayed.setdefault(trace.content_hash(), {})
+        for rid, names in result.ground_truth.items():
+            seen.setdefault(rid, set()).update(names)
+        return result
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def _warm(sim: _Sim, seed: int):
+    """Calibrate first, as a campaign does: that also warms the server up."""
+    return await calibrate(sim, rng=random.Random(seed))
+
+
+def _campaign(sim, store, seeds, calibration, **settings):
+    return Campaign(sim, store, Settings(**{"seed": 3, **settings}), seeds=seeds, target_key="sim:pacing",
+                    calibration=calibration, clock=sim.clock, sleep=sim.sleep)
+
+
+async def test_campaign_finds_cold_start_by_idling_on_purpose():
+    sim = _Sim(VirtualTarget(pathologies=(P.COLD_START,), seed=0))
+    calibration = await _warm(sim, 0)
+    store = Store.memory()
+    seeds = [tf.load(CORPUS / "stream-mix.json")]
+    campaign = _campaign(sim, store, seeds, calibration, max_execs=30)
+    await campaign.run()
+    cold = [f for f in store.list_findings() if f.kind == "cold-start"]
+    assert cold, "no cold-start finding in 30 executions"
+    victim = cold[0].details["request_id"]
+    assert P.COLD_START in sim.delayed[cold[0].trace_hash][victim]  # ground truth: really delayed by it
+    purposes = store.purposes(campaign_id=campaign.campaign_id)
+    assert purposes["cold-probe"] >= 1 and purposes["confirm"] >= 3
+    assert campaign.probes.found
+
+
+async def test_without_cold_probes_the_campaign_never_meets_a_cold_server():
+    sim = _Sim(VirtualTarget(pathologies=(P.COLD_START,), seed=0))
+    calibration = await _warm(sim, 0)
+    store = Store.memory()
+    seeds = [tf.load(CORPUS / "stream-mix.json")]
+    campaign = _campaign(sim, store, seeds, calibration, max_execs=30, idle_share=0.0)
+    await campaign.run()
+    assert "cold-probe" not in store.purposes(campaign_id=campaign.campaign_id)
+    assert not [f for f in store.list_findings() if f.kind == "cold-start"]
+
+
+async def test_idling_over_http_stays_within_its_share_of_wall_time():
+    # No virtual clock: each idle really sleeps (here a fake sleep) and costs wall time.
+    sim = _Sim(VirtualTarget(seed=1), exec_cost_s=5.0, virtual_idle=False)
+    calibration = await _warm(sim, 1)
+    store = Store.memory()
+    duration = 400.0
+    campaign = _campaign(sim, store, [tf.load(CORPUS / "stream-mix.json")], calibration,
+                         duration_s=duration, idle_share=0.1)
+    start = sim.now
+    summary = await campaign.run()
+    assert summary.reason is ExitReason.DURATION
+    probes = store.purposes(campaign_id=campaign.campaign_id).get("cold-probe", 0)
+    assert probes >= 1  # it did idle on purpose
+    # every probe idled cold_idle_s, all probes within 10 % of the planned duration
+    assert probes * Settings().policy.cold_idle_s <= 0.1 * duration
+    assert campaign.probes.idle_spent_s == sim.slept
+    assert sim.now - start < duration + 2 * sim.exec_cost_s + Settings().policy.cold_idle_s
+
+
+async def test_duration_holds_during_confirmation_and_resume_confirms_the_candidate():
+    # Every execution takes a minute of wall time; the seed triggers logprobs-batch-cost.
+    sim = _Sim(VirtualTarget(pathologies=(P.LOGPROBS_BATCH_COST,), seed=2), exec_cost_s=60.0)
+    calibration = await _warm(sim, 2)
+    store = Store.memory()
+    seeds = [tf.load(CORPUS / "n-logprobs.json")]
+    first = _campaign(sim, store, seeds, calibration, duration_s=100.0, idle_share=0.0)
+    start = sim.now
+    s1 = await first.run()
+    assert s1.reason is ExitReason.DURATION
+    # the seed run, then one confirmation run began before the deadline; none after it
+    assert store.purposes(campaign_id=s1.campaign_id) == {"seed": 1, "confirm": 1}
+    assert sim.now - start <= 100.0 + 60.0
+    assert store.list_findings() == []
+    pending = store.latest_campaign()["state"]["pending"]
+    assert len(pending) == 1 and pending[0]["request_id"]
+
+    second = _campaign(sim, store, seeds, calibration, duration_s=20 * 60.0, idle_share=0.0)
+    s2 = await second.run()
+    assert s2.resumed
+    findings = store.list_findings()
+    assert findings and findings[0].details["request_id"] == pending[0]["request_id"]
+    # it is no longer pending (the resumed run may have left a newer candidate at its own deadline)
+    assert pending[0]["key"] not in {p["key"] for p in store.latest_campaign()["state"]["pending"]}
+    # the seed was not executed again
+    assert store.purposes(campaign_id=s2.campaign_id)["seed"] == 1
+
+
+async def test_seeds_run_once_and_are_re_run_for_stability_when_first_fuzzed():
+    sim = _Sim(VirtualTarget(seed=4))
+    calibration = await _warm(sim, 4)
+    store = Store.memory()
+    seeds = [tf.load(CORPUS / "stream-mix.json"), tf.load(CORPUS / "prefix-groups.json")]
+    campaign = _campaign(sim, store, seeds, calibration, max_execs=2, seed_share=1.0, idle_share=0.0)
+    await campaign.run()
+    assert store.purposes(campaign_id=campaign.campaign_id) == {"seed": 2}
+    assert campaign.corpus.provisional == set(campaign.corpus.entries)  # kept on one run each
+
+    resumed = _campaign(sim, store, seeds, calibration, max_execs=30, seed_share=1.0, idle_share=0.0)
+    await resumed.run()
+    purposes = store.purposes(campaign_id=resumed.campaign_id)
+    assert purposes["seed"] == 2 and purposes["stability"] >= 1
+    parents = {e.parent for e in resumed.corpus.entries.values() if e.parent is not None}
+    assert parents and not parents & resumed.corpus.provisional  # every parent was settled first
+    resumed.corpus._check_invariants()
+
+
+def test_seeding_takes_at_most_its_share_once_the_corpus_has_an_entry():
+    time = ServerTime()
+    assert time.seed_due(corpus_size=0)
+    time.record("seed", 60.0)
+    assert not time.seed_due(corpus_size=1, share=0.5)  # all time so far went to seeding
+    time.record("fuzz", 30.0)
+    assert not time.seed_due(corpus_size=1, share=0.5)
+    time.record("stability", 30.0)
+    assert time.seed_due(corpus_size=1, share=0.5)
+    assert ServerTime.from_dict(time.to_dict()) == time
+
+
+def test_cold_probe_rate_learns_and_drops_once_found():
+    probes = ColdProbes()
+    rng = random.Random(0)
+    assert probes.due(rng, 0.0, elapsed_s=0.0, horizon_s=None)  # the first probe comes at once
+    base = probes.rate()
+    probes.record(candidate=False, cold_start_found=False)
+    probes.record(candidate=False, cold_start_found=False)
+    assert probes.rate() < base  # empty probes lower the rate
+    probes.record(candidate=True, cold_start_found=True)
+    assert probes.rate() == min(probes.rate(), base) and probes.found
+    # over HTTP an idle costs wall time: not affordable beyond the share
+    assert not ColdProbes(idle_spent_s=20.0).affordable(10.0, elapsed_s=100.0, horizon_s=None, share=0.1)
+    assert ColdProbes().affordable(10.0, elapsed_s=0.0, horizon_s=600.0, share=0.1)
+    assert ColdProbes.from_dict(probes.to_dict()) == probes
+
+
+def test_settling_a_provisional_entry_drops_its_flickering_features():
+    corpus = Corpus()
+    trace = tf.load(CORPUS / "stream-mix.json")
+    entry = corpus.add(trace, [Coverage(frozenset({"a#1", "b#1", "c#1"}), {"k": 9.0})], provisional=True)
+    assert entry is not None and corpus.provisional == {entry.id}
+    assert corpus.seen == {"a#1": 1, "b#1": 1, "c#1": 1}
+    restored = Corpus.from_dict(corpus.to_dict(), {entry.hash: trace})
+    assert restored.provisional == {entry.id}  # survives a checkpoint
+    corpus.settle(entry.id, [Coverage(frozenset({"a#1", "b#1"}), {"k": 6.0}), Coverage(frozenset({"a#1", "c#1"}), {"k": 7.0})])
+    assert entry.features == {"a#1"} and entry.scores == {"k": 6.0}
+    assert corpus.seen == {"a#1": 1} and {"b#1", "c#1"} <= corpus.unstable
+    assert not corpus.provisional and corpus.stability < 1.0
+    corpus._check_invariants()
+    # a flickering feature never counts as new again
+    assert not corpus.is_interesting(Coverage(frozenset({"b#1"}), {}))

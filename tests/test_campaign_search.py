@@ -1,0 +1,122 @@
+"""The search reaches vLLM 37343's trigger (n > 1 *and* logprobs on one request next to others).
+
+Before, neither mutator built it in 300 executions (benchmarks/README.md "Fuzzing
+efficiency"): the n / logprobs operator set one of the two per application, half the
+time to a value that costs nothing, and random generation never asked for either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from conftest import CORPUS
+
+from fuzzer import trace as tf
+from fuzzer.calibration import calibrate
+from fuzzer.campaign import Campaign, Settings
+from fuzzer.mutators import Limits, generate, n_logprobs
+from fuzzer.sim import VirtualTarget
+from fuzzer.sim import pathologies as P
+from fuzzer.store import Store
+from fuzzer.trace import Request, Trace
+
+PATHOLOGY = P.LOGPROBS_BATCH_COST
+
+
+def _costly(trace: Trace, at_least: int = 20) -> bool:
+    return any(r.n > 1 and r.logprobs and r.n * r.logprobs >= at_least for r in trace.requests)
+
+
+def test_one_application_of_the_operator_can_set_both_n_and_logprobs():
+    trace = Trace(requests=(Request(id="a", at_ms=0, prompt_tokens=64, max_tokens=32),
+                            Request(id="b", at_ms=5, prompt_tokens=64, max_tokens=32)))
+    children = [n_logprobs(trace, random.Random(i), Limits()) for i in range(200)]
+    costly = [c for c in children if c is not None and _costly(c)]
+    assert len(costly) >= 20
+    for child in costly:
+        tf.validate(child)
+        assert all(r.temperature > 0 for r in child.requests if r.n > 1)  # n > 1 samples
+
+
+def test_the_operator_respects_what_the_target_does_not_support():
+    trace = Trace(requests=(Request(id="a", at_ms=0, prompt_tokens=64, max_tokens=32),))
+    limits = Limits(unsupported=frozenset({"n"}))
+    children = [n_logprobs(trace, random.Random(i), limits) for i in range(50)]
+    assert all(r.n == 1 for c in children if c is not None for r in c.requests)
+    assert any(c is not None and c.requests[0].logprobs for c in children)
+    assert n_logprobs(trace, random.Random(0), Limits(unsupported=frozenset({"n", "logprobs"}))) is None
+
+
+def test_random_generation_sometimes_asks_for_sampling_work():
+    traces = [generate(random.Random(i)) for i in range(300)]
+    requests = [r for t in traces for r in t.requests]
+    sampled = [r for r in requests if r.n > 1 or r.logprobs is not None]
+    assert 0.03 * len(requests) < len(sampled) < 0.2 * len(requests)
+    assert any(_costly(t) for t in traces)
+
+
+def _seeds(seed: int) -> list[Trace]:
+    """The corpus minus the traces that trigger the pathology by themselves (n-logprobs)."""
+    probe = VirtualTarget(pathologies=(PATHOLOGY,), seed=seed)
+    probe.run(tf.load(CORPUS / "stream-mix.json"))
+    out = []
+    for path in sorted(CORPUS.glob("*.json")):
+        trace = tf.load(path)
+        if not any(PATHOLOGY in names for names in probe.run(trace).ground_truth.values()):
+            out.append(trace)
+    return out
+
+
+class _GroundTruth:
+    """The simulator, remembering which requests of which trace the pathology delayed."""
+
+    def __init__(self, target: VirtualTarget):
+        self._target = target
+        self.name = target.name
+        self.idle = target.idle
+        self.delayed: dict[str, set[str]] = {}
+
+    async def execute(self, trace):
+        result = await self._target.execute(trace)
+        hit = {rid for rid, names in result.ground_truth.items() if PATHOLOGY in names}
+        self.delayed.setdefault(trace.content_hash(), set()).update(hit)
+        return result
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+async def test_guided_campaign_finds_logprobs_batch_cost_without_its_seed(seed):
+    sim = _GroundTruth(VirtualTarget(pathologies=(PATHOLOGY,), seed=seed))
+    calibration = await calibrate(sim, rng=random.Random(seed))
+    store = Store.memory()
+    stop = asyncio.Event()
+    right = []
+
+    def on_finding(finding_id, verdict):
+        finding = store.get_finding(finding_id)
+        # right: the pathology really delayed the finding's request (ground truth the oracle never reads)
+        if verdict.request_id in sim.delayed.get(finding.trace_hash, set()):
+            assert _costly(store.get_trace(finding.trace_hash), at_least=1)
+            right.append(finding_id)
+            stop.set()
+
+    seeds = _seeds(seed)
+    assert "n-logprobs" not in {t.name for t in seeds}
+    campaign = Campaign(sim, store, Settings(seed=seed, max_execs=60), seeds=seeds, target_key="sim:search",
+                        calibration=calibration, on_finding=on_finding, stop=stop)
+    await campaign.run()
+    assert right, f"no confirmed finding on a trace with n x logprobs in 60 executions (seed {seed})"
+
+
+async def test_the_null_baseline_does_not_pay_for_stability_runs():
+    store = Store.memory()
+    campaign = Campaign(VirtualTarget(seed=1), store, Settings(seed=1, max_execs=25, mutator="null"),
+                        seeds=[tf.load(CORPUS / "stream-mix.json")], target_key="sim:null")
+    await campaign.run()
+    purposes = store.purposes(campaign_id=campaign.campaign_id)
+    assert purposes["fuzz"] >= 5
+    assert "stability" not in purposes
