@@ -95,7 +95,7 @@ class HttpTarget:
         metrics_interval_s: float = DEFAULT_INTERVAL_S,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         idle_after_timeout_s: float = DEFAULT_IDLE_AFTER_TIMEOUT_S,
-        capabilities: Mapping[str, bool] | None = None,
+        capabilities: Mapping[str, bool | int] | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
@@ -421,6 +421,8 @@ class HttpTarget:
             }
             if any(used and not info.accepts(feature) for feature, used in uses.items()):
                 return Outcome.UNSUPPORTED
+            if info.max_n is not None and r.n > info.max_n:
+                return Outcome.UNSUPPORTED  # more choices than the probe saw it accept
         return Outcome.REJECTED
 
     def _result(

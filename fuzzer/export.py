@@ -21,7 +21,7 @@ from typing import Any
 
 from fuzzer import bugreport, timeline
 from fuzzer import trace as trace_format
-from fuzzer.calibration import Calibration
+from fuzzer.calibration import Calibration, calibration_keys
 from fuzzer.errors import FuzzError, NotFoundError, OutputError
 from fuzzer.execution import ExecutionResult
 from fuzzer.oracle import observe
@@ -158,15 +158,13 @@ def verdict_for(
 def _calibration(store: Store, target: Mapping[str, Any] | None) -> Calibration | None:
     if not target:
         return None
-    url = str(target.get("url") or "")
-    for key in (url, f"{url.rstrip('/')}#{target.get('model') or ''}"):
-        stored = store.latest_calibration(key)
-        if stored is not None:
-            try:
-                return Calibration.from_dict(stored)
-            except FuzzError:
-                return None
-    return None
+    stored = store.latest_calibration(*calibration_keys(str(target.get("url") or ""), target.get("model")))
+    if stored is None:
+        return None
+    try:
+        return Calibration.from_dict(stored)
+    except FuzzError:
+        return None
 
 
 def _pick_execution(

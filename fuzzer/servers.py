@@ -20,11 +20,14 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import aiohttp
 
 from fuzzer.errors import ConfigError, TargetError
+
+if TYPE_CHECKING:
+    from fuzzer.expectation import SchedulerAssumption
 
 KINDS = ("vllm", "sglang", "tgi", "llamacpp", "openai")
 
@@ -33,6 +36,12 @@ FINGERPRINT_PATHS = ("/metrics", "/v1/models", "/version", "/info", "/props", "/
 
 #: Request features the capability probe asks about. Mutators avoid what a target rejects.
 FEATURES = ("completions", "chat", "stream_options", "ignore_eos", "n", "logprobs", "tokenize")
+#: Capability key of the largest ``n`` a server accepts, recorded only when it refuses a
+#: larger one (llama-server refuses n above its slot count): an int, not a bool.
+MAX_N = "max_n"
+#: The ``n`` values tried above 2 when the server accepts n=2: up to the largest n the
+#: mutators draw (fuzzer.mutators), so a refusal below it is recorded.
+N_PROBES = (4, 8)
 
 # A fingerprint answer is only read this far: metric pages of busy servers are
 # tens of kB, and the names that identify an engine are in the first lines.
@@ -94,15 +103,24 @@ class ServerInfo:
     version: str | None
     model: str | None
     max_model_len: int | None
-    #: Feature -> accepted (see FEATURES); a feature never probed is absent.
-    capabilities: Mapping[str, bool] = field(default_factory=dict)
+    #: Feature -> accepted (see FEATURES); a feature never probed is absent. ``max_n``
+    #: (an int, see MAX_N) when the server refuses some n > 1 it was probed with.
+    capabilities: Mapping[str, bool | int] = field(default_factory=dict)
     #: Scheduler parameters the server itself reports (e.g. llama.cpp's slot count as
     #: ``max_num_seqs``); they override the adapter's documented ``scheduler_defaults``.
     scheduler: Mapping[str, Any] = field(default_factory=dict)
 
     def accepts(self, feature: str) -> bool:
         """True unless the probe saw the server reject the feature."""
-        return self.capabilities.get(feature, True)
+        return bool(self.capabilities.get(feature, True))
+
+    @property
+    def max_n(self) -> int | None:
+        """The largest ``n`` (choices per request) the server accepts; None when no limit was seen."""
+        if not self.accepts("n"):
+            return 1
+        value = self.capabilities.get(MAX_N)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True)
@@ -323,6 +341,17 @@ def adapter(kind: str) -> Adapter:
         raise ConfigError(f"unknown server kind {kind!r}; use one of auto, {', '.join(KINDS)}") from None
 
 
+def scheduler_assumption(info: ServerInfo | None, **overrides: int | None) -> SchedulerAssumption:
+    """What the oracle assumes of a server's scheduler: its adapter's documented defaults,
+    then what the server itself reports (llama.cpp's slot count), then the user's overrides.
+    No info (the in-process simulator): vLLM's defaults, which the simulator follows."""
+    from fuzzer.expectation import SchedulerAssumption, assumption_for  # noqa: PLC0415 (the model needs no adapters)
+
+    if info is None:
+        return assumption_for("vllm", adapter("vllm").scheduler_defaults, **overrides) if overrides else SchedulerAssumption()
+    return assumption_for(info.kind, {**adapter(info.kind).scheduler_defaults, **info.scheduler}, **overrides)
+
+
 # --- detection --------------------------------------------------------------------------
 
 _METRIC_PREFIXES = (("vllm:", "vllm"), ("sglang:", "sglang"), ("llamacpp:", "llamacpp"), ("tgi_", "tgi"))
@@ -450,14 +479,16 @@ async def probe_capabilities(
     model: str | None,
     *,
     headers: Mapping[str, str],
-) -> dict[str, bool]:
+) -> dict[str, bool | int]:
     """Which request features the server accepts: a 2xx means yes, a 4xx no.
 
     A plain completion must work (else :class:`TargetError` with the server's
     answer: a wrong model, a refused API key); a 5xx on a feature probe counts as
     not accepted too, because a mutator should not lean on a feature that breaks.
+    When n=2 is accepted, larger n (N_PROBES) are tried: the largest accepted one
+    before a refusal is recorded as ``max_n`` (a llama-server with 4 slots refuses n=8).
     """
-    caps: dict[str, bool] = {}
+    caps: dict[str, bool | int] = {}
     status, text = await _post(session, base_url + adapter.completions_path, _probe_body(model, {}), headers)
     if status in (401, 403):
         raise TargetError(f"{base_url} refused the API key (HTTP {status}); set it in the environment variable the CLI names")
@@ -473,6 +504,14 @@ async def probe_capabilities(
             # Accepted only if the answer is a stream that carries a usage event.
             accepted = "data:" in text and '"usage"' in text
         caps[feature] = accepted
+    if caps["n"]:
+        accepted_n = 2
+        for n in N_PROBES:
+            status, _ = await _post(session, base_url + adapter.completions_path, _probe_body(model, {"n": n}), headers)
+            if not 200 <= status < 300:
+                caps[MAX_N] = accepted_n
+                break
+            accepted_n = n
     caps["tokenize"] = False
     if adapter.tokenize_path and adapter.tokenize_body and adapter.tokenize_count:
         body = adapter.tokenize_body(_PROBE_PROMPT, model, False)

@@ -207,6 +207,16 @@ async def test_a_feature_the_probe_saw_rejected_is_unsupported_not_a_fault(serve
     assert any("ignore_eos" in w for w in result.warnings)
 
 
+async def test_more_choices_than_the_probe_saw_accepted_are_unsupported(server):
+    url, _ = server
+    caps = {"completions": True, "chat": True, "stream_options": True, "ignore_eos": True, "n": True,
+            "max_n": 4, "logprobs": True, "tokenize": True}
+    async with HttpTarget(url, capabilities=caps, rng=random.Random(2), idle_after_timeout_s=0.2) as t:
+        result = await t.execute(trace(req("e400_n8", n=8), req("e400_n2", n=2)))
+    assert result.request("e400_n8").outcome is Outcome.UNSUPPORTED
+    assert result.request("e400_n2").outcome is Outcome.REJECTED  # within the limit: a real rejection
+
+
 async def test_a_server_that_never_drains_is_seen_before_and_after(server):
     url, state = server
     state.stuck = 1

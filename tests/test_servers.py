@@ -215,6 +215,18 @@ def test_llamacpp_assumption_is_a_2048_token_step_and_its_slots():
     assert assumption_for("llamacpp", a.scheduler_defaults).max_num_seqs == 4
 
 
+def test_every_command_calibrates_under_the_servers_own_assumption():
+    """Before, `fuzz campaign`, `replay` and `minimize` calibrated a llama-server under vLLM's defaults."""
+    from fuzzer.expectation import SchedulerAssumption
+
+    info = servers.ServerInfo(kind="llamacpp", version=None, model="m", max_model_len=4096,
+                              scheduler={"max_num_seqs": 2})
+    a = servers.scheduler_assumption(info)
+    assert (a.token_budget, a.max_num_seqs, a.block_size) == (2048, 2, 1)
+    assert servers.scheduler_assumption(info, token_budget=512).token_budget == 512
+    assert servers.scheduler_assumption(None) == SchedulerAssumption()  # the in-process simulator: vLLM's
+
+
 def _json(name: str):
     import json
 

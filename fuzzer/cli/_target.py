@@ -108,9 +108,9 @@ def limits_for(target) -> Limits:
     info = getattr(target, "info", None)
     if info is None:
         return Limits()
-    unsupported = frozenset(name for name, ok in (info.capabilities or {}).items() if not ok)
+    unsupported = frozenset(name for name, ok in (info.capabilities or {}).items() if ok is False)
     max_len = info.max_model_len or Limits().max_model_len
-    return Limits(max_model_len=max_len, unsupported=unsupported & {"chat", "n", "logprobs"})
+    return Limits(max_model_len=max_len, unsupported=unsupported & {"chat", "n", "logprobs"}, max_n=info.max_n)
 
 
 def parse_duration(text: str) -> float:

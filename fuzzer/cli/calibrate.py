@@ -13,8 +13,8 @@ import click
 from rich.table import Table
 
 from fuzzer import servers
-from fuzzer.calibration import Calibration, Fit, calibrate
-from fuzzer.cli._console import out
+from fuzzer.calibration import NOISY, SIM_CALIBRATION_KEY, Calibration, Fit, calibrate, calibration_key
+from fuzzer.cli._console import err, out
 from fuzzer.cli._options import (
     db_option,
     json_option,
@@ -22,14 +22,13 @@ from fuzzer.cli._options import (
     server_option,
     target_option,
 )
-from fuzzer.expectation import assumption_for
 from fuzzer.verdict import Metric
 
 #: Where the API key comes from by default: the variable OpenAI clients read.
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 #: Calibrations of the built-in simulator are stored under this key: its port changes
-#: from run to run, its behaviour does not.
-SIM_TARGET_KEY = "sim:builtin"
+#: from run to run, its behaviour does not (see fuzzer.calibration.calibration_keys).
+SIM_TARGET_KEY = SIM_CALIBRATION_KEY
 
 
 @click.command("calibrate")
@@ -72,8 +71,16 @@ def command(target, db_path, server, model, token_budget, max_num_seqs, block_si
         calibration_id = store.save_calibration(key, cal.to_dict(), created_at=cal.created_at)
     if as_json:
         out.print_json(json.dumps({"id": calibration_id, "target_key": key, **cal.to_dict()}))
-        return
-    _show(cal, key, calibration_id, db_path)
+    else:
+        _show(cal, key, calibration_id, db_path)
+    note = cal.reliability_note()
+    worst = cal.judged_noise()[1]
+    if note is not None:
+        err.print(f"warning: {note} (verdicts on it say so)")
+    elif worst >= NOISY:
+        # pyperf's advice: a spread of 10% or more means the numbers are not to be trusted yet.
+        err.print(f"warning: noise is {worst * 100:.0f} %; stop other load on the server and calibrate again "
+                  "(or raise --repeats)")
 
 
 async def _calibrate(
@@ -88,17 +95,15 @@ async def _calibrate(
         )
         info = http.info
         assert info is not None
-        defaults = servers.adapter(info.kind).scheduler_defaults
-        assumption = assumption_for(info.kind, defaults, **overrides)
+        assumption = servers.scheduler_assumption(info, **overrides)
         cal = await calibrate(http, assumption=assumption, rng=random.Random(seed), repeats=repeats,
                               max_model_len=info.max_model_len)
-        key = SIM_TARGET_KEY if target is None else target_key(url, info.model)
-        return key, cal
+        return calibration_key(target, info.model), cal
 
 
 def target_key(url: str, model: str | None) -> str:
-    """The key a target's calibrations are stored under: its URL and model."""
-    return f"{url.rstrip('/')}#{model or ''}"
+    """The key a target's calibrations are stored under: its URL and model (every command reads it)."""
+    return calibration_key(url, model)
 
 
 @contextlib.asynccontextmanager
@@ -150,9 +155,3 @@ def _show(cal: Calibration, key: str, calibration_id: int, db_path: str) -> None
             noise.add_row(metric.value, f"{cal.noise[metric] * 100:.1f} %", f"{cal.noise_s[metric] * 1e3:.3f} ms",
                           str(len(cal.baseline.get(metric, ()))))
     out.print(noise)
-    # Max ITL is left out: single gaps of a few ms carry the client's own timing jitter.
-    worst = max((v for k, v in cal.noise.items() if k is not Metric.MAX_ITL), default=0.0)
-    if worst >= 0.10:
-        # pyperf's advice: a spread of 10% or more means the numbers are not to be trusted yet.
-        out.print(f"warning: noise is {worst * 100:.0f} %; stop other load on the server and calibrate again "
-                  "(or raise --repeats)")

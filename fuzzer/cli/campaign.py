@@ -13,6 +13,7 @@ from rich.live import Live
 from rich.table import Table
 
 from fuzzer import trace as trace_format
+from fuzzer.calibration import REFRESH_AFTER_S, Calibration, calibration_keys
 from fuzzer.campaign import Campaign, ExitReason, Settings, Stats, Summary
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
@@ -151,8 +152,8 @@ async def _run(
     loop.add_signal_handler(signal.SIGTERM, on_interrupt)
     try:
         with Store.open(db_path) as store, CampaignLock(db_path):
-            key = url or sim_key(planted, sim, seed)
-            if sim.get("faults") and store.latest_calibration(key) is None:
+            identity = url or sim_key(planted, sim, seed)
+            if sim.get("faults") and _reusable_calibration(store, calibration_keys(identity)) is None:
                 # The calibration's probes must meet a clean server (it stops at the first failure).
                 from fuzzer.sim.faults import CALIBRATION_GRACE_REQUESTS  # noqa: PLC0415
 
@@ -162,22 +163,35 @@ async def _run(
             ) as target:
                 info = target.info
                 target_id = store.upsert_target(
-                    key, info.kind if info else "unknown", info.model if info else None,
+                    identity, info.kind if info else "unknown", info.model if info else None,
                     info.version if info else None, dict(info.capabilities) if info else {},
                 )
                 settings = Settings(
                     duration_s=duration_s, max_execs=max_execs, seed=seed,
                     mutator="null" if null_mutator else "guided", limits=limits_for(target),
                 )
+                # One key for every command (fuzz calibrate stores there); older keys still read.
+                keys = calibration_keys(identity, info.model if info else None)
+                calibration = _reusable_calibration(store, keys, settings.recalibrate_after_s)
                 with _StatusView() as view:
                     campaign = Campaign(
-                        target, store, settings, seeds=seeds, target_key=key, target_id=target_id,
-                        on_stats=view.update, on_finding=view.finding, stop=stop,
+                        target, store, settings, seeds=seeds, target_key=identity, calibration_key=keys[0], target_id=target_id,
+                        calibration=calibration, on_stats=lambda s: view.update(s, campaign.calibration),
+                        on_finding=view.finding, stop=stop,
                     )
                     return await campaign.run()
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         loop.remove_signal_handler(signal.SIGTERM)
+
+
+def _reusable_calibration(store: Store, keys: tuple[str, ...], max_age_s: float = REFRESH_AFTER_S) -> Calibration | None:
+    """The target's stored calibration under any of its keys, unless it is due for a refresh."""
+    stored = store.latest_calibration(*keys)
+    if stored is None:
+        return None
+    calibration = Calibration.from_dict(stored)
+    return None if calibration.is_stale(time.time(), max_age_s=max_age_s) else calibration
 
 
 class _StatusView:
@@ -187,6 +201,7 @@ class _StatusView:
         self._live: Live | None = None
         self._last_plain = 0.0
         self._last: Stats | None = None
+        self._warned: Calibration | None = None
 
     def __enter__(self) -> "_StatusView":
         if _console.out.is_terminal:
@@ -198,8 +213,12 @@ class _StatusView:
         if self._live is not None:
             self._live.__exit__(None, None, None)
 
-    def update(self, stats: Stats) -> None:
+    def update(self, stats: Stats, calibration: Calibration | None = None) -> None:
         self._last = stats
+        if calibration is not None and calibration is not self._warned and stats.phase != "calibrate":
+            self._warned = calibration  # once per calibration (a long campaign recalibrates)
+            if (note := calibration.reliability_note()) is not None:
+                _console.err.print(f"warning: {note}")
         if self._live is not None:
             self._live.update(_stats_table(stats))
         elif time.monotonic() - self._last_plain >= PLAIN_STATUS_EVERY_S:

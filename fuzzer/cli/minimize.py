@@ -7,7 +7,7 @@ import random
 
 import click
 
-from fuzzer.calibration import Calibration, calibrate
+from fuzzer.calibration import Calibration, calibrate, calibration_keys
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._render import trace_table
@@ -17,7 +17,7 @@ from fuzzer.export import repro_script, verdict_for
 from fuzzer.minimizer import Progress
 from fuzzer.recovery import DEFAULT_PATIENCE_S
 from fuzzer.reduction import minimize_finding
-from fuzzer.store import Store
+from fuzzer.store import Store, minimization_lock
 
 
 @click.command("minimize")
@@ -48,13 +48,17 @@ def command(finding_id, db_path, target, server, model, max_execs, timeout_s) ->
     """
     with Store.open(db_path, create=False) as store:
         finding = store.get_finding(finding_id)
-        key, url, planted, sim, seed = _where(store, finding.target_id, target)
-        try:
-            reduction = asyncio.run(_run(store, finding, key, url, (planted, sim, seed), server, model, max_execs, timeout_s))
-        except KeyboardInterrupt:
-            _console.err.print(f"interrupted; progress is saved: `fuzz minimize {finding.id}` resumes")
-            raise SystemExit(130) from None
-        minimized = store.get_trace(store.get_finding(finding.id).minimized_trace_hash)
+        # One minimization of a finding at a time (a campaign on the same --db may run beside it).
+        with minimization_lock(db_path, finding.id):
+            identity, url, planted, sim, seed = _where(store, finding.target_id, target)
+            try:
+                reduction = asyncio.run(
+                    _run(store, finding, identity, url, (planted, sim, seed), server, model, max_execs, timeout_s)
+                )
+            except KeyboardInterrupt:
+                _console.err.print(f"interrupted; progress is saved: `fuzz minimize {finding.id}` resumes")
+                raise SystemExit(130) from None
+            minimized = store.get_trace(store.get_finding(finding.id).minimized_trace_hash)
     r = reduction.result
     out = _console.out
     out.print(trace_table(minimized, title=f"finding {finding.id}, minimized"))
@@ -69,7 +73,7 @@ def command(finding_id, db_path, target, server, model, max_execs, timeout_s) ->
 
 
 def _where(store: Store, target_id: int | None, given: str | None) -> tuple[str, str | None, tuple[str, ...], dict, int]:
-    """(calibration key, URL or None for the simulator, pathologies to plant, simulator options, seed)."""
+    """(target identity, URL or None for the simulator, pathologies to plant, simulator options, seed)."""
     if given is not None:
         return given, given, (), {}, 0
     if target_id is None:
@@ -81,18 +85,21 @@ def _where(store: Store, target_id: int | None, given: str | None) -> tuple[str,
     raise ConfigError(f"this finding was found on {url}; pass --target {url} (or where that server runs now)")
 
 
-async def _run(store, finding, key, url, sim, server, model, max_execs, timeout_s):
+async def _run(store, finding, identity, url, sim, server, model, max_execs, timeout_s):
     planted, options, seed = sim
     async with open_target(
         url, server=server, model=model, pathologies=planted, sim_options=options, seed=seed, timeout_s=timeout_s
     ) as target:
-        stored = store.latest_calibration(key)
+        keys = calibration_keys(identity, target.info.model if target.info else None)
+        stored = store.latest_calibration(*keys)
         if stored is not None:
             calibration = Calibration.from_dict(stored)
         else:
             _console.err.print("calibrating the target first (no stored calibration for it)")
             calibration = await calibrate(target, rng=random.Random(0))
-            store.save_calibration(key, calibration.to_dict())
+            store.save_calibration(keys[0], calibration.to_dict())
+        if (note := calibration.reliability_note()) is not None:
+            _console.err.print(f"warning: {note}")
 
         def progress(p: Progress) -> None:
             _console.err.print(

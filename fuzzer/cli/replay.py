@@ -15,10 +15,11 @@ import numpy as np
 from rich.table import Table
 
 from fuzzer import trace as trace_format
-from fuzzer.calibration import Calibration, calibrate
+from fuzzer.calibration import Calibration, calibrate, calibration_keys
 from fuzzer.cli import EXIT_FINDING
 from fuzzer.cli._console import err, out
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
+from fuzzer.cli._target import sim_key
 from fuzzer.confirmation import Examination, examine
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult, RequestResult
@@ -108,24 +109,26 @@ async def _replay(
     trace: Trace, target: str | None, runs: int, server: str, model: str | None, api_key: str | None,
     seed: int, timeout_s: float, db_path: str | None, planted: tuple[str, ...],
 ) -> tuple[ServerInfo, Examination, list[ExecutionResult]]:
-    key = target or f"sim:{','.join(planted) or 'none'}"
     async with _base_url(target, planted) as url:
         async with HttpTarget(
             url, server=server, model=model, api_key=api_key, rng=random.Random(seed), timeout_s=timeout_s
         ) as http:
-            calibration = _stored_calibration(db_path, key)
+            assert http.info is not None
+            keys = calibration_keys(target or sim_key(planted), http.info.model)
+            calibration = _stored_calibration(db_path, keys)
             if calibration is None:
                 hint = "" if db_path else "; pass --db to keep it for the next replay"
-                err.print(f"calibrating {key} first (the oracle needs its idle latencies{hint})")
+                err.print(f"calibrating {keys[0]} first (the oracle needs its idle latencies{hint})")
                 calibration = await calibrate(http, rng=random.Random(seed))
                 if db_path is not None:
                     from fuzzer.store import Store  # noqa: PLC0415 - only with --db
 
                     with Store.open(db_path) as store:
-                        store.save_calibration(key, calibration.to_dict())
+                        store.save_calibration(keys[0], calibration.to_dict())
+            if (note := calibration.reliability_note()) is not None:
+                err.print(f"warning: {note}")
             recorder = _Recorder(http)
             exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
-            assert http.info is not None
             return http.info, exam, recorder.results
 
 
@@ -146,13 +149,13 @@ class _Recorder:
         return None
 
 
-def _stored_calibration(db_path: str | None, key: str) -> Calibration | None:
+def _stored_calibration(db_path: str | None, keys: tuple[str, ...]) -> Calibration | None:
     if db_path is None or not os.path.exists(db_path):
         return None
     from fuzzer.store import Store  # noqa: PLC0415 - only with --db
 
     with Store.open(db_path) as store:
-        data = store.latest_calibration(key)
+        data = store.latest_calibration(*keys)
     return None if data is None else Calibration.from_dict(data)
 
 

@@ -22,7 +22,7 @@ import sqlite_utils
 from fuzzer import trace as trace_format
 from fuzzer.errors import NotFoundError, StoreError
 from fuzzer.execution import ExecutionResult, MetricSample
-from fuzzer.store._lock import CampaignLock
+from fuzzer.store._lock import CampaignLock, minimization_lock
 from fuzzer.store._migrations import MIGRATIONS, SCHEMA_VERSION
 from fuzzer.store._rows import (
     StoredFinding,
@@ -35,7 +35,7 @@ from fuzzer.store._rows import (
 )
 from fuzzer.trace import Trace
 
-__all__ = ["SCHEMA_VERSION", "CampaignLock", "Store", "StoredFinding"]
+__all__ = ["SCHEMA_VERSION", "CampaignLock", "Store", "StoredFinding", "minimization_lock"]
 
 # A writer holding the lock for longer than this is stuck or dead; a reader waits
 # this long before reporting the database as busy.
@@ -201,11 +201,14 @@ class Store:
                 }
             ).last_pk
 
-    def latest_calibration(self, target_key: str) -> dict[str, Any] | None:
+    def latest_calibration(self, target_key: str, *other_keys: str) -> dict[str, Any] | None:
+        """The newest calibration stored under any of the keys (one target's current and older keys)."""
+        keys = list(dict.fromkeys((target_key, *other_keys)))
         rows = list(
             self._db.query(
-                "select data from calibrations where target_key = ? order by created_at desc, id desc limit 1",
-                [target_key],
+                f"select data from calibrations where target_key in ({', '.join('?' for _ in keys)}) "
+                "order by created_at desc, id desc limit 1",
+                keys,
             )
         )
         return json.loads(rows[0]["data"]) if rows else None

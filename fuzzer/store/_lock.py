@@ -8,8 +8,11 @@ ends, however it ends (SIGKILL, OOM, power loss of a container): a dead campaign
 never leaves the database locked. The file holds the owner's PID for the
 message only; a stale PID in it means nothing once the lock is free.
 
-Readers (``fuzz status``, ``findings``, ``show``) take no lock: WAL lets them read
-while the campaign writes.
+``fuzz minimize`` takes its own lock per finding (``<db>.minimize-<id>.lock``,
+:func:`minimization_lock`): two minimizations of one finding would interleave their
+checkpoints, while a minimization beside a campaign, or of another finding, only
+adds rows. Readers (``fuzz status``, ``findings``, ``show``) take no lock: WAL lets
+them read while the campaign writes.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ LOCK_SUFFIX = ".lock"
 class CampaignLock:
     """``with CampaignLock(db_path):`` -- raises StoreError when another process holds it."""
 
-    def __init__(self, db_path: str | Path, *, purpose: str = "campaign"):
+    def __init__(self, db_path: str | Path, *, purpose: str = "campaign", tag: str = "",
+                 hint: str = "wait for it to finish, stop it (Ctrl-C saves everything), or use another --db"):
         self.db_path = Path(db_path)
-        self.path = self.db_path.with_name(self.db_path.name + LOCK_SUFFIX)
+        self.path = self.db_path.with_name(self.db_path.name + (f".{tag}" if tag else "") + LOCK_SUFFIX)
         self.purpose = purpose
+        self.hint = hint
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -45,10 +50,7 @@ class CampaignLock:
             owner = _read_owner(fd)
             os.close(fd)
             who = f" (pid {owner})" if owner else ""
-            raise StoreError(
-                f"another {self.purpose}{who} is running on {self.db_path}; wait for it to finish, "
-                "stop it (Ctrl-C saves everything), or use another --db"
-            ) from None
+            raise StoreError(f"another {self.purpose}{who} is running on {self.db_path}; {self.hint}") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {self.purpose}\n".encode())
         self._fd = fd
@@ -68,6 +70,14 @@ class CampaignLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def minimization_lock(db_path: str | Path, finding_id: int) -> CampaignLock:
+    """The lock ``fuzz minimize`` holds on one finding of one database while it runs."""
+    return CampaignLock(
+        db_path, purpose=f"minimization of finding {finding_id}", tag=f"minimize-{finding_id}",
+        hint=f"wait for it to finish or stop it (Ctrl-C saves its progress; `fuzz minimize {finding_id}` resumes)",
+    )
 
 
 def _read_owner(fd: int) -> str | None:
