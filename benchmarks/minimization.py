@@ -8,11 +8,14 @@ Cases (each on a simulator with only the named pathology on):
   never wait together, so it does not trigger hol-prefix-burst; its first run after an
   idle period is slow: a cold-start finding.
 - ``hol-prefix-burst trigger``: the trigger trace of fuzzer.sim.triggers (nine requests).
+- ``n-logprobs``: corpus/n-logprobs.json on logprobs-batch-cost (seven requests; the
+  one tests/test_reduction.py minimizes).
 
 For each: calibrate, examine the trace as ``fuzz replay`` does (3 runs, judge, confirm),
 store the first confirmed finding on the victim request, then ``minimize_finding`` it
-exactly as ``fuzz minimize`` does (2-of-3 predicate, 1.25x hysteresis, 10-run final
-confirmation). Counted: the minimizer's executions (the examination before it is not).
+exactly as ``fuzz minimize`` does (every run of a candidate must reproduce at 1.25x the
+report threshold, 10-run final confirmation). Counted: the minimizer's executions, the
+final confirmation included (the examination before it is not).
 With --http the same runs go over HTTP to a SimProcess (cold-start waits out real idle
 periods there: COLD_IDLE_S per check).
 """
@@ -43,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CASES = {
     "vllm-37308": (P.COLD_START, ROOT / "corpus" / "vllm-37308.json", "r08"),
     "hol-prefix-burst trigger": (P.HOL_PREFIX_BURST, None, TRIGGERS[P.HOL_PREFIX_BURST].victim),
+    "n-logprobs": (P.LOGPROBS_BATCH_COST, ROOT / "corpus" / "n-logprobs.json", "b4"),
 }
 
 

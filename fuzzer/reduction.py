@@ -13,6 +13,7 @@ with the oracle afterwards and saved as findings of their own.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
@@ -51,16 +52,25 @@ def shows(kind: FindingKind, metric: Metric | None, victim: str | None, trace: T
     Keeping the victim keeps the finding the same finding: its repro script judges that
     request. Also returns a failure of another kind seen on the way, if any, as a candidate.
     """
+    found, other, _ = _looks(kind, metric, victim, trace, result, calibration, policy)
+    return found, other
+
+
+def _looks(kind: FindingKind, metric: Metric | None, victim: str | None, trace: Trace, result: ExecutionResult,
+           calibration: Calibration, policy: OraclePolicy) -> tuple[bool, Candidate | None, float | None]:
+    """:func:`shows`, plus the victim's effect (observed / FCFS bound; the largest when it has no victim)."""
     found = False
     other = None
+    effect = None
     for rep in oracle.observe(trace, result, calibration, policy):
         mine = victim is None or rep.request_id == victim
         observed = rep.observations.get(metric) if metric and mine else None
-        if observed is not None and observed.candidate:
-            found = True
+        if observed is not None:
+            effect = observed.ratio if effect is None else max(effect, observed.ratio)
+            found = found or observed.candidate
         if other is None and rep.failure is not None and rep.failure is not kind:
             other = Candidate(rep.failure, rep.request_id, detail=rep.outcome.value)
-    return found, other
+    return found, other, effect
 
 
 def make_check(
@@ -90,13 +100,15 @@ def make_check(
         if kind.value in set(FAILURE_KIND.values()):
             return Check(any(FAILURE_KIND.get(r.outcome) == kind.value and victim in (None, r.request_id)
                              for r in result.requests))
-        ok, other = shows(kind, metric, victim, trace, result, calibration, shrinking if strict else policy)
-        if other is None:
-            return Check(ok)
-        sig = signature(other.kind, trace, other.request_id, outcome=other.detail)
-        if others is not None:
-            others.setdefault(sig, other)
-        return Check(ok, sig)
+        ok, other, effect = _looks(kind, metric, victim, trace, result, calibration, shrinking if strict else policy)
+        sig = None
+        if other is not None:
+            sig = signature(other.kind, trace, other.request_id, outcome=other.detail)
+            if others is not None:
+                others.setdefault(sig, other)
+        # The effect in shrinking thresholds: 1.0 is just reproduced while shrinking.
+        strength = effect / shrinking.factor if effect is not None and math.isfinite(effect) and strict else None
+        return Check(ok, sig, strength)
 
     return check
 
@@ -137,8 +149,10 @@ async def minimize_finding(
             others.append((t, sig))
 
     kwargs = {} if max_executions is None else {"max_executions": max_executions}
+    victim = finding.verdict.get("request_id")
     minimizer = Minimizer(
-        make_check(target, kind, metric, finding.verdict.get("request_id"), calibration, policy=policy, sleep=sleep, record=record, others=met),
+        make_check(target, kind, metric, victim, calibration, policy=policy, sleep=sleep, record=record, others=met),
+        keep=frozenset({victim} if victim and victim in {r.id for r in trace.requests} else ()),
         state=store.minimization_state(finding.id),
         on_state=lambda state: store.save_minimization(finding.id, state, status="running"),
         on_progress=on_progress,

@@ -39,7 +39,8 @@ def command(finding_id, db_path, target, server, model, max_execs, timeout_s) ->
 
     Delta debugging over the requests, then passes that lower prompt and output
     lengths and gaps and drop features, each candidate accepted only when it
-    reproduces in 2 of 3 runs; a 10-run confirmation ends it. Ctrl-C keeps the
+    reproduces in all of 3 runs (2 of 3 for crashes, leaks and errors); a 10-run
+    confirmation ends it. Ctrl-C keeps the
     progress: the same command resumes.
 
     \b
