@@ -12,6 +12,7 @@ from fuzzer import prompts, servers
 from fuzzer import trace as tf
 from fuzzer.errors import TargetError
 
+from loopback import serving
 from misbehaving_server import CHAT_TEMPLATE_TOKENS, running
 
 
@@ -170,19 +171,11 @@ async def test_a_server_without_chat_tokenize_counts_chat_through_its_template_e
     app = web.Application()
     app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as session:
-            counter = prompts.ServerCounter(session, f"http://127.0.0.1:{port}", servers.adapter("llamacpp"), None, headers={})
-            assert counter.templates_chat
-            assert await counter.count("one two three") == 4
-            assert seen == ["tokenize"]
-            # Rendered: "<|im_start|>user", "one", "two", "three<|im_end|>" = 4 words, + BOS.
-            assert await counter.count("one two three", chat=True) == 5
-            assert seen[1:] == ["template", "tokenize"]
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, aiohttp.ClientSession() as session:
+        counter = prompts.ServerCounter(session, url, servers.adapter("llamacpp"), None, headers={})
+        assert counter.templates_chat
+        assert await counter.count("one two three") == 4
+        assert seen == ["tokenize"]
+        # Rendered: "<|im_start|>user", "one", "two", "three<|im_end|>" = 4 words, + BOS.
+        assert await counter.count("one two three", chat=True) == 5
+        assert seen[1:] == ["template", "tokenize"]

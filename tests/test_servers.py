@@ -12,6 +12,7 @@ from fuzzer import servers
 from fuzzer.errors import ConfigError, TargetError
 from fuzzer.servers import Fingerprint
 
+from loopback import serving
 from misbehaving_server import running
 
 DATA = Path(__file__).parent / "data" / "servers"
@@ -92,17 +93,9 @@ def _recorded_app(kind: str) -> web.Application:
 
 @pytest.mark.parametrize("kind", servers.KINDS)
 async def test_fingerprint_over_http_detects_each_engine(kind):
-    runner = web.AppRunner(_recorded_app(kind))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as session:
-            fp = await servers.fingerprint(session, f"http://127.0.0.1:{port}", headers={})
-        assert servers.detect(fp) == kind
-    finally:
-        await runner.cleanup()
+    async with serving(_recorded_app(kind)) as url, aiohttp.ClientSession() as session:
+        fp = await servers.fingerprint(session, url, headers={})
+    assert servers.detect(fp) == kind
 
 
 async def test_fingerprint_of_an_unreachable_server_is_a_target_error(unused_tcp_port):
@@ -126,18 +119,8 @@ async def test_probe_records_a_4xx_as_an_unsupported_feature():
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as session:
-            caps = await servers.probe_capabilities(
-                session, f"http://127.0.0.1:{port}", servers.adapter("openai"), None, headers={}
-            )
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, aiohttp.ClientSession() as session:
+        caps = await servers.probe_capabilities(session, url, servers.adapter("openai"), None, headers={})
     assert caps["completions"] and caps["ignore_eos"]
     assert not caps["n"] and not caps["logprobs"]
     assert not caps["chat"]  # no such route: 404
@@ -151,19 +134,9 @@ async def test_probe_reports_a_refused_api_key():
 
     app = web.Application()
     app.router.add_post("/v1/completions", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with aiohttp.ClientSession() as session:
-            with pytest.raises(TargetError, match="refused the API key"):
-                await servers.probe_capabilities(
-                    session, f"http://127.0.0.1:{port}", servers.adapter("openai"), None, headers={}
-                )
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, aiohttp.ClientSession() as session:
+        with pytest.raises(TargetError, match="refused the API key"):
+            await servers.probe_capabilities(session, url, servers.adapter("openai"), None, headers={})
 
 
 # --- llama.cpp, from a real llama-server's recorded answers (data/servers/llamacpp/live) ---
