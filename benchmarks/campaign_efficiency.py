@@ -60,6 +60,7 @@ class _Recording:
         self.name = target.name
         if hasattr(target, "idle"):  # virtual time: confirmation advances the clock instead of sleeping
             self.idle = target.idle
+        self.kv_cache = target.kv_cache  # the KV capacity the oracle's bound models (as /metrics reports it)
         self.delayed: dict[str, dict[str, set[str]]] = {}
         self.execute_s = 0.0
 

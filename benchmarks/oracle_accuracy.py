@@ -14,7 +14,13 @@ Mis-blamed: a confirmed finding on a request the pathology did not delay. Materi
 pathology at least doubled a delayed request's TTFT, max ITL or E2E compared with the same
 trace on a clean simulator (below that the oracle's 2x candidate factor ignores it by design).
 
-Each seed has its own calibration (on a separate simulator instance) and its own targets.
+KV-heavy clean traces (``--kv-heavy``): bursts of long prompts and outputs that overflow the
+simulator's 2560-block KV cache (like corpus/kv-fill.json), on a clean simulator: it preempts
+them by design, and a confirmed finding there is a false positive too.
+
+Each seed has its own calibration (on a separate simulator instance) and its own targets;
+the calibration reads the simulator's KV capacity. ``--kv-blind`` drops it (a server that
+reports none: the KV-unaware bound with the preemption allowance), for before/after figures.
 Prints a Markdown table for benchmarks/README.md.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import random
 import time
 
@@ -31,6 +38,7 @@ import numpy as np
 from fuzzer.calibration import calibrate
 from fuzzer.confirmation import examine
 from fuzzer.mutators import generate
+from fuzzer.oracle import preemptions
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as sim_pathologies
 from fuzzer.trace import Trace, from_dict
@@ -107,22 +115,39 @@ MATERIAL_GAIN = 2.0
 _WARM_UP = _t([{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}])
 
 
-async def _calibration(seed: int):
+async def _calibration(seed: int, kv_blind: bool = False):
     target = VirtualTarget(seed=10_000 + seed)
-    return await calibrate(target, rng=random.Random(seed), max_model_len=target.config.max_model_len)
+    cal = await calibrate(target, rng=random.Random(seed), max_model_len=target.config.max_model_len)
+    if kv_blind:
+        cal = dataclasses.replace(cal, assumption=dataclasses.replace(cal.assumption, kv_blocks=None))
+    return cal
 
 
-async def _false_positives(seed: int, count: int, cal) -> dict:
+def _kv_heavy(rng: random.Random) -> Trace:
+    """A burst that overflows the 2560-block KV cache: 16-30 requests of 1.5-3k prompts, 400-1000 outputs."""
+    count = rng.randint(16, 30)
+    shared = rng.random() < 0.3
+    reqs = [{"id": f"k{i:02d}", "at_ms": round(rng.uniform(0, 200), 1), "prompt_tokens": rng.randint(1500, 3000),
+             "max_tokens": rng.randint(400, 1000), "stream": rng.random() < 0.9,
+             **({"prefix": "p"} if shared else {})} for i in range(count)]
+    return _t(reqs, {"p": 512} if shared else None)
+
+
+async def _false_positives(seed: int, count: int, cal, make=generate) -> dict:
     rng, nrng = random.Random(seed), np.random.default_rng(seed)
     target = VirtualTarget(seed=seed)
-    flagged, kinds, executions = 0, collections.Counter(), 0
+    flagged, kinds, executions, preempted, flagged_preempted = 0, collections.Counter(), 0, 0, 0
     for _ in range(count):
-        exam = await examine(target, generate(rng), cal, runs=3, rng=nrng)
+        exam = await examine(target, make(rng), cal, runs=3, rng=nrng)
         executions += len(exam.results) + sum(v.runs for v in exam.confirmations)
+        kv = any(preemptions(r) > 0 for r in exam.results)
+        preempted += kv
         if exam.findings:
             flagged += 1
+            flagged_preempted += kv
             kinds.update(v.kind.value for v in exam.findings)
-    return {"traces": count, "flagged": flagged, "kinds": kinds, "executions": executions}
+    return {"traces": count, "flagged": flagged, "kinds": kinds, "executions": executions,
+            "preempted": preempted, "flagged_preempted": flagged_preempted}
 
 
 def _worst_gain(on, off, delayed: set[str]) -> float:
@@ -169,25 +194,36 @@ async def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0, help="seeds run from here (fresh ones: held-out data)")
     parser.add_argument("--clean", type=int, default=150, help="random clean traces per seed")
     parser.add_argument("--variants", type=int, default=10, help="trigger variants per pathology and seed")
+    parser.add_argument("--kv-heavy", type=int, default=0, help="KV-overflowing clean traces per seed")
+    parser.add_argument("--pathologies", default=",".join(VARIANTS), help="comma-separated detection rows to run")
+    parser.add_argument("--kv-blind", action="store_true", help="calibrate without the KV capacity (before)")
     args = parser.parse_args()
     started = time.perf_counter()
-    fp = collections.Counter()
+    sets = {"random traces (generate)": generate, **({"KV-heavy bursts": _kv_heavy} if args.kv_heavy else {})}
+    fp = {name: collections.Counter() for name in sets}
     kinds = collections.Counter()
-    det: dict[str, collections.Counter] = {name: collections.Counter() for name in VARIANTS}
+    names = [n for n in args.pathologies.split(",") if n]
+    det: dict[str, collections.Counter] = {name: collections.Counter() for name in names}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        cal = await _calibration(seed)
-        r = await _false_positives(seed, args.clean, cal)
-        fp.update({k: v for k, v in r.items() if k != "kinds"})
-        kinds.update(r["kinds"])
-        for name in VARIANTS:
+        cal = await _calibration(seed, args.kv_blind)
+        for label, make in sets.items():
+            count = args.clean if make is generate else args.kv_heavy
+            r = await _false_positives(seed, count, cal, make) if count else {}
+            fp[label].update({k: v for k, v in r.items() if k != "kinds"})
+            kinds.update(r.get("kinds", {}))
+        for name in names:
             det[name].update(await _detection(name, seed, args.variants, cal))
     wall = time.perf_counter() - started
 
-    print(f"seeds: {args.first_seed}..{args.first_seed + args.seeds - 1}; wall time {wall:.0f} s\n")
-    rate = fp["flagged"] / fp["traces"]
-    print("| clean simulator | random traces | with a confirmed finding | false-positive rate | executions |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| no pathology | {fp['traces']} | {fp['flagged']} | {rate:.1%} | {fp['executions']} |")
+    print(f"seeds: {args.first_seed}..{args.first_seed + args.seeds - 1}; wall time {wall:.0f} s; "
+          f"KV capacity {'hidden (KV-unaware bound)' if args.kv_blind else 'read by calibration'}\n")
+    print("| clean simulator | traces | preempted (KV full) | with a confirmed finding | of those preempted | "
+          "false-positive rate | executions |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, c in fp.items():
+        if c["traces"]:
+            print(f"| {label} | {c['traces']} | {c['preempted']} | {c['flagged']} | {c['flagged_preempted']} | "
+                  f"{c['flagged'] / c['traces']:.1%} | {c['executions']} |")
     if kinds:
         print(f"\nfalse-positive kinds: {dict(kinds)}")
     print("\n| pathology | declared kind | variants | delayed a request | detected | rate | "

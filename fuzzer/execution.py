@@ -155,7 +155,9 @@ class Target(Protocol):
     """Something a trace can be executed against (SPEC §12).
 
     Implementations: the HTTP executor (``fuzzer.executor``) and the simulator's
-    virtual-time runner (``fuzzer.sim``).
+    virtual-time runner (``fuzzer.sim``). Optional: ``idle(seconds)`` (virtual time:
+    advance the clock instead of sleeping) and ``kv_cache() -> (blocks, block size)``
+    (the KV capacity the oracle's bound models; an HTTP target reports it in ``info``).
     """
 
     #: A short description for reports: the base URL, or the simulator's configuration.

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult
@@ -92,6 +94,11 @@ class StepModel:
             self.frontend_token_s * factor,
         )
 
+    def in_send_order(self) -> StepModel:
+        """The same model without frontend time: the engine sees requests in the order they
+        were sent (a long prompt sent a moment before a short one may reach it first)."""
+        return replace(self, frontend_token_s=0.0)
+
     def to_dict(self) -> dict[str, float]:
         return {
             "overhead_s": self.overhead_s,
@@ -117,17 +124,24 @@ class SchedulerAssumption:
     prefix_caching: bool = True
     #: Where the values come from, for the verdict ("vLLM default", "user override").
     source: str = "vLLM API-server default"
+    #: KV cache capacity in blocks of ``block_size``, as the server reports it (vLLM's
+    #: ``cache_config_info`` num_gpu_blocks); None when unknown: the bound assumes the KV
+    #: cache never runs out, and the oracle allows for preemptions (fuzzer.oracle).
+    kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"scheduler assumption {name} must be a positive integer, got {value!r}")
+        if self.kv_blocks is not None and (not isinstance(self.kv_blocks, int) or self.kv_blocks < 1):
+            raise ConfigError(f"scheduler assumption kv_blocks must be a positive integer or None, got {self.kv_blocks!r}")
 
     def describe(self) -> str:
+        kv = f", KV cache {self.kv_blocks} blocks (server-reported)" if self.kv_blocks is not None else ""
         return (
             f"max_num_batched_tokens={self.token_budget}, max_num_seqs={self.max_num_seqs}, "
-            f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'} ({self.source})"
+            f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv} ({self.source})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,6 +151,7 @@ class SchedulerAssumption:
             "block_size": self.block_size,
             "prefix_caching": self.prefix_caching,
             "source": self.source,
+            "kv_blocks": self.kv_blocks,
         }
 
     @classmethod
@@ -179,6 +194,9 @@ def assumption_for(
             break
     if "prefix_caching" in defaults:
         found["prefix_caching"] = bool(defaults["prefix_caching"])
+    if isinstance(defaults.get("num_gpu_blocks"), int) and defaults["num_gpu_blocks"] > 0:
+        # Reported by the server itself (fuzzer.servers.reported_scheduler), never a documented default.
+        found["kv_blocks"] = defaults["num_gpu_blocks"]
     source = f"{kind} default" if found else "no documented default; vLLM's assumed"
     overrides = {
         k: v
@@ -221,13 +239,15 @@ def paper_schedule(
     result: ExecutionResult | None = None,
     *,
     lookahead: bool = False,
+    window: float = 1.0,
 ) -> dict[str, PaperRequest]:
     """Serve ``trace`` with the paper FCFS chunked-prefill scheduler; by request id.
 
     With ``result``, requests arrive when they were actually sent (``sent_s``), so the
-    client's own lateness is never counted against the server.
+    client's own lateness is never counted against the server. ``lookahead`` and
+    ``window``: see :func:`fuzzer.paper.schedule`.
     """
-    return serve(trace.requests, trace.prefixes, _sent(result), model, assumption, lookahead)
+    return serve(trace.requests, trace.prefixes, _sent(result), model, assumption, lookahead, window)
 
 
 def _sent(result: ExecutionResult | None) -> dict[str, float]:
@@ -239,19 +259,39 @@ def expect(
     model: StepModel,
     assumption: SchedulerAssumption,
     result: ExecutionResult | None = None,
+    *,
+    kv: bool = True,
 ) -> dict[str, Expectation]:
     """Idle and FCFS expectations of every request of ``trace``, by request id.
 
     The FCFS bound is an envelope: the trace is scheduled under the calibrated model,
-    under the model scaled by each of ENVELOPE_SCALES, and with one step of admission
-    lookahead; each request gets the largest value. Which step a request lands in (and
-    which later arrivals' chunks share that step) depends on step boundaries that drift
-    with noise; the envelope keeps a request that merely met an unlucky boundary from
-    looking slow. The max-ITL bound is the longest step the request was exposed to.
+    under the model scaled by each of ENVELOPE_SCALES, with one step of admission
+    lookahead (a boundary just after a window of arrivals: they share a step), and with
+    a boundary just after the first arrival of a busy engine (who came a little later
+    waits out that step, then shares the next with later arrivals' chunks); each request
+    gets the largest value. Which step a request lands in (and which later arrivals'
+    chunks share that step) depends on step boundaries that drift with noise; the
+    envelope keeps a request that merely met an unlucky boundary from looking slow. The
+    max-ITL bound is the longest step the request was exposed to.
+
+    With ``kv`` and a known KV capacity (``assumption.kv_blocks``), the envelope also holds
+    the same variants with the KV cache modelled (:mod:`fuzzer.paper`: recompute preemption
+    of the newest request), unless the whole trace fits the cache at once: a request
+    preempted by design is bounded by when the paper engine, short of blocks too, serves it.
     """
+    return dict(_expect(*_key(trace, result), model, assumption, kv)[0])
+
+
+def expected_preemptions(
+    trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None = None
+) -> int:
+    """The most preemptions any KV-aware variant of the envelope makes (0 without a KV capacity)."""
+    return _expect(*_key(trace, result), model, assumption, True)[1]
+
+
+def _key(trace: Trace, result: ExecutionResult | None) -> tuple:
     sent = tuple((r.request_id, r.sent_s) for r in result.requests) if result is not None else ()
-    key_prefixes = tuple(trace.prefixes.items())
-    return dict(_expect(trace.requests, key_prefixes, sent, model, assumption))
+    return trace.requests, tuple(trace.prefixes.items()), sent
 
 
 # The expectations depend on nothing but these arguments (all immutable); an execution is
@@ -263,11 +303,25 @@ def _expect(
     sent_items: tuple[tuple[str, float], ...],
     model: StepModel,
     assumption: SchedulerAssumption,
-) -> dict[str, Expectation]:
+    kv: bool,
+) -> tuple[dict[str, Expectation], int]:
     prefixes, sent = dict(prefix_items), dict(sent_items)
-    variants = [serve(requests, prefixes, sent, model.scaled(k), assumption, False) for k in ENVELOPE_SCALES]
-    variants.append(serve(requests, prefixes, sent, model, assumption, True))
+    capacities: list[int | None] = [None]
+    if kv and assumption.kv_blocks is not None and not _fits(requests, assumption):
+        capacities.append(assumption.kv_blocks)
+    variants = []
+    for cap in capacities:
+        variants += [serve(requests, prefixes, sent, model.scaled(k), assumption, False, kv_blocks=cap)
+                     for k in ENVELOPE_SCALES]
+        variants.append(serve(requests, prefixes, sent, model, assumption, True, kv_blocks=cap))
+        variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap))
+        variants.append(serve(requests, prefixes, sent, model.in_send_order(), assumption, True, window=0.0,
+                              kv_blocks=cap))
+        if cap is not None:
+            variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
     loaded = serve(requests, prefixes, sent, model, assumption, False)
+    preempted = max((sum(p.preemptions for p in v.values()) for v in variants), default=0)
+    stalls = _preemption_stalls(variants) if preempted else {}
     out: dict[str, Expectation] = {}
     for r in requests:
         done = loaded[r.id]
@@ -280,11 +334,42 @@ def _expect(
             idle_max_itl_s=alone.idle_max_itl_s,
             idle_e2e_s=alone.idle_e2e_s,
             ttft_s=max(p.ttft_s for p in every),
-            max_itl_s=max(max(p.max_step_s, p.max_itl_s or 0.0) for p in every) if out_tokens > 1 else None,
+            max_itl_s=max(stalls.get(r.id, 0.0), *(max(p.max_step_s, p.max_itl_s or 0.0) for p in every))
+            if out_tokens > 1 else None,
             e2e_s=max(p.e2e_s for p in every),
             cached_tokens=done.cached_tokens,
         )
+    return out, preempted
+
+
+def _preemption_stalls(variants: list[dict[str, PaperRequest]]) -> dict[str, float]:
+    """Request id -> the longest preemption stall of a schedule that it was in the system during.
+
+    Which running request is the newest when blocks run out depends on admission order and
+    step boundaries that drift: a request streaming while the paper engine stalls another
+    one by preemption could be that one on a real engine. Its max-ITL bound takes the stall.
+    """
+    out: dict[str, float] = {}
+    for v in variants:
+        gaps = []
+        for p in v.values():
+            if p.preemptions and len(p.token_times_s) > 1:
+                i = int(np.argmax(np.diff(p.token_times_s)))
+                gaps.append((p.arrival_s + p.token_times_s[i], p.arrival_s + p.token_times_s[i + 1]))
+        for p in v.values():
+            lo, hi = p.arrival_s, p.arrival_s + p.e2e_s
+            for start, end in gaps:
+                if lo < end and hi > start:
+                    out[p.request_id] = max(out.get(p.request_id, 0.0), end - start)
     return out
+
+
+def _fits(requests: tuple[Request, ...], a: SchedulerAssumption) -> bool:
+    """Whether every request's prompt and output fit the KV cache at once, with admission headroom."""
+    assert a.kv_blocks is not None
+    b = a.block_size
+    need = sum(-(-(r.prompt_tokens + r.max_tokens) // b) + (r.n - 1) * -(-r.max_tokens // b) + 1 for r in requests)
+    return need <= a.kv_blocks
 
 
 def idle_expectation(

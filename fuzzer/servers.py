@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -398,13 +399,30 @@ def reported_scheduler(fp: Fingerprint, kind: str) -> dict[str, Any]:
     """Scheduler parameters the server reports about itself (see :attr:`ServerInfo.scheduler`).
 
     llama.cpp: /props ``total_slots`` is the number of requests served at once
-    (``max_num_seqs``); more wait, deferred, until a slot frees.
+    (``max_num_seqs``); more wait, deferred, until a slot frees. vLLM (and the built-in
+    simulator): the KV cache's size, ``num_gpu_blocks`` blocks of ``block_size`` tokens,
+    from the labels of /metrics' ``vllm:cache_config_info``.
     """
+    if kind == "vllm":
+        return kv_cache_config(fp.ok("/metrics") or "")
     if kind == "llamacpp":
         props = fp.json("/props")
         slots = props.get("total_slots") if isinstance(props, dict) else None
         if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0:
             return {"max_num_seqs": slots}
+    return {}
+
+
+def kv_cache_config(metrics_text: str) -> dict[str, int]:
+    """``{"num_gpu_blocks": N, "block_size": B}`` from vLLM's ``vllm:cache_config_info`` line; {} without it."""
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line[: line.rfind("}")]))
+            try:
+                blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+            except (KeyError, ValueError):
+                return {}
+            return {"num_gpu_blocks": blocks, "block_size": size} if blocks > 0 and size > 0 else {}
     return {}
 
 

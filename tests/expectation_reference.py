@@ -31,6 +31,7 @@ def paper_schedule(
     result: ExecutionResult | None = None,
     *,
     lookahead: bool = False,
+    window: float = 1.0,
 ) -> dict[str, PaperRequest]:
     sent = {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
     jobs = [
@@ -45,7 +46,7 @@ def paper_schedule(
         )
         for r in trace.requests
     ]
-    return {j.id: j.paper(model) for j in _schedule(jobs, model, assumption, lookahead=lookahead)}
+    return {j.id: j.paper(model) for j in _schedule(jobs, model, assumption, lookahead=lookahead, window=window)}
 
 
 def expect(
@@ -56,6 +57,8 @@ def expect(
 ) -> dict[str, Expectation]:
     variants = [paper_schedule(trace, model.scaled(k), assumption, result) for k in ENVELOPE_SCALES]
     variants.append(paper_schedule(trace, model, assumption, result, lookahead=True))
+    variants.append(paper_schedule(trace, model, assumption, result, lookahead=True, window=0.0))
+    variants.append(paper_schedule(trace, model.in_send_order(), assumption, result, lookahead=True, window=0.0))
     loaded = paper_schedule(trace, model, assumption, result)
     out: dict[str, Expectation] = {}
     for r in trace.requests:
@@ -124,7 +127,9 @@ def _cacheable(job: _Job, block: int) -> int:
     return min(full, ((job.prompt - 1) // block) * block)
 
 
-def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, lookahead: bool = False) -> list[_Job]:
+def _schedule(
+    jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, lookahead: bool = False, window: float = 1.0
+) -> list[_Job]:
     for j in jobs:
         j.ready_s = j.arrival_s + model.frontend_token_s * j.prompt
     order = sorted(jobs, key=lambda j: j.ready_s)
@@ -138,7 +143,7 @@ def _schedule(jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, loo
     while pending or waiting or running:
         horizon = t
         if lookahead and running and pending and pending[0].ready_s <= t + last_dt:
-            horizon = max(t, pending[0].ready_s + last_dt)
+            horizon = max(t, pending[0].ready_s + window * last_dt)
         while pending and pending[0].ready_s <= horizon:
             job = pending.popleft()
             waiting.append(job)

@@ -69,6 +69,10 @@ class VirtualTarget:
         """The virtual clock."""
         return self._clock_s
 
+    def kv_cache(self) -> tuple[int, int]:
+        """(KV blocks, tokens per block): what the HTTP simulator reports in ``vllm:cache_config_info``."""
+        return self.config.num_kv_blocks, self.config.block_size
+
     def idle(self, seconds: float) -> None:
         """Let the server sit idle (a cold start may follow a long enough idle)."""
         if seconds < 0:

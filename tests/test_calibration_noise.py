@@ -1,0 +1,130 @@
+"""A calibration too noisy to judge: measured again, flagged, and every verdict on it says so."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+
+import numpy as np
+
+from fuzzer.calibration import UNRELIABLE_NOISE, calibrate
+from fuzzer.confirmation import examine
+from fuzzer.sim import VirtualTarget
+from fuzzer.sim.triggers import TRIGGERS
+from fuzzer.verdict import Metric
+
+#: Log-scale spread of the host load the wrapper below adds: about 100 % noise, as a CPU
+#: llama-server on a loaded 2-core host measured.
+LOADED_SIGMA = 1.0
+
+
+class _LoadedHost:
+    """The simulator seen from a loaded host: every request's times stretched at random.
+
+    The first ``loaded`` executions are stretched by exp(N(0, LOADED_SIGMA)) per request;
+    later ones come through as they are.
+    """
+
+    def __init__(self, loaded: int, seed: int = 0):
+        self.inner = VirtualTarget(seed=seed)
+        self.name = self.inner.name
+        self.loaded = loaded
+        self.executions = 0
+        self._rng = random.Random(seed)
+
+    async def execute(self, trace):
+        result = await self.inner.execute(trace)
+        self.executions += 1
+        if self.executions > self.loaded:
+            return result
+        requests = []
+        for r in result.requests:
+            k = math.exp(self._rng.gauss(0.0, LOADED_SIGMA))
+            requests.append(dataclasses.replace(
+                r, ttft_s=None if r.ttft_s is None else r.ttft_s * k,
+                token_times_s=tuple(t * k for t in r.token_times_s), e2e_s=None if r.e2e_s is None else r.e2e_s * k,
+            ))
+        return dataclasses.replace(result, requests=tuple(requests))
+
+
+def _calibrate(target, **kw):
+    return asyncio.run(calibrate(target, rng=random.Random(0), max_model_len=target.inner.config.max_model_len, **kw))
+
+
+def _executions_of_one_round() -> tuple[int, int]:
+    """(executions of warm-up and pilot, executions of one round of probes) on a quiet target."""
+    quiet = _LoadedHost(loaded=0)
+    cal = _calibrate(quiet)
+    assert cal.reliable and cal.reliability_note() is None
+    pilot = cal.warmup_runs
+    return pilot, quiet.executions - pilot
+
+
+def test_a_noisy_round_is_measured_again_and_the_quieter_one_kept():
+    pilot, one_round = _executions_of_one_round()
+    host = _LoadedHost(loaded=pilot + one_round)  # the load goes away after the first round
+    cal = _calibrate(host)
+    assert host.executions == pilot + 2 * one_round
+    assert cal.reliable and cal.judged_noise()[1] < UNRELIABLE_NOISE
+    # Without remeasure the first (loaded) round is what comes back.
+    host = _LoadedHost(loaded=pilot + one_round)
+    first = _calibrate(host, remeasure=False)
+    assert host.executions == pilot + one_round and not first.reliable
+
+
+def test_a_calibration_that_stays_noisy_is_flagged_after_one_more_round():
+    pilot, one_round = _executions_of_one_round()
+    host = _LoadedHost(loaded=10**6)
+    cal = _calibrate(host)
+    assert host.executions == pilot + 2 * one_round  # measured again once, not forever
+    metric, noise = cal.judged_noise()
+    assert not cal.reliable and noise >= UNRELIABLE_NOISE and metric is not Metric.MAX_ITL
+    note = cal.reliability_note()
+    assert f"{noise * 100:.0f} %" in note and "calibrate again" in note
+
+
+def test_verdicts_on_an_unreliable_calibration_say_so():
+    trigger = TRIGGERS["logprobs-batch-cost"]
+    target = VirtualTarget(pathologies=("logprobs-batch-cost",), seed=3)
+    quiet = asyncio.run(calibrate(target, rng=random.Random(0), max_model_len=target.config.max_model_len))
+    noisy = dataclasses.replace(quiet, noise={m: max(v, 2 * UNRELIABLE_NOISE) for m, v in quiet.noise.items()})
+    for cal, flagged in ((quiet, False), (noisy, True)):
+        exam = asyncio.run(examine(target, trigger.trace, cal, runs=3, rng=np.random.default_rng(0)))
+        assert exam.findings, "the planted pathology is confirmed either way"
+        latency = [v for v in exam.verdicts if v.metric is not None]
+        assert latency and all(("calibrate again on a quiet server" in v.detail) is flagged for v in latency)
+
+
+def test_replay_and_campaign_warn_in_one_line_when_the_stored_calibration_is_unreliable(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from fuzzer.calibration import calibration_key
+    from fuzzer.cli import cli
+    from fuzzer.sim.process import SimProcess
+    from fuzzer.store import Store
+
+    target = VirtualTarget(seed=1)
+    quiet = asyncio.run(calibrate(target, rng=random.Random(0), max_model_len=target.config.max_model_len))
+    noisy = dataclasses.replace(quiet, noise={m: 2 * UNRELIABLE_NOISE for m in quiet.noise})
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    trace = seeds / "one.json"
+    trace.write_text(json.dumps({"format": 1, "requests": [{"id": "a", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 4}]}))
+    db = tmp_path / "n.db"
+    runner = CliRunner()
+    with SimProcess(speed=10.0) as sim:
+        with Store.open(db) as store:
+            store.save_calibration(calibration_key(sim.url, "sim-qwen2.5-0.5b"), noisy.to_dict())
+        runs = [
+            runner.invoke(cli, ["replay", str(trace), "--target", sim.url, "--db", str(db), "--runs", "1"]),
+            runner.invoke(cli, ["campaign", "--target", sim.url, "--db", str(db), "--corpus", str(seeds),
+                                "--max-execs", "1", "--seed", "1"]),
+        ]
+    for result in runs:
+        assert result.exit_code in (0, 1), result.output
+        warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: the calibration's")]
+        assert len(warnings) == 1 and "calibrate again on a quiet server" in warnings[0], result.stderr

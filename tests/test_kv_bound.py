@@ -1,0 +1,218 @@
+"""The KV-aware FCFS bound: by-design recompute preemption is inside it, thrash is not.
+
+The paper schedule with a KV capacity (fuzzer.paper) is checked against the simulator's
+engine on traces that preempt, and the oracle on the committed ``kv-fill.json`` (a clean
+server preempts it by design) and the preemption-thrash trigger, on virtual time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuzzer import servers
+from fuzzer.calibration import calibrate, reported_kv, with_reported_kv
+from fuzzer.confirmation import examine
+from fuzzer.expectation import SchedulerAssumption, StepModel, assumption_for, expect, expected_preemptions
+from fuzzer.oracle import bounds, preemptions, thrash
+from fuzzer.paper import serve
+from fuzzer.sim import VirtualTarget
+from fuzzer.sim import pathologies as P
+from fuzzer.sim.metrics import SimMetrics
+from fuzzer.sim.triggers import TRIGGERS
+from fuzzer.trace import Trace, from_dict
+from fuzzer.verdict import FindingKind
+
+CORPUS = Path(__file__).resolve().parent.parent / "corpus"
+#: The simulator's own step costs (fuzzer/sim/config.py), for schedules compared with its engine.
+SIM_MODEL = StepModel(0.0035, 30e-6, 20e-6, 10e-9, 0.0, 1e-6)
+SIM_KV = SchedulerAssumption(kv_blocks=2560)
+
+
+def _kv_fill() -> Trace:
+    return from_dict(json.loads((CORPUS / "kv-fill.json").read_text()))
+
+
+def _t(requests: list[dict], prefixes: dict | None = None) -> Trace:
+    return from_dict({"prefixes": prefixes or {}, "requests": requests})
+
+
+@functools.cache
+def _calibration():
+    target = VirtualTarget(seed=1000)
+    return asyncio.run(calibrate(target, rng=random.Random(0), max_model_len=target.config.max_model_len))
+
+
+def _engine_preemptions(trace: Trace) -> dict[str, int]:
+    """Preemptions per request when a clean simulator serves ``trace`` (its engine's own records)."""
+    target = VirtualTarget(seed=3)
+    target.run(trace)
+    # The engine names a request "<id>-<execution index>".
+    return {rec.request_id.rsplit("-", 1)[0]: rec.preemptions for rec in target.engine.records if rec.preemptions}
+
+
+# --- the paper schedule with KV blocks -----------------------------------------------------------
+
+
+def test_the_newest_request_is_preempted_and_recomputes_after_the_older_one_finishes():
+    # 8 blocks of 16 tokens: A (64 + 40) and B (64 + 40) cannot both grow to 7 blocks.
+    trace = _t([
+        {"id": "A", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 40},
+        {"id": "B", "at_ms": 1, "prompt_tokens": 64, "max_tokens": 40},
+    ])
+    a = SchedulerAssumption(kv_blocks=12)
+    unlimited = serve(trace.requests, trace.prefixes, {}, SIM_MODEL, a, False)
+    out = serve(trace.requests, trace.prefixes, {}, SIM_MODEL, a, False, kv_blocks=12)
+    assert out["A"].preemptions == 0 and out["B"].preemptions == 1
+    assert out["A"].token_times_s == unlimited["A"].token_times_s or out["A"].e2e_s <= unlimited["A"].e2e_s
+    # B stalls until A has finished, then recomputes prompt + generated tokens in one prefill step.
+    gaps = np.diff(out["B"].token_times_s)
+    assert gaps.max() > 5 * np.median(gaps)
+    a_done = out["A"].e2e_s + out["A"].arrival_s
+    resumed = out["B"].arrival_s + out["B"].token_times_s[int(np.argmax(gaps)) + 1]
+    assert resumed > a_done
+    assert out["B"].e2e_s > unlimited["B"].e2e_s
+
+
+def test_a_capacity_the_trace_never_fills_changes_nothing_float_for_float():
+    trace = _kv_fill()
+    for lookahead in (False, True):
+        plain = serve(trace.requests, trace.prefixes, {}, SIM_MODEL, SIM_KV, lookahead)
+        roomy = serve(trace.requests, trace.prefixes, {}, SIM_MODEL, SIM_KV, lookahead, kv_blocks=10**7)
+        assert roomy == plain
+
+
+@pytest.mark.parametrize("name", ["kv-fill", "thrash-trigger"])
+def test_the_paper_preempts_the_requests_the_simulators_engine_preempts(name):
+    trace = _kv_fill() if name == "kv-fill" else TRIGGERS[P.PREEMPTION_THRASH].trace
+    engine = _engine_preemptions(trace)
+    paper = {k: v.preemptions for k, v in serve(trace.requests, trace.prefixes, {}, SIM_MODEL, SIM_KV, False,
+                                                   kv_blocks=2560).items() if v.preemptions}
+    assert engine, "the trace must preempt on the simulator for this test to mean anything"
+    assert paper == engine
+
+
+def test_the_kv_aware_envelope_bounds_a_clean_simulator_on_kv_heavy_traces():
+    rng = random.Random(5)
+    traces = [_kv_fill(), TRIGGERS[P.PREEMPTION_THRASH].trace]
+    for _ in range(6):  # bursts of long prompts and outputs that overflow 2560 blocks
+        count = rng.randint(14, 30)
+        traces.append(_t([{"id": f"r{i}", "at_ms": rng.randint(0, 400), "prompt_tokens": rng.choice([1024, 2000, 3000]),
+                           "max_tokens": rng.choice([300, 600, 900])} for i in range(count)]))
+    cal = _calibration()
+    preempting = 0
+    for trace in traces:
+        target = VirtualTarget(seed=11)
+        result = target.run(trace)
+        preempting += preemptions(result) > 0
+        bound = expect(trace, cal.model, cal.assumption, result)
+        for r in result.requests:
+            e = bound[r.request_id]
+            assert r.e2e_s <= 2 * e.e2e_s, (trace.name, r.request_id, r.e2e_s, e.e2e_s)
+            if r.max_itl_s is not None:
+                assert r.max_itl_s <= 2 * e.max_itl_s + 0.02, (trace.name, r.request_id, r.max_itl_s, e.max_itl_s)
+    assert preempting >= 4
+
+
+def test_without_a_capacity_the_expectation_is_the_kv_unaware_one():
+    trace = _kv_fill()
+    with_kv = expect(trace, SIM_MODEL, SIM_KV)
+    without = expect(trace, SIM_MODEL, dataclasses.replace(SIM_KV, kv_blocks=None))
+    assert expect(trace, SIM_MODEL, SIM_KV, kv=False) == without
+    assert with_kv["f12"].max_itl_s > 10 * without["f12"].max_itl_s  # f12's by-design wait for blocks
+    assert expected_preemptions(trace, SIM_MODEL, SIM_KV) >= 1
+    assert expected_preemptions(trace, SIM_MODEL, dataclasses.replace(SIM_KV, kv_blocks=None)) == 0
+
+
+# --- the oracle --------------------------------------------------------------------------------
+
+
+def test_kv_fill_on_a_clean_simulator_yields_no_confirmed_finding():
+    cal = _calibration()
+    assert cal.assumption.kv_blocks == 2560
+    exam = asyncio.run(examine(VirtualTarget(seed=1), _kv_fill(), cal, runs=3, rng=np.random.default_rng(0)))
+    assert any(preemptions(r) > 0 for r in exam.results)  # the clean server did preempt
+    assert exam.findings == ()
+    # Before: the same runs against the KV-unaware bound (a server that reports no capacity).
+    blind = cal.with_assumption(dataclasses.replace(cal.assumption, kv_blocks=None))
+    blind = dataclasses.replace(blind, assumption=dataclasses.replace(cal.assumption, kv_blocks=None))
+    before = asyncio.run(examine(VirtualTarget(seed=1), _kv_fill(), blind, runs=3, rng=np.random.default_rng(0)))
+    assert [(f.kind, f.request_id) for f in before.findings] == [(FindingKind.ITL_STALL, "f12")]
+
+
+def test_the_preemption_thrash_trigger_is_still_confirmed():
+    cal = _calibration()
+    trigger = TRIGGERS[P.PREEMPTION_THRASH]
+    target = VirtualTarget(seed=1, pathologies=(P.PREEMPTION_THRASH,))
+    result = target.run(trigger.trace)
+    assert thrash(trigger.trace, result, cal)  # far more preemptions than the KV-aware schedule makes
+    assert bounds(trigger.trace, result, cal)[0] == expect(trigger.trace, cal.model, cal.assumption, result, kv=False)
+    exam = asyncio.run(examine(target, trigger.trace, cal, runs=3, rng=np.random.default_rng(0)))
+    truth = set(result.ground_truth)
+    assert exam.findings and all(P.PREEMPTION_THRASH in result.ground_truth.get(f.request_id, ()) for f in exam.findings), (
+        exam.findings, truth)
+
+
+def test_a_clean_run_that_preempts_as_the_model_does_is_not_thrash():
+    cal = _calibration()
+    result = VirtualTarget(seed=2).run(_kv_fill())
+    assert preemptions(result) >= 1 and not thrash(_kv_fill(), result, cal)
+
+
+# --- where the capacity comes from --------------------------------------------------------------
+
+
+def test_the_capacity_is_read_from_vllms_cache_config_info():
+    page = SimMetrics(VirtualTarget().engine).render().decode()
+    assert servers.kv_cache_config(page) == {"num_gpu_blocks": 2560, "block_size": 16}
+    assert servers.kv_cache_config("vllm:num_requests_running 1\n") == {}
+    line = 'vllm:cache_config_info{block_size="32",enable_prefix_caching="True",num_gpu_blocks="81920"} 1.0\n'
+    assert servers.kv_cache_config(line) == {"num_gpu_blocks": 81920, "block_size": 32}
+    a = assumption_for("vllm", {**servers.adapter("vllm").scheduler_defaults, **servers.kv_cache_config(line)})
+    assert (a.kv_blocks, a.block_size) == (81920, 32)
+    fp = servers.Fingerprint({"/metrics": (200, page)})
+    assert servers.reported_scheduler(fp, "vllm") == {"num_gpu_blocks": 2560, "block_size": 16}
+    info = servers.ServerInfo(kind="vllm", version=None, model=None, max_model_len=None,
+                              scheduler=servers.reported_scheduler(fp, "vllm"))
+    assert servers.scheduler_assumption(info).kv_blocks == 2560
+    assert servers.reported_scheduler(servers.Fingerprint({"/metrics": (200, "vllm:num_preemptions_total 0\n")}),
+                                      "vllm") == {}
+
+
+def test_calibration_stores_the_capacity_and_servers_without_one_keep_todays_bound():
+    cal = _calibration()
+    assert cal.assumption.kv_blocks == 2560 and "2560 blocks" in cal.assumption.describe()
+    again = type(cal).from_dict(json.loads(json.dumps(cal.to_dict())))
+    assert again.assumption == cal.assumption
+    assert reported_kv(VirtualTarget()) == (2560, 16)
+
+    class Bare:  # a target that reports no KV cache (TGI, llama.cpp, an older calibration)
+        name = "bare"
+
+    assert reported_kv(Bare()) is None
+
+    class Wrapper(Bare):  # a wrapped target (a benchmark's recorder) says so itself
+        def kv_cache(self):
+            return 100, 8
+
+    assert with_reported_kv(SchedulerAssumption(), Wrapper()) == SchedulerAssumption(kv_blocks=100, block_size=8)
+    assert with_reported_kv(SchedulerAssumption(), Bare()).kv_blocks is None
+    older = {k: v for k, v in cal.assumption.to_dict().items() if k != "kv_blocks"}
+    assert SchedulerAssumption.from_dict(older).kv_blocks is None
+    # A user override of the assumption keeps the capacity the server reported.
+    assert cal.with_assumption(SchedulerAssumption(token_budget=512)).assumption.kv_blocks == 2560
+
+
+def test_a_capacity_must_be_a_positive_number_of_blocks():
+    from fuzzer.errors import ConfigError
+
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ConfigError, match="kv_blocks"):
+            SchedulerAssumption(kv_blocks=bad)
