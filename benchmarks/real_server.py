@@ -9,9 +9,9 @@ What it does, in order (everything on 127.0.0.1, the server stopped at the end):
    on a random-weight llama GGUF (tests/llamacpp/make_model.py, seed 0) with the arguments of
    tests/llamacpp/conftest.py: `-np 4 -c 16384 --metrics -t $FUZZ_LLAMA_THREADS (2)`;
 2. calibrates the oracle under llama.cpp's scheduler assumption (n_batch 2048 tokens per step,
-   max_num_seqs = the slots /props reports) and stores the calibration in the --db under the
-   key `fuzz campaign` looks it up by (the target URL), so the campaign does not calibrate
-   again under vLLM's defaults;
+   max_num_seqs = the slots /props reports) with one repeat per probe (the CLI's default of 4
+   takes many minutes on this CPU) and stores it in the --db under the key every command
+   reads (`URL#model`), so the campaign reuses it;
 3. runs `fuzz campaign --target URL --server llamacpp --duration D --db DB --seed S`;
 4. replays a short-behind-long trace (four 3700-token prompts, then a 32-token one 50 ms
    later) with `fuzz replay --runs 3 --json` and keeps the oracle's verdicts;
@@ -37,10 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fuzzer import servers
-from fuzzer.calibration import calibrate
+from fuzzer.calibration import calibrate, calibration_key
 from fuzzer.cli._target import parse_duration
 from fuzzer.executor import HttpTarget
-from fuzzer.expectation import assumption_for
 from fuzzer.store import Store
 from tests.llamacpp.conftest import (
     find_llama_server,
@@ -62,16 +61,6 @@ SHORT_BEHIND_LONG = {
         {"id": "short", "at_ms": SHORT_AT_MS, "prompt_tokens": SHORT_PROMPT_TOKENS, "max_tokens": 16, "stream": True},
     ],
 }
-# Seed traces left out: n-logprobs.json asks n=8, which a 4-slot llama-server rejects (HTTP 400)
-# and which the FCFS model cannot place with max_num_seqs=4 (see MAX_RESUMES).
-UNSERVABLE_SEEDS = ("n-logprobs.json",)
-# A campaign that stops with an error (exit 2) is resumed on the same --db for the rest of the
-# duration, with the next seed, at most this many times. Why: the expectation model raises
-# "needs more than 1000000 scheduler steps" for a mutated request with n above max_num_seqs
-# (a request that can never be admitted), which ends the whole campaign; reported to the lead.
-MAX_RESUMES = 20
-# Less time than this left is not worth a resume (seeding alone takes longer).
-MIN_RESUME_S = 30
 # Repeats of each calibration probe: the default takes many minutes on this CPU (3 repeats ran
 # over 5 minutes); 1 leaves the time to the campaign, at the cost of a rougher noise estimate.
 CALIBRATION_REPEATS = 1
@@ -81,14 +70,13 @@ async def _calibrate(url: str, db: Path, seed: int) -> dict:
     async with HttpTarget(url, server="llamacpp", rng=random.Random(seed)) as target:
         info = target.info
         assert info is not None
-        defaults = {**servers.adapter(info.kind).scheduler_defaults, **info.scheduler}
-        assumption = assumption_for(info.kind, defaults)
+        assumption = servers.scheduler_assumption(info)
         cal = await calibrate(
             target, assumption=assumption, rng=random.Random(seed), repeats=CALIBRATION_REPEATS, warmup_runs=1,
             max_model_len=info.max_model_len,
         )
     with Store.open(db) as store:
-        store.save_calibration(url, cal.to_dict(), created_at=cal.created_at)
+        store.save_calibration(calibration_key(url, info.model), cal.to_dict(), created_at=cal.created_at)
     return {"assumption": assumption.describe(), "model": cal.model.to_dict(), "noise": {m.value: v for m, v in cal.noise.items()}}
 
 
@@ -152,28 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         summary["calibration"] = asyncio.run(_calibrate(url, db, args.seed))
         summary["calibration_s"] = time.time() - started
 
-        corpus = out / "corpus"
-        corpus.mkdir(exist_ok=True)
-        for seed_file in sorted((ROOT / "corpus").glob("*.json")):
-            if seed_file.name not in UNSERVABLE_SEEDS:
-                (corpus / seed_file.name).write_text(seed_file.read_text())
         started = time.time()
-        stops = []
-        while True:
-            left_s = duration_s - (time.time() - started)
-            if left_s < MIN_RESUME_S or len(stops) >= MAX_RESUMES:
-                break
-            log = out / f"campaign-{len(stops)}.log"
-            campaign = _fuzz(
-                "campaign", "--target", url, "--server", "llamacpp", "--duration", f"{left_s:.0f}s",
-                "--corpus", str(corpus), "--db", str(db), "--seed", str(args.seed + len(stops)),
-                log=log, timeout_s=left_s + 900,
-            )
-            lines = log.read_text().splitlines()
-            stops.append({"exit": campaign.returncode, "at_s": time.time() - started,
-                          "error": next((ln for ln in lines if ln.startswith("error:")), None)})
-            if campaign.returncode != 2:
-                break
+        log = out / "campaign.log"
+        campaign = _fuzz(
+            "campaign", "--target", url, "--server", "llamacpp", "--duration", f"{duration_s:.0f}s",
+            "--corpus", str(ROOT / "corpus"), "--db", str(db), "--seed", str(args.seed),
+            log=log, timeout_s=duration_s + 900,
+        )
+        lines = log.read_text().splitlines()
+        stops = [{"exit": campaign.returncode, "at_s": time.time() - started,
+                  "error": next((ln for ln in lines if ln.startswith("error:")), None)}]
         summary["campaign"] = {"runs": stops, "wall_s": time.time() - started, "load_after": _load()}
         status = _fuzz("status", "--db", str(db), log=out / "status.txt", timeout_s=60)
         summary["campaign"]["status_exit"] = status.returncode
