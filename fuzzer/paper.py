@@ -188,7 +188,7 @@ def schedule(
     waves = _waves(jobs, a.max_num_seqs)
     queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     for j in queued:
-        j.ready_s = j.arrival_s + model.frontend_token_s * j.prompt
+        j.ready_s = j.arrival_s + model.frontend_s(j.prompt)
     order = sorted(queued, key=lambda j: j.ready_s)  # stable: same-instant requests keep trace order
     pending = deque(order)
     waiting: deque[Job] = deque()

@@ -58,7 +58,7 @@ def expect(
     variants = [paper_schedule(trace, model.scaled(k), assumption, result) for k in ENVELOPE_SCALES]
     variants.append(paper_schedule(trace, model, assumption, result, lookahead=True))
     variants.append(paper_schedule(trace, model, assumption, result, lookahead=True, window=0.0))
-    variants.append(paper_schedule(trace, model.in_send_order(), assumption, result, lookahead=True, window=0.0))
+    variants.append(paper_schedule(trace, model.with_frontend_slack(), assumption, result, lookahead=True, window=0.0))
     loaded = paper_schedule(trace, model, assumption, result)
     out: dict[str, Expectation] = {}
     for r in trace.requests:
@@ -131,7 +131,7 @@ def _schedule(
     jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, lookahead: bool = False, window: float = 1.0
 ) -> list[_Job]:
     for j in jobs:
-        j.ready_s = j.arrival_s + model.frontend_token_s * j.prompt
+        j.ready_s = j.arrival_s + model.frontend_s(j.prompt)
     order = sorted(jobs, key=lambda j: j.ready_s)
     pending = deque(order)
     waiting: deque[_Job] = deque()

@@ -172,6 +172,10 @@ def test_a_short_request_sent_just_after_a_long_one_may_wait_out_its_prefill_ste
     )
     l0_step = model.step_s(1024, 0, 0)
     assert expect(trace, model, FCFS, result)["S1"].ttft_s > l0_step + model.step_s(1, 0, 0)
+    # ... but a prompt whose tokenization takes far longer than the gap still comes second
+    # (else a serial tokenizer queue, vLLM 25301, would hide inside the bound).
+    slow = Trace(requests=(_req("L", 0, 16384, out=1), _req("S", 1, 32, out=4)))
+    assert expect(slow, model, FCFS)["S"].ttft_s < model.step_s(2048, 0, 0)
 
 
 def test_cancelled_requests_stop_at_their_cancel_point():
