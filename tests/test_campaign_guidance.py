@@ -19,14 +19,14 @@ import asyncio
 import random
 
 import pytest
-from conftest import CORPUS
 
-from fuzzer import trace as tf
 from fuzzer.calibration import calibrate
 from fuzzer.campaign import Campaign, Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.store import Store
+
+from ground_truth import GroundTruth, seeds_without
 
 PATHOLOGY = P.PREEMPTION_THRASH
 #: Executions per campaign (seeding, fuzzing, stability and confirmation runs together).
@@ -36,39 +36,9 @@ BUDGET = 100
 SEEDS = (0, 1)
 
 
-class _GroundTruth:
-    """The simulator, remembering which requests of which trace the pathology delayed."""
-
-    def __init__(self, target: VirtualTarget):
-        self._target = target
-        self.name = target.name
-        self.idle = target.idle
-        self.delayed: dict[str, set[str]] = {}
-
-    async def execute(self, trace):
-        result = await self._target.execute(trace)
-        hit = {rid for rid, names in result.ground_truth.items() if PATHOLOGY in names}
-        self.delayed.setdefault(trace.content_hash(), set()).update(hit)
-        return result
-
-    async def aclose(self) -> None:
-        return None
-
-
-def _seed_corpus(seed: int):
-    probe = VirtualTarget(pathologies=(PATHOLOGY,), seed=seed)
-    probe.run(tf.load(CORPUS / "stream-mix.json"))  # warm
-    out = []
-    for path in sorted(CORPUS.glob("*.json")):
-        trace = tf.load(path)
-        if not any(PATHOLOGY in names for names in probe.run(trace).ground_truth.values()):
-            out.append(trace)
-    return out
-
-
 async def _first_right_finding(mutator: str, seed: int) -> int | None:
     """Executions until the first confirmed finding on a request the pathology delayed, or None."""
-    target = _GroundTruth(VirtualTarget(pathologies=(PATHOLOGY,), seed=seed))
+    target = GroundTruth(VirtualTarget(pathologies=(PATHOLOGY,), seed=seed), PATHOLOGY)
     calibration = await calibrate(target, rng=random.Random(seed))
     store = Store.memory()
     stop = asyncio.Event()
@@ -81,7 +51,7 @@ async def _first_right_finding(mutator: str, seed: int) -> int | None:
             stop.set()
 
     campaign = Campaign(target, store, Settings(seed=seed, max_execs=BUDGET, mutator=mutator),
-                        seeds=_seed_corpus(seed), target_key=f"e2e:{seed}", calibration=calibration,
+                        seeds=seeds_without(PATHOLOGY, seed), target_key=f"e2e:{seed}", calibration=calibration,
                         on_finding=on_finding, stop=stop)
     await campaign.run()
     campaign.corpus._check_invariants()
@@ -91,7 +61,7 @@ async def _first_right_finding(mutator: str, seed: int) -> int | None:
 
 def test_no_seed_trace_triggers_the_pathology_by_itself():
     for seed in SEEDS:
-        names = {t.name for t in _seed_corpus(seed)}
+        names = {t.name for t in seeds_without(PATHOLOGY, seed)}
         assert "kv-fill" not in names  # the corpus's KV-overflow trace is left out
         assert len(names) >= 5
 

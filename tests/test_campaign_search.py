@@ -22,6 +22,8 @@ from fuzzer.sim import pathologies as P
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
 
+from ground_truth import GroundTruth, seeds_without
+
 PATHOLOGY = P.LOGPROBS_BATCH_COST
 
 
@@ -57,40 +59,9 @@ def test_random_generation_sometimes_asks_for_sampling_work():
     assert any(_costly(t) for t in traces)
 
 
-def _seeds(seed: int) -> list[Trace]:
-    """The corpus minus the traces that trigger the pathology by themselves (n-logprobs)."""
-    probe = VirtualTarget(pathologies=(PATHOLOGY,), seed=seed)
-    probe.run(tf.load(CORPUS / "stream-mix.json"))
-    out = []
-    for path in sorted(CORPUS.glob("*.json")):
-        trace = tf.load(path)
-        if not any(PATHOLOGY in names for names in probe.run(trace).ground_truth.values()):
-            out.append(trace)
-    return out
-
-
-class _GroundTruth:
-    """The simulator, remembering which requests of which trace the pathology delayed."""
-
-    def __init__(self, target: VirtualTarget):
-        self._target = target
-        self.name = target.name
-        self.idle = target.idle
-        self.delayed: dict[str, set[str]] = {}
-
-    async def execute(self, trace):
-        result = await self._target.execute(trace)
-        hit = {rid for rid, names in result.ground_truth.items() if PATHOLOGY in names}
-        self.delayed.setdefault(trace.content_hash(), set()).update(hit)
-        return result
-
-    async def aclose(self) -> None:
-        return None
-
-
 @pytest.mark.parametrize("seed", [0, 2])
 async def test_guided_campaign_finds_logprobs_batch_cost_without_its_seed(seed):
-    sim = _GroundTruth(VirtualTarget(pathologies=(PATHOLOGY,), seed=seed))
+    sim = GroundTruth(VirtualTarget(pathologies=(PATHOLOGY,), seed=seed), PATHOLOGY)
     calibration = await calibrate(sim, rng=random.Random(seed))
     store = Store.memory()
     stop = asyncio.Event()
@@ -104,7 +75,7 @@ async def test_guided_campaign_finds_logprobs_batch_cost_without_its_seed(seed):
             right.append(finding_id)
             stop.set()
 
-    seeds = _seeds(seed)
+    seeds = seeds_without(PATHOLOGY, seed)
     assert "n-logprobs" not in {t.name for t in seeds}
     campaign = Campaign(sim, store, Settings(seed=seed, max_execs=60), seeds=seeds, target_key="sim:search",
                         calibration=calibration, on_finding=on_finding, stop=stop)
