@@ -119,6 +119,13 @@ def with_reported_kv(assumption: SchedulerAssumption, target: Target) -> Schedul
     return assumption if kv is None else replace(assumption, kv_blocks=kv[0], block_size=kv[1])
 
 
+def with_target_kv(calibration: Calibration, target: Target) -> Calibration:
+    """A stored calibration with the KV capacity the target reports, when it names none (one
+    made before capacities were read stays KV-unaware otherwise until it goes stale)."""
+    assumption = with_reported_kv(calibration.assumption, target)
+    return calibration if assumption is calibration.assumption else calibration.with_assumption(assumption)
+
+
 # --- probes -----------------------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 
 from fuzzer import oracle
-from fuzzer.calibration import Calibration, calibrate
+from fuzzer.calibration import Calibration, calibrate, with_target_kv
 from fuzzer.campaign_oracle import OracleSteps, OutOfTime, candidate_from_dict, candidate_to_dict
 from fuzzer.campaign_types import STABILITY_RUNS, ExitReason, Phase, Settings, Stats, Summary
 from fuzzer.confirmation import let_idle
@@ -87,7 +87,7 @@ class Campaign(OracleSteps):
         #: Where calibrations are stored and read (one key for every command); the target's name by default.
         self.calibration_key = calibration_key or self.target_key
         self.target_id = target_id
-        self.calibration = calibration
+        self.calibration = with_target_kv(calibration, target) if calibration is not None else None
         self._clock = clock
         self._sleep = sleep
         self._on_stats = on_stats or (lambda s: None)
@@ -203,7 +203,7 @@ class Campaign(OracleSteps):
         if not force:
             stored = self.store.latest_calibration(self.calibration_key)
             if stored is not None:
-                self.calibration = Calibration.from_dict(stored)
+                self.calibration = with_target_kv(Calibration.from_dict(stored), self.target)
                 if not self.calibration.is_stale(time.time(), max_age_s=self.settings.recalibrate_after_s):
                     return
         previous = self._phase

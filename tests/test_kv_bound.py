@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from fuzzer import servers
-from fuzzer.calibration import calibrate, reported_kv, with_reported_kv
+from fuzzer.calibration import calibrate, reported_kv, with_reported_kv, with_target_kv
 from fuzzer.confirmation import examine
 from fuzzer.expectation import SchedulerAssumption, StepModel, assumption_for, expect, expected_preemptions
 from fuzzer.oracle import bounds, preemptions, thrash
@@ -216,3 +216,13 @@ def test_a_capacity_must_be_a_positive_number_of_blocks():
     for bad in (0, -5, 2.5):
         with pytest.raises(ConfigError, match="kv_blocks"):
             SchedulerAssumption(kv_blocks=bad)
+
+
+def test_a_calibration_stored_before_capacities_were_read_learns_the_targets():
+    """Resuming a campaign (or replaying) on an older --db must not judge KV-blind."""
+    cal = _calibration()
+    old = dataclasses.replace(cal, assumption=dataclasses.replace(cal.assumption, kv_blocks=None))
+    assert with_target_kv(old, VirtualTarget(seed=1)).assumption.kv_blocks == 2560
+    assert with_target_kv(cal, VirtualTarget(seed=1)) is cal  # nothing to learn
+    nothing = type("Blind", (), {"name": "blind"})()  # a target that reports no capacity
+    assert with_target_kv(old, nothing) is old

@@ -7,7 +7,7 @@ import random
 
 import click
 
-from fuzzer.calibration import Calibration, calibrate, calibration_keys
+from fuzzer.calibration import Calibration, calibrate, calibration_keys, with_target_kv
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._render import trace_table
@@ -94,7 +94,7 @@ async def _run(store, finding, identity, url, sim, server, model, max_execs, tim
         keys = calibration_keys(identity, target.info.model if target.info else None)
         stored = store.latest_calibration(*keys)
         if stored is not None:
-            calibration = Calibration.from_dict(stored)
+            calibration = with_target_kv(Calibration.from_dict(stored), target)
         else:
             _console.err.print("calibrating the target first (no stored calibration for it)")
             calibration = await calibrate(target, rng=random.Random(0))

@@ -15,7 +15,7 @@ import numpy as np
 from rich.table import Table
 
 from fuzzer import trace as trace_format
-from fuzzer.calibration import Calibration, calibrate, calibration_keys
+from fuzzer.calibration import Calibration, calibrate, calibration_keys, with_target_kv
 from fuzzer.cli import EXIT_FINDING
 from fuzzer.cli._console import err, out
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
@@ -116,7 +116,9 @@ async def _replay(
             assert http.info is not None
             keys = calibration_keys(target or sim_key(planted), http.info.model)
             calibration = _stored_calibration(db_path, keys)
-            if calibration is None:
+            if calibration is not None:
+                calibration = with_target_kv(calibration, http)
+            else:
                 hint = "" if db_path else "; pass --db to keep it for the next replay"
                 err.print(f"calibrating {keys[0]} first (the oracle needs its idle latencies{hint})")
                 calibration = await calibrate(http, rng=random.Random(seed))
