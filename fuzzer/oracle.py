@@ -151,6 +151,8 @@ class Observation:
     candidate: bool
     #: The factor over the bound that made (or would make) it a candidate.
     factor: float = CANDIDATE_FACTOR
+    #: Judged against the KV-unaware bound because the execution thrashed (:func:`thrash`).
+    thrashed: bool = False
 
     @property
     def ratio(self) -> float:
@@ -213,6 +215,7 @@ def observe(
 ) -> tuple[RequestReport, ...]:
     """Hold every request of ``result`` against its idle expectation and its FCFS bound."""
     expectations, factor = bounds(trace, result, calibration, policy)
+    thrashed = thrash(trace, result, calibration, policy)
     reports = []
     for r in result.requests:
         e = expectations[r.request_id]
@@ -224,7 +227,7 @@ def observe(
                     continue
                 margin = policy.margin_s(calibration, metric, result.client_lag_s)
                 slow = value >= factor * bound and value - bound >= margin
-                observations[metric] = Observation(metric, value, bound, idle, slow, factor)
+                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed)
         failure = FindingKind(FAILURE_KIND[r.outcome]) if r.outcome in FAILURE_KIND else None
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))
     return tuple(reports)
@@ -430,6 +433,9 @@ def latency_verdict(
     notes = [] if warm else ["every run came after an idle period; a cold start cannot be ruled out"]
     notes += unreliable
     threshold = max((o.factor for o in sample), default=policy.factor)
+    if any(o.thrashed for o in sample):
+        notes.append("the server preempted far more often than a KV-aware FCFS scheduler would (thrash): "
+                     "judged against the bound that never runs out of KV")
     if threshold > policy.factor:
         notes.append(f"the server reported preemptions (KV cache full): candidate factor {threshold:g}x, "
                      "not the KV-unaware FCFS bound's usual one")

@@ -158,6 +158,7 @@ def test_the_preemption_thrash_trigger_is_still_confirmed():
     truth = set(result.ground_truth)
     assert exam.findings and all(P.PREEMPTION_THRASH in result.ground_truth.get(f.request_id, ()) for f in exam.findings), (
         exam.findings, truth)
+    assert all("thrash" in f.detail for f in exam.findings)  # the verdict says which bound judged it
 
 
 def test_a_clean_run_that_preempts_as_the_model_does_is_not_thrash():
