@@ -72,3 +72,4 @@ def test_fuzz_calibrate_then_replay_and_campaign_on_the_same_db_reuse_it(tmp_pat
         executions = conn.execute("select count(*) from executions").fetchone()[0]
     assert rows == [(key,)]  # measured once, by fuzz calibrate
     assert executions >= 2  # the replay's run and the campaign's
+

@@ -6,13 +6,18 @@ All on the simulator's virtual time; where the wall clock matters (idling over H
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
+import sqlite3
 
+from click.testing import CliRunner
 from conftest import CORPUS
 
 from fuzzer import trace as tf
 from fuzzer.calibration import calibrate
 from fuzzer.campaign import Campaign, ExitReason, Settings
+from fuzzer.cli import cli
 from fuzzer.corpus import Corpus
 from fuzzer.coverage import Coverage
 from fuzzer.pacing import ColdProbes, ServerTime
@@ -202,3 +207,30 @@ def test_settling_a_provisional_entry_drops_its_flickering_features():
     corpus._check_invariants()
     # a flickering feature never counts as new again
     assert not corpus.is_interesting(Coverage(frozenset({"b#1"}), {}))
+
+
+def test_idle_share_zero_keeps_a_campaign_from_idling_on_purpose(tmp_path):
+    """`--idle-share 0`: no cold probe (a shared server you may not leave idle); by default the
+    first one comes as soon as the corpus has an entry (the positive control)."""
+    from fuzzer.sim.process import SimProcess
+
+    corpus = tmp_path / "seeds"
+    corpus.mkdir()
+    (corpus / "one.json").write_text(json.dumps({"format": 1, "name": "one", "requests": [
+        {"id": "a", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 4}]}))
+    runner = CliRunner()
+    purposes = {}
+    with SimProcess(speed=10.0) as sim:
+        calibrated = runner.invoke(cli, ["calibrate", "--target", sim.url, "--db", str(tmp_path / "cal.db"),
+                                         "--repeats", "1"])
+        assert calibrated.exit_code == 0, calibrated.output
+        for share in ("0", "0.1"):
+            db = tmp_path / f"{share}.db"
+            shutil.copy(tmp_path / "cal.db", db)
+            done = runner.invoke(cli, ["campaign", "--target", sim.url, "--db", str(db), "--corpus", str(corpus),
+                                       "--max-execs", "3", "--seed", "1", "--idle-share", share])
+            assert done.exit_code == 0, done.output
+            with sqlite3.connect(db) as conn:
+                purposes[share] = dict(conn.execute("select purpose, count(*) from executions group by purpose"))
+    assert "cold-probe" not in purposes["0"] and purposes["0"]["fuzz"] >= 1
+    assert purposes["0.1"].get("cold-probe") == 1

@@ -15,6 +15,7 @@ from rich.table import Table
 from fuzzer import trace as trace_format
 from fuzzer.calibration import REFRESH_AFTER_S, Calibration, calibration_keys
 from fuzzer.campaign import Campaign, ExitReason, Settings, Stats, Summary
+from fuzzer.pacing import IDLE_SHARE
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._target import (
@@ -73,9 +74,17 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
     help="Seconds without a byte from the server before a request counts as a hang (default 60).",
 )
 @click.option("--null-mutator", is_flag=True, help="Random generation instead of guided mutation (the baseline).")
+@click.option(
+    "--idle-share",
+    type=click.FloatRange(min=0.0, max=0.5),
+    default=IDLE_SHARE,
+    show_default=True,
+    help="Largest share of wall time spent letting the server idle on purpose (10 s at a time) to catch "
+    "cold starts; 0 never does.",
+)
 def command(
     target, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, faults, fault_rate, speed,
-    timeout_s, null_mutator,
+    timeout_s, null_mutator, idle_share,
 ) -> None:
     """Fuzz a server for latency pathologies; resume with the same --db.
 
@@ -113,7 +122,8 @@ def command(
         raise ConfigError("--pathologies, --faults, --fault-rate and --speed apply to the built-in simulator only; "
                           "drop them or drop --target")
     summary = asyncio.run(
-        _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator)
+        _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator,
+             idle_share)
     )
     _print_summary(summary, db_path)
 
@@ -137,7 +147,7 @@ def _load_seeds(folder: Path | None) -> list[trace_format.Trace]:
 
 
 async def _run(
-    url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator
+    url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator, idle_share
 ) -> Summary:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -168,7 +178,7 @@ async def _run(
                 )
                 settings = Settings(
                     duration_s=duration_s, max_execs=max_execs, seed=seed,
-                    mutator="null" if null_mutator else "guided", limits=limits_for(target),
+                    mutator="null" if null_mutator else "guided", limits=limits_for(target), idle_share=idle_share,
                 )
                 # One key for every command (fuzz calibrate stores there); older keys still read.
                 keys = calibration_keys(identity, info.model if info else None)
