@@ -56,6 +56,8 @@ CHECKPOINT_EVERY = 10
 # A periodic recalibration that fails (a flaky server failed a probe) keeps the previous
 # calibration and is tried again this much later, not after every execution.
 RECALIBRATE_RETRY_S = 600.0
+#: Children made from one parent before the next is picked.
+CHILDREN_PER_PICK = 4
 
 
 class Campaign(OracleSteps):
@@ -287,14 +289,21 @@ class Campaign(OracleSteps):
     async def _fuzz_one(self) -> None:
         if not self.corpus.entries:
             child = Child(NullMutator(self.settings.limits).mutate(Trace(requests=()), self.rng).trace, ("generate",))
-            parent: Entry | None = None
-        else:
-            parent = self.corpus.choose(self.rng)
-            if self.settings.mutator != "null" and parent.id in self.corpus.provisional:
-                await self._settle(parent)
+            await self._try(child, None)
+            return
+        parent = self.corpus.choose(self.rng)
+        if self.settings.mutator != "null" and parent.id in self.corpus.provisional:
+            await self._settle(parent)
+        self._dirty.add(parent.id)
+        # Several children per pick (AFL's stages): a fresh parent's stability runs are paid once.
+        for i in range(CHILDREN_PER_PICK):
+            if i and self._should_stop() is not None:
+                return
             other = self.corpus.choose(self.rng).trace if len(self.corpus) > 1 else None
-            child = self.mutator.mutate(parent.trace, self.rng, other)
-            self._dirty.add(parent.id)
+            await self._try(self.mutator.mutate(parent.trace, self.rng, other), parent)
+
+    async def _try(self, child: Child, parent: Entry | None) -> None:
+        """Execute one child, keep it when it reaches something new, examine it."""
         first = await self._execute(child.trace, "fuzz")
         kept = False
         # The null mutator never reads the corpus: re-running its children for stability would
