@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy import stats
@@ -99,22 +99,15 @@ def theil_sen(x: Sequence[float], y: Sequence[float]) -> Fit:
 
 
 def reported_kv(target: Target) -> tuple[int, int] | None:
-    """(KV blocks, tokens per block) the target reports: its ``kv_cache()``, an HTTP target's
-    ``info.scheduler`` (vLLM's ``vllm:cache_config_info``, :func:`fuzzer.servers.reported_scheduler`),
-    (the in-process simulator's, the same as its /metrics reports); None when it reports none."""
-    if callable(report := getattr(target, "kv_cache", None)):
-        return report()
-    scheduler = getattr(getattr(target, "info", None), "scheduler", None) or {}
-    blocks, size = scheduler.get("num_gpu_blocks"), scheduler.get("block_size")
-    if isinstance(blocks, int) and isinstance(size, int) and blocks > 0 and size > 0:
-        return blocks, size
-    return None
+    """(KV blocks, tokens per block) the target reports through its optional ``kv_cache()``
+    (an HTTP target: vLLM's ``vllm:cache_config_info``; the in-process simulator: its
+    configuration, what its /metrics reports); None when it reports none."""
+    report = getattr(target, "kv_cache", None)
+    return report() if callable(report) else None
 
 
 def with_reported_kv(assumption: SchedulerAssumption, target: Target) -> SchedulerAssumption:
     """``assumption`` with the KV capacity (and its block size) the target reports, unless it names one."""
-    from dataclasses import replace
-
     kv = reported_kv(target) if assumption.kv_blocks is None else None
     return assumption if kv is None else replace(assumption, kv_blocks=kv[0], block_size=kv[1])
 

@@ -157,7 +157,7 @@ class Target(Protocol):
     Implementations: the HTTP executor (``fuzzer.executor``) and the simulator's
     virtual-time runner (``fuzzer.sim``). Optional: ``idle(seconds)`` (virtual time:
     advance the clock instead of sleeping) and ``kv_cache() -> (blocks, block size)``
-    (the KV capacity the oracle's bound models; an HTTP target reports it in ``info``).
+    (the KV capacity the oracle's bound models, as the server reported it).
     """
 
     #: A short description for reports: the base URL, or the simulator's configuration.

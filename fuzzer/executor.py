@@ -181,6 +181,10 @@ class HttpTarget:
             raise
         return self.info
 
+    def kv_cache(self) -> tuple[int, int] | None:
+        """(KV blocks, tokens per block) the server reported when first met, or None."""
+        return self.info.kv_cache() if self.info is not None else None
+
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -415,14 +419,13 @@ class HttpTarget:
         if info is not None and status != 429:
             uses = {
                 "chat": r.api == "chat",
-                "n": r.n > 1,
                 "logprobs": r.logprobs is not None,
                 "ignore_eos": r.ignore_eos,
             }
             if any(used and not info.accepts(feature) for feature, used in uses.items()):
                 return Outcome.UNSUPPORTED
             if info.max_n is not None and r.n > info.max_n:
-                return Outcome.UNSUPPORTED  # more choices than the probe saw it accept
+                return Outcome.UNSUPPORTED  # more choices than the probe saw accepted (1: n refused)
         return Outcome.REJECTED
 
     def _result(

@@ -32,7 +32,7 @@ HAVOC_STACK_POW2 = 3
 SAMPLING_RATE = 0.1
 _SAMPLING_KINDS = ("n", "logprobs", "both")
 # n and logprobs values the operators draw (vLLM 37343 used n=8, logprobs=20; small values cost nothing).
-_N_VALUES = (2, 4, 8)
+N_VALUES = (2, 4, 8)
 _LOGPROB_VALUES = (1, 5, MAX_LOGPROBS)
 # Bandit: add-one smoothing and a floor, so no operator starves before it had a chance.
 OPERATOR_FLOOR = 0.2
@@ -122,7 +122,7 @@ def _sampling(rng: random.Random, limits: Limits, what: str, request: Request | 
     n = request.n if request is not None else 1
     logprobs = request.logprobs if request is not None else None
     if what in ("n", "both") and "n" not in limits.unsupported:
-        allowed = [v for v in _N_VALUES if limits.max_n is None or v <= limits.max_n]
+        allowed = [v for v in N_VALUES if limits.max_n is None or v <= limits.max_n]
         n = rng.choice(allowed) if allowed else n
     if what in ("logprobs", "both") and "logprobs" not in limits.unsupported:
         logprobs = rng.choice(_LOGPROB_VALUES)

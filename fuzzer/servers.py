@@ -34,6 +34,7 @@ from fuzzer.detection import (  # noqa: F401 (re-exported for importers of fuzze
     reported_scheduler,
 )
 from fuzzer.errors import ConfigError, TargetError
+from fuzzer.mutators import N_VALUES
 
 if TYPE_CHECKING:
     from fuzzer.expectation import SchedulerAssumption
@@ -45,9 +46,9 @@ FEATURES = ("completions", "chat", "stream_options", "ignore_eos", "n", "logprob
 #: Capability key of the largest ``n`` a server accepts, recorded only when it refuses a
 #: larger one (llama-server refuses n above its slot count): an int, not a bool.
 MAX_N = "max_n"
-#: The ``n`` values tried above 2 when the server accepts n=2: up to the largest n the
-#: mutators draw (fuzzer.mutators), so a refusal below it is recorded.
-N_PROBES = (4, 8)
+#: The ``n`` values tried above 2 when the server accepts n=2: those the mutators draw, so
+#: a refusal of any of them is recorded.
+N_PROBES = tuple(n for n in N_VALUES if n > 2)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,13 @@ class ServerInfo:
     def accepts(self, feature: str) -> bool:
         """True unless the probe saw the server reject the feature."""
         return bool(self.capabilities.get(feature, True))
+
+    def kv_cache(self) -> tuple[int, int] | None:
+        """(KV blocks, tokens per block) the server reported (vLLM's ``cache_config_info``), or None."""
+        blocks, size = self.scheduler.get("num_gpu_blocks"), self.scheduler.get("block_size")
+        if isinstance(blocks, int) and isinstance(size, int) and blocks > 0 and size > 0:
+            return blocks, size
+        return None
 
     @property
     def max_n(self) -> int | None:

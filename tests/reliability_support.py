@@ -9,6 +9,7 @@ copy of it. All campaigns here run the built-in simulator (a child process on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,3 +137,21 @@ def db_facts(db: Path) -> dict:
         }
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def lock_holder(acquire: str, db: Path) -> Iterator[subprocess.Popen]:
+    """Another process holding a lock on ``db`` (``acquire``: a Python expression on ``db``,
+    e.g. ``CampaignLock(db)``, from fuzzer.store); SIGKILLed at the end, as a crash would."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         f"import sys, time; from fuzzer.store import *; db = sys.argv[1]; ({acquire}).acquire(); "
+         "print('locked', flush=True); time.sleep(60)", str(db)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)

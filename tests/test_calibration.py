@@ -101,9 +101,9 @@ def test_fuzz_calibrate_fits_stores_and_prints_the_model(tmp_path):
     assert "step model" in result.output and "per prefill token" in result.output
     assert "user override of token_budget" in result.output
     with Store.open(db) as store:
-        from fuzzer.cli.calibrate import target_key
+        from fuzzer.calibration import calibration_key
 
-        stored = store.latest_calibration(target_key(sim.url, "sim-qwen2.5-0.5b"))
+        stored = store.latest_calibration(calibration_key(sim.url, "sim-qwen2.5-0.5b"))
     cal = Calibration.from_dict(stored)
     # At --speed 10 every engine time is a tenth (~3 µs per prefill token); on a busy
     # 2-core host the HTTP jitter of a one-repeat calibration blurs it, never to 30.

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,6 +13,7 @@ from reliability_support import (
     campaign_args,
     copy_db,
     db_facts,
+    lock_holder,
     run_fuzz,
     start_campaign,
 )
@@ -37,19 +36,9 @@ def test_a_second_lock_on_one_database_is_refused_with_the_owner(tmp_path):
 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     db = tmp_path / "stale.db"
-    holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time; from fuzzer.store import CampaignLock; CampaignLock(sys.argv[1]).acquire(); "
-         "print('locked', flush=True); time.sleep(60)", str(db)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_holder("CampaignLock(db)", db) as holder:
         with pytest.raises(StoreError, match=rf"pid {holder.pid}"):
             CampaignLock(db).acquire()
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=10)
     # The PID is still written in the lock file, but the kernel dropped the lock with the process.
     assert str(holder.pid) in (tmp_path / "stale.db.lock").read_text()
     with CampaignLock(db) as lock:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 from click.testing import CliRunner
@@ -14,6 +11,8 @@ from fuzzer.cli import cli
 from fuzzer.cli import minimize as minimize_cli
 from fuzzer.errors import ConfigError, StoreError
 from fuzzer.store import CampaignLock, Store, minimization_lock
+
+from reliability_support import lock_holder
 
 
 @pytest.fixture
@@ -27,14 +26,7 @@ def db(tmp_path, seed_trace):
 
 
 def test_a_second_minimization_of_a_finding_is_refused_in_one_line_and_a_killed_one_leaves_no_lock(db):
-    holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time; from fuzzer.store import minimization_lock; minimization_lock(sys.argv[1], 1).acquire(); "
-         "print('locked', flush=True); time.sleep(60)", str(db)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_holder("minimization_lock(db, 1)", db) as holder:
         before = db.read_bytes()
         refused = CliRunner().invoke(cli, ["minimize", "1", "--db", str(db)])
         assert refused.exit_code == 2
@@ -46,9 +38,6 @@ def test_a_second_minimization_of_a_finding_is_refused_in_one_line_and_a_killed_
         # Another finding of the same database, and a campaign, are not held up.
         with minimization_lock(db, 2) as other, CampaignLock(db) as campaign:
             assert other.held and campaign.held
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=10)
     with minimization_lock(db, 1) as lock:  # the kernel dropped the dead holder's lock
         assert lock.held
 

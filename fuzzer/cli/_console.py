@@ -11,3 +11,9 @@ _PIPE_WIDTH = 160
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _PIPE_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
+
+
+def warn_if_unreliable(calibration) -> None:
+    """One warning line when the calibration is too noisy to judge 2x slowdowns reliably."""
+    if (note := calibration.reliability_note()) is not None:
+        err.print(f"warning: {note}")

@@ -13,7 +13,7 @@ import click
 from rich.table import Table
 
 from fuzzer import servers
-from fuzzer.calibration import NOISY, SIM_CALIBRATION_KEY, Calibration, Fit, calibrate, calibration_key
+from fuzzer.calibration import NOISY, Calibration, Fit, calibrate, calibration_key
 from fuzzer.cli._console import err, out
 from fuzzer.cli._options import (
     db_option,
@@ -26,9 +26,6 @@ from fuzzer.verdict import Metric
 
 #: Where the API key comes from by default: the variable OpenAI clients read.
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
-#: Calibrations of the built-in simulator are stored under this key: its port changes
-#: from run to run, its behaviour does not (see fuzzer.calibration.calibration_keys).
-SIM_TARGET_KEY = SIM_CALIBRATION_KEY
 
 
 @click.command("calibrate")
@@ -99,11 +96,6 @@ async def _calibrate(
         cal = await calibrate(http, assumption=assumption, rng=random.Random(seed), repeats=repeats,
                               max_model_len=info.max_model_len)
         return calibration_key(target, info.model), cal
-
-
-def target_key(url: str, model: str | None) -> str:
-    """The key a target's calibrations are stored under: its URL and model (every command reads it)."""
-    return calibration_key(url, model)
 
 
 @contextlib.asynccontextmanager

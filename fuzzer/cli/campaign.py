@@ -227,8 +227,7 @@ class _StatusView:
         self._last = stats
         if calibration is not None and calibration is not self._warned and stats.phase != "calibrate":
             self._warned = calibration  # once per calibration (a long campaign recalibrates)
-            if (note := calibration.reliability_note()) is not None:
-                _console.err.print(f"warning: {note}")
+            _console.warn_if_unreliable(calibration)
         if self._live is not None:
             self._live.update(_stats_table(stats))
         elif time.monotonic() - self._last_plain >= PLAIN_STATUS_EVERY_S:

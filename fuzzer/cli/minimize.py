@@ -99,8 +99,7 @@ async def _run(store, finding, identity, url, sim, server, model, max_execs, tim
             _console.err.print("calibrating the target first (no stored calibration for it)")
             calibration = await calibrate(target, rng=random.Random(0))
             store.save_calibration(keys[0], calibration.to_dict())
-        if (note := calibration.reliability_note()) is not None:
-            _console.err.print(f"warning: {note}")
+        _console.warn_if_unreliable(calibration)
 
         def progress(p: Progress) -> None:
             _console.err.print(

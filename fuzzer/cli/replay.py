@@ -17,7 +17,7 @@ from rich.table import Table
 from fuzzer import trace as trace_format
 from fuzzer.calibration import Calibration, calibrate, calibration_keys, with_target_kv
 from fuzzer.cli import EXIT_FINDING
-from fuzzer.cli._console import err, out
+from fuzzer.cli._console import err, out, warn_if_unreliable
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
 from fuzzer.cli._target import sim_key
 from fuzzer.confirmation import Examination, examine
@@ -127,8 +127,7 @@ async def _replay(
 
                     with Store.open(db_path) as store:
                         store.save_calibration(keys[0], calibration.to_dict())
-            if (note := calibration.reliability_note()) is not None:
-                err.print(f"warning: {note}")
+            warn_if_unreliable(calibration)
             recorder = _Recorder(http)
             exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
             return http.info, exam, recorder.results
