@@ -36,14 +36,14 @@ import time
 from pathlib import Path
 
 from fuzzer import trace as tf
-from fuzzer.calibration import calibrate
-from fuzzer.campaign import Campaign, Settings
 from fuzzer.execution import ExecutionResult
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.verdict import Verdict
+from fuzzer.search.campaign import Campaign, Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.store import Store
 from fuzzer.trace import Trace
-from fuzzer.verdict import Verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "corpus"
@@ -140,7 +140,7 @@ async def overhead(pathology: str, max_execs: int, seed: int = 0) -> dict:
     inside the campaign's sleeps is the server's; everything else (coverage, oracle,
     corpus, mutation, store) is the fuzzer's overhead.
     """
-    from fuzzer.executor import HttpTarget  # noqa: PLC0415
+    from fuzzer.execute.http import HttpTarget  # noqa: PLC0415
     from fuzzer.sim.process import SimProcess  # noqa: PLC0415
 
     slept = [0.0]

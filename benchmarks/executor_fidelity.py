@@ -1,4 +1,4 @@
-"""Executor fidelity: how much TTFT and dispatch lateness the client itself adds (SPEC §10).
+"""Executor fidelity: how much TTFT and dispatch lateness the client itself adds (ARCHITECTURE.md, "Performance").
 
 An instant SSE server runs in its own process (raw asyncio protocol, HTTP/1.1
 keep-alive, chunked SSE). For every completion it logs, on the shared
@@ -9,11 +9,11 @@ adds. C streaming requests are planned for the same instant (C = 1, 64, 256,
 
   raw    hand-written HTTP on asyncio streams, connections opened in advance:
          the floor on this machine;
-  ours   fuzzer.executor.HttpTarget.execute (the real thing: idle barrier,
+  ours   fuzzer.execute.http.HttpTarget.execute (the real thing: idle barrier,
          prompts, warm-up and the /metrics sampler included; only the send and
          receive path is timed);
   vllm   a reimplementation, from its documented behaviour, of the request
-         function `vllm bench serve` uses (research/benchmark-clients.md): one
+         function `vllm bench serve` uses (the benchmark clients' documented behaviour): one
          ClientSession(trust_env=True), TCPConnector(limit=0), no warm-up, the
          clock started inside the request function, iter_any() + an incremental
          UTF-8 decoder + split on "\\n\\n", first chunk with choices = TTFT.
@@ -33,7 +33,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fuzzer import trace as tf  # noqa: E402
-from fuzzer.executor import HttpTarget  # noqa: E402
+from fuzzer.execute.http import HttpTarget  # noqa: E402
 
 CONCURRENCIES = (1, 64, 256, 1024)
 #: Bursts per client and concurrency: about 60-2000 samples per cell, a few minutes in all.

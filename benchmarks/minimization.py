@@ -32,10 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from fuzzer import trace as tf
-from fuzzer.calibration import calibrate
-from fuzzer.confirmation import examine, let_idle
-from fuzzer.oracle import COLD_IDLE_S
-from fuzzer.reduction import minimize_finding
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.confirm import examine, let_idle
+from fuzzer.oracle.judge import COLD_IDLE_S
+from fuzzer.shrink.finding import minimize_finding
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.sim.triggers import TRIGGERS
@@ -59,7 +59,7 @@ async def _target(pathology: str, seed: int, http: bool):
     if not http:
         yield VirtualTarget(pathologies=(pathology,), seed=seed), _no_sleep
         return
-    from fuzzer.executor import HttpTarget
+    from fuzzer.execute.http import HttpTarget
     from fuzzer.sim.process import SimProcess
 
     async with SimProcess(pathologies=(pathology,), seed=seed) as sim, \

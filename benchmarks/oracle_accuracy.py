@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/oracle_accuracy.py [--seeds 3] [--first-seed 0] [--clean 150] [--variants 10]
 
-False-positive rate: random traces (the campaign's own generator, fuzzer.mutators.generate)
+False-positive rate: random traces (the campaign's own generator, fuzzer.search.mutators.generate)
 on a clean simulator, each examined as ``fuzz replay`` does (3 runs, judge, confirm the
 undecided candidates); a trace with any confirmed finding is a false positive.
 
@@ -35,10 +35,10 @@ import time
 
 import numpy as np
 
-from fuzzer.calibration import calibrate
-from fuzzer.confirmation import examine
-from fuzzer.mutators import generate
-from fuzzer.oracle import preemptions
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.confirm import examine
+from fuzzer.oracle.judge import preemptions
+from fuzzer.search.mutators import generate
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as sim_pathologies
 from fuzzer.trace import Trace, from_dict

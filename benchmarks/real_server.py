@@ -36,10 +36,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fuzzer import servers
-from fuzzer.calibration import calibrate, calibration_key
 from fuzzer.cli._target import parse_duration
-from fuzzer.executor import HttpTarget
+from fuzzer.execute.http import HttpTarget
+from fuzzer.oracle.calibrate import calibrate, calibration_key, scheduler_assumption
 from fuzzer.store import Store
 from tests.llamacpp.conftest import (
     find_llama_server,
@@ -70,7 +69,7 @@ async def _calibrate(url: str, db: Path, seed: int) -> dict:
     async with HttpTarget(url, server="llamacpp", rng=random.Random(seed)) as target:
         info = target.info
         assert info is not None
-        assumption = servers.scheduler_assumption(info)
+        assumption = scheduler_assumption(info)
         cal = await calibrate(
             target, assumption=assumption, rng=random.Random(seed), repeats=CALIBRATION_REPEATS, warmup_runs=1,
             max_model_len=info.max_model_len,

@@ -11,7 +11,13 @@ from fuzzer.errors import (
     TraceError,
     UnsupportedError,
 )
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, Target
+from fuzzer.execution import (
+    ExecutionResult,
+    MetricSample,
+    Outcome,
+    RequestResult,
+    Target,
+)
 from fuzzer.trace import FORMAT_VERSION, Request, Trace
 
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ class FuzzError(Exception):
 
 
 class TraceError(FuzzError):
-    """A trace does not follow the format of SPEC §3.
+    """A trace does not follow the format of ARCHITECTURE.md, "Traces".
 
     ``path`` is the JSON path of the offending value (``requests[3].max_tokens``),
     ``rule`` what it must satisfy and ``value`` what was found.

@@ -1,4 +1,4 @@
-"""What one execution of a trace produced: the value types of the target seam (SPEC §12).
+"""What one execution of a trace produced: the value types of the target seam (ARCHITECTURE.md, "Layering").
 
 The HTTP executor (a live server) and the simulator's virtual-time runner both
 return an :class:`ExecutionResult`, so the oracle, the campaign and the
@@ -46,7 +46,7 @@ class Outcome(enum.StrEnum):
         return self not in (Outcome.OK, Outcome.CANCELLED)
 
 
-#: Which finding kind (SPEC §7) a failed outcome is evidence of.
+#: Which finding kind (ARCHITECTURE.md, "Oracle") a failed outcome is evidence of.
 FAILURE_KIND: Mapping[Outcome, str] = {
     Outcome.HTTP_ERROR: "error",
     Outcome.CONNECTION_ERROR: "error",
@@ -152,9 +152,9 @@ class ExecutionResult:
 
 @runtime_checkable
 class Target(Protocol):
-    """Something a trace can be executed against (SPEC §12).
+    """Something a trace can be executed against (ARCHITECTURE.md, "Layering").
 
-    Implementations: the HTTP executor (``fuzzer.executor``) and the simulator's
+    Implementations: the HTTP executor (``fuzzer.execute.http``) and the simulator's
     virtual-time runner (``fuzzer.sim``). Optional: ``idle(seconds)`` (virtual time:
     advance the clock instead of sleeping) and ``kv_cache() -> (blocks, block size)``
     (the KV capacity the oracle's bound models, as the server reported it).

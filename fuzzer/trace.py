@@ -1,4 +1,4 @@
-"""Traces: the fuzzer's input (SPEC §3).
+"""Traces: the fuzzer's input (ARCHITECTURE.md, "Traces").
 
 A trace is a small JSON document: named shared-prefix groups and a list of
 requests with arrival offsets. This module holds the frozen value types, their
@@ -40,6 +40,9 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 MAX_REQUESTS = 4096
+#: The n (and logprobs) values the mutators draw and the capability probe asks a server about
+#: (vLLM 37343 used n=8, logprobs=20; small values cost nothing).
+N_VALUES = (2, 4, 8)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The paper scheduler as it was before it was made fast (commit c932925), kept as the reference.
 
-tests/test_expectation.py checks that :func:`fuzzer.expectation.expect` and
-:func:`fuzzer.expectation.paper_schedule` (:mod:`fuzzer.paper`) give exactly what this straightforward
+tests/test_expectation.py checks that :func:`fuzzer.oracle.expectation.expect` and
+:func:`fuzzer.oracle.expectation.paper_schedule` (:mod:`fuzzer.oracle.paper`) give exactly what this straightforward
 step-by-step version gives, on many random traces. Do not optimise this file: its
 value is that it is obviously the specification.
 """
@@ -14,13 +14,9 @@ from dataclasses import dataclass, field
 
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult
-from fuzzer.expectation import (
-    ENVELOPE_SCALES,
-    Expectation,
-    SchedulerAssumption,
-    StepModel,
-)
-from fuzzer.paper import MAX_MODEL_STEPS, PaperRequest
+from fuzzer.oracle.expectation import Expectation
+from fuzzer.oracle.model import ENVELOPE_SCALES, SchedulerAssumption, StepModel
+from fuzzer.oracle.paper import MAX_MODEL_STEPS, PaperRequest
 from fuzzer.trace import Trace
 
 

@@ -1,6 +1,6 @@
 """A test target with a known step model, noise and planted faults (oracle and calibration tests).
 
-Timings come from the paper FCFS scheduler of fuzzer.expectation with a known
+Timings come from the paper FCFS scheduler of fuzzer.oracle.expectation with a known
 StepModel, so a calibration can be checked against the truth and an oracle against
 exactly planted faults, independently of the simulator. Virtual time: nothing sleeps.
 """
@@ -13,7 +13,8 @@ from dataclasses import replace
 import numpy as np
 
 from fuzzer.execution import ExecutionResult, Outcome, RequestResult
-from fuzzer.expectation import SchedulerAssumption, StepModel, paper_schedule
+from fuzzer.oracle.expectation import paper_schedule
+from fuzzer.oracle.model import SchedulerAssumption, StepModel
 from fuzzer.trace import Trace
 
 TRUE_MODEL = StepModel(overhead_s=0.004, prefill_token_s=35e-6, decode_seq_s=80e-6, context_token_s=2e-8,

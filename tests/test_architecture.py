@@ -1,12 +1,12 @@
-"""The architecture rules of SPEC §12, checked on the source."""
+"""The architecture rules of ARCHITECTURE.md, "Layering", checked on the source."""
 
 from __future__ import annotations
 
 import ast
 
-import fuzzer
-
 from conftest import ROOT
+
+import fuzzer
 
 PACKAGE = ROOT / "fuzzer"
 # "About <= 500 lines a module"; past this a module is doing two jobs and should be split.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fuzzer import trace as tf
-from fuzzer.bugreport import Exhibit, markdown, title
+from fuzzer.report.markdown import Exhibit, markdown, title
 
 TRACE = tf.from_dict({"prefixes": {"p0": 32}, "requests": [
     {"id": "long", "at_ms": 0, "prompt_tokens": 2048, "prefix": "p0", "max_tokens": 64},

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from paper_target import TRUE_MODEL, PaperTarget
 
-from fuzzer.calibration import Calibration, calibrate, theil_sen
 from fuzzer.errors import TargetError
 from fuzzer.execution import Outcome
-from fuzzer.verdict import Metric
+from fuzzer.oracle.calibrate import Calibration, calibrate, theil_sen
+from fuzzer.oracle.kinds import Metric
 
 TRUE = TRUE_MODEL
 
@@ -101,7 +101,7 @@ def test_fuzz_calibrate_fits_stores_and_prints_the_model(tmp_path):
     assert "step model" in result.output and "per prefill token" in result.output
     assert "user override of token_budget" in result.output
     with Store.open(db) as store:
-        from fuzzer.calibration import calibration_key
+        from fuzzer.oracle.calibrate import calibration_key
 
         stored = store.latest_calibration(calibration_key(sim.url, "sim-qwen2.5-0.5b"))
     cal = Calibration.from_dict(stored)

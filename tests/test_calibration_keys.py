@@ -7,9 +7,13 @@ import sqlite3
 
 from click.testing import CliRunner
 
-from fuzzer.calibration import SIM_CALIBRATION_KEY, calibration_key, calibration_keys
 from fuzzer.cli import cli
 from fuzzer.cli._target import DEFAULT_SIM_PATHOLOGIES, sim_key
+from fuzzer.oracle.calibrate import (
+    SIM_CALIBRATION_KEY,
+    calibration_key,
+    calibration_keys,
+)
 
 URL = "http://127.0.0.1:8000"
 

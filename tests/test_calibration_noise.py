@@ -9,11 +9,11 @@ import random
 
 import numpy as np
 
-from fuzzer.calibration import UNRELIABLE_NOISE, calibrate
-from fuzzer.confirmation import examine
+from fuzzer.oracle.calibrate import UNRELIABLE_NOISE, calibrate
+from fuzzer.oracle.confirm import examine
+from fuzzer.oracle.kinds import Metric
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim.triggers import TRIGGERS
-from fuzzer.verdict import Metric
 
 #: Log-scale spread of the host load the wrapper below adds: about 100 % noise, as a CPU
 #: llama-server on a loaded 2-core host measured.
@@ -102,8 +102,8 @@ def test_replay_and_campaign_warn_in_one_line_when_the_stored_calibration_is_unr
 
     from click.testing import CliRunner
 
-    from fuzzer.calibration import calibration_key
     from fuzzer.cli import cli
+    from fuzzer.oracle.calibrate import calibration_key
     from fuzzer.sim.process import SimProcess
     from fuzzer.store import Store
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import CORPUS
 
 from fuzzer import trace as tf
-from fuzzer.campaign import Campaign, ExitReason, Settings
+from fuzzer.search.campaign import Campaign, ExitReason, Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.store import Store
 

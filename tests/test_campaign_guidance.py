@@ -19,14 +19,13 @@ import asyncio
 import random
 
 import pytest
+from ground_truth import GroundTruth, seeds_without
 
-from fuzzer.calibration import calibrate
-from fuzzer.campaign import Campaign, Settings
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.search.campaign import Campaign, Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.store import Store
-
-from ground_truth import GroundTruth, seeds_without
 
 PATHOLOGY = P.PREEMPTION_THRASH
 #: Executions per campaign (seeding, fuzzing, stability and confirmation runs together).

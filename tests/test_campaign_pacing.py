@@ -1,4 +1,4 @@
-"""How a campaign spends its time (fuzzer.pacing): cold probes, the deadline, cheap seeding.
+"""How a campaign spends its time (fuzzer.search.pacing): cold probes, the deadline, cheap seeding.
 
 All on the simulator's virtual time; where the wall clock matters (idling over HTTP, a
 ``--duration``), the campaign gets a fake clock and a fake sleep.
@@ -15,12 +15,12 @@ from click.testing import CliRunner
 from conftest import CORPUS
 
 from fuzzer import trace as tf
-from fuzzer.calibration import calibrate
-from fuzzer.campaign import Campaign, ExitReason, Settings
 from fuzzer.cli import cli
-from fuzzer.corpus import Corpus
-from fuzzer.coverage import Coverage
-from fuzzer.pacing import ColdProbes, ServerTime
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.search.campaign import Campaign, ExitReason, Settings
+from fuzzer.search.corpus import Corpus
+from fuzzer.search.coverage import Coverage
+from fuzzer.search.pacing import ColdProbes, ServerTime
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.store import Store

@@ -12,17 +12,16 @@ import random
 
 import pytest
 from conftest import CORPUS
+from ground_truth import GroundTruth, seeds_without
 
 from fuzzer import trace as tf
-from fuzzer.calibration import calibrate
-from fuzzer.campaign import Campaign, Settings
-from fuzzer.mutators import Limits, generate, n_logprobs
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.search.campaign import Campaign, Settings
+from fuzzer.search.mutators import Limits, generate, n_logprobs
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
-
-from ground_truth import GroundTruth, seeds_without
 
 PATHOLOGY = P.LOGPROBS_BATCH_COST
 

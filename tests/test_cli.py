@@ -1,4 +1,4 @@
-"""The CLI contract of SPEC §9: every command present, helped, exemplified and documented."""
+"""The CLI contract of ARCHITECTURE.md, "Store and CLI": every command present, helped, exemplified and documented."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ import re
 
 import pytest
 from click.testing import CliRunner
+from conftest import ROOT
 
 from fuzzer import __version__
 from fuzzer.cli import campaign as campaign_cli
 from fuzzer.cli import cli
 from fuzzer.errors import ConfigError
 from fuzzer.store import Store
-
-from conftest import ROOT
 
 SPEC_COMMANDS = ["campaign", "status", "findings", "show", "minimize", "export", "replay", "calibrate", "sim", "report"]
 

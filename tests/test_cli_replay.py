@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from misbehaving_server import running
 from paper_target import PaperTarget
 
-from fuzzer.calibration import calibrate
 from fuzzer.cli import cli
+from fuzzer.oracle.calibrate import calibrate
 from fuzzer.store import Store
 
 TRACE = {

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from fuzzer import clientlag
-from fuzzer.clientlag import LagMonitor
+from fuzzer.execute import clientlag
+from fuzzer.execute.clientlag import LagMonitor
 
 
 class _FakeTime:

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuzzer.corpus import MIN_SCORE_GAIN, STALE_AFTER, Corpus
-from fuzzer.coverage import Coverage
-from fuzzer.mutators import generate
+from fuzzer.search.corpus import MIN_SCORE_GAIN, STALE_AFTER, Corpus
+from fuzzer.search.coverage import Coverage
+from fuzzer.search.mutators import generate
 
 
 def cov(*features, **scores):

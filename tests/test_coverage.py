@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fuzzer.coverage import hit_class, log2_bucket, measure, request_class
 from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
+from fuzzer.search.coverage import hit_class, log2_bucket, measure, request_class
 
 
 def _execution(trace, ttft=0.02, samples=(), outcome=Outcome.OK, itl=0.005):

@@ -7,14 +7,13 @@ import random
 import re
 
 import pytest
+from misbehaving_server import CHAT_TEMPLATE_TOKENS, running
+from timing import holds_in_some_attempt
 
 from fuzzer import trace as tf
 from fuzzer.errors import ConfigError, TargetError
+from fuzzer.execute.http import HttpTarget
 from fuzzer.execution import Outcome, Target
-from fuzzer.executor import HttpTarget
-
-from misbehaving_server import CHAT_TEMPLATE_TOKENS, running
-from timing import holds_in_some_attempt
 
 
 def trace(*requests, prefixes=None):
@@ -240,7 +239,7 @@ def test_bad_arguments_are_clear_errors():
         HttpTarget("http://127.0.0.1:8000", server="trt")
 
 
-# --- against the simulator in its own process (SPEC §11), with its ground truth -----------------
+# --- against the simulator in its own process (ARCHITECTURE.md, "Simulator"), with its ground truth -----------------
 
 SEED_TRACE = tf.load(__import__("pathlib").Path(__file__).parent.parent / "corpus" / "vllm-37308.json")
 # Client minus server times on loopback: the client's send/parse costs plus the

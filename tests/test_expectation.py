@@ -7,23 +7,21 @@ import pytest
 from conftest import CORPUS
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from strategies import traces
 
 from fuzzer import trace as tf
 from fuzzer.errors import ConfigError
+from fuzzer.execute.adapters import ADAPTERS
 from fuzzer.execution import ExecutionResult, Outcome, RequestResult
-from fuzzer.expectation import (
+from fuzzer.oracle.expectation import expect, idle_expectation, paper_schedule
+from fuzzer.oracle.kinds import Metric
+from fuzzer.oracle.model import (
     ENVELOPE_SCALES,
     SchedulerAssumption,
     StepModel,
     assumption_for,
-    expect,
-    idle_expectation,
-    paper_schedule,
 )
-from fuzzer.servers import ADAPTERS
-from fuzzer.strategies import traces
 from fuzzer.trace import Request, Trace
-from fuzzer.verdict import Metric
 
 MODEL = StepModel(overhead_s=0.004, prefill_token_s=30e-6, decode_seq_s=50e-6, context_token_s=1e-8,
                   request_overhead_s=0.002)
@@ -319,11 +317,11 @@ def test_a_model_with_a_negative_fitted_cost_is_scheduled_as_the_reference_does(
 def test_a_trace_longer_than_the_step_cap_ends_in_a_config_error(monkeypatch):
     # (n above max_num_seqs is served in waves, tests/test_n_above_slots.py: every request
     # is admitted once the engine is empty, so only a trace this long reaches the cap.)
-    monkeypatch.setattr("fuzzer.paper.MAX_MODEL_STEPS", 50)
+    monkeypatch.setattr("fuzzer.oracle.paper.MAX_MODEL_STEPS", 50)
     trace = Trace(requests=(_req("a", 0, 100, out=200, n=8),))
     with pytest.raises(ConfigError, match="scheduler steps"):
         paper_schedule(trace, MODEL, SchedulerAssumption(max_num_seqs=4))
-    monkeypatch.setattr("fuzzer.paper.MAX_MODEL_STEPS", 1_000)
+    monkeypatch.setattr("fuzzer.oracle.paper.MAX_MODEL_STEPS", 1_000)
     assert paper_schedule(trace, MODEL, SchedulerAssumption(max_num_seqs=4))["a"].e2e_s > 0
 
 

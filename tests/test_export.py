@@ -14,11 +14,11 @@ from click.testing import CliRunner
 from test_repro import PATHOLOGY, SEED, SMALL
 
 from fuzzer import trace as tf
-from fuzzer.calibration import calibrate
 from fuzzer.cli import cli
-from fuzzer.confirmation import examine
 from fuzzer.errors import NotFoundError, OutputError
-from fuzzer.export import export_finding, repro_script
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.confirm import examine
+from fuzzer.report.export import export_finding, repro_script
 from fuzzer.sim import VirtualTarget
 from fuzzer.store import Store
 
@@ -149,7 +149,7 @@ def test_cli_export(confirmed, tmp_path):
 
 
 def test_without_matplotlib_the_report_says_so(store, confirmed, tmp_path, monkeypatch):
-    from fuzzer import timeline
+    from fuzzer.report import timeline
 
     monkeypatch.setattr(timeline, "available", lambda: False)
     fid = add_finding(store, confirmed)

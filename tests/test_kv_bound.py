@@ -1,6 +1,6 @@
 """The KV-aware FCFS bound: by-design recompute preemption is inside it, thrash is not.
 
-The paper schedule with a KV capacity (fuzzer.paper) is checked against the simulator's
+The paper schedule with a KV capacity (fuzzer.oracle.paper) is checked against the simulator's
 engine on traces that preempt, and the oracle on the committed ``kv-fill.json`` (a clean
 server preempts it by design) and the preemption-thrash trigger, on virtual time.
 """
@@ -17,18 +17,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fuzzer import servers
-from fuzzer.calibration import calibrate, reported_kv, with_reported_kv, with_target_kv
-from fuzzer.confirmation import examine
-from fuzzer.expectation import SchedulerAssumption, StepModel, assumption_for, expect, expected_preemptions
-from fuzzer.oracle import bounds, preemptions, thrash
-from fuzzer.paper import serve
+from fuzzer.execute import adapters
+from fuzzer.oracle.calibrate import (
+    calibrate,
+    reported_kv,
+    scheduler_assumption,
+    with_reported_kv,
+    with_target_kv,
+)
+from fuzzer.oracle.confirm import examine
+from fuzzer.oracle.expectation import expect, expected_preemptions
+from fuzzer.oracle.judge import bounds, preemptions, thrash
+from fuzzer.oracle.kinds import FindingKind
+from fuzzer.oracle.model import SchedulerAssumption, StepModel, assumption_for
+from fuzzer.oracle.paper import serve
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.sim.metrics import SimMetrics
 from fuzzer.sim.triggers import TRIGGERS
 from fuzzer.trace import Trace, from_dict
-from fuzzer.verdict import FindingKind
 
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 #: The simulator's own step costs (fuzzer/sim/config.py), for schedules compared with its engine.
@@ -172,18 +179,18 @@ def test_a_clean_run_that_preempts_as_the_model_does_is_not_thrash():
 
 def test_the_capacity_is_read_from_vllms_cache_config_info():
     page = SimMetrics(VirtualTarget().engine).render().decode()
-    assert servers.kv_cache_config(page) == {"num_gpu_blocks": 2560, "block_size": 16}
-    assert servers.kv_cache_config("vllm:num_requests_running 1\n") == {}
+    assert adapters.kv_cache_config(page) == {"num_gpu_blocks": 2560, "block_size": 16}
+    assert adapters.kv_cache_config("vllm:num_requests_running 1\n") == {}
     line = 'vllm:cache_config_info{block_size="32",enable_prefix_caching="True",num_gpu_blocks="81920"} 1.0\n'
-    assert servers.kv_cache_config(line) == {"num_gpu_blocks": 81920, "block_size": 32}
-    a = assumption_for("vllm", {**servers.adapter("vllm").scheduler_defaults, **servers.kv_cache_config(line)})
+    assert adapters.kv_cache_config(line) == {"num_gpu_blocks": 81920, "block_size": 32}
+    a = assumption_for("vllm", {**adapters.adapter("vllm").scheduler_defaults, **adapters.kv_cache_config(line)})
     assert (a.kv_blocks, a.block_size) == (81920, 32)
-    fp = servers.Fingerprint({"/metrics": (200, page)})
-    assert servers.reported_scheduler(fp, "vllm") == {"num_gpu_blocks": 2560, "block_size": 16}
-    info = servers.ServerInfo(kind="vllm", version=None, model=None, max_model_len=None,
-                              scheduler=servers.reported_scheduler(fp, "vllm"))
-    assert servers.scheduler_assumption(info).kv_blocks == 2560
-    assert servers.reported_scheduler(servers.Fingerprint({"/metrics": (200, "vllm:num_preemptions_total 0\n")}),
+    fp = adapters.Fingerprint({"/metrics": (200, page)})
+    assert adapters.reported_scheduler(fp, "vllm") == {"num_gpu_blocks": 2560, "block_size": 16}
+    info = adapters.ServerInfo(kind="vllm", version=None, model=None, max_model_len=None,
+                              scheduler=adapters.reported_scheduler(fp, "vllm"))
+    assert scheduler_assumption(info).kv_blocks == 2560
+    assert adapters.reported_scheduler(adapters.Fingerprint({"/metrics": (200, "vllm:num_preemptions_total 0\n")}),
                                       "vllm") == {}
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from fuzzer import metrics, servers
 from fuzzer.errors import TargetError
+from fuzzer.execute import adapters, metrics
 
 DATA = Path(__file__).parent / "data" / "servers"
 
 
 def test_vllm_metrics_map_onto_common_names():
-    values = metrics.parse((DATA / "vllm" / "metrics.txt").read_text(), servers.adapter("vllm"))
+    values = metrics.parse((DATA / "vllm" / "metrics.txt").read_text(), adapters.adapter("vllm"))
     assert values == {
         "running": 3.0,
         "waiting": 2.0,
@@ -28,12 +28,12 @@ def test_vllm_metrics_map_onto_common_names():
 
 
 def test_sglang_tgi_llamacpp_metrics_map_onto_common_names():
-    sg = metrics.parse((DATA / "sglang" / "metrics.txt").read_text(), servers.adapter("sglang"))
+    sg = metrics.parse((DATA / "sglang" / "metrics.txt").read_text(), adapters.adapter("sglang"))
     assert sg["running"] == 4 and sg["waiting"] == 1 and sg["kv_usage"] == 0.5 and sg["preemptions"] == 2
     assert sg["prefix_cache_hits"] == 1500 and sg["prefix_cache_queries"] == 5000
-    tgi = metrics.parse((DATA / "tgi" / "metrics.txt").read_text(), servers.adapter("tgi"))
+    tgi = metrics.parse((DATA / "tgi" / "metrics.txt").read_text(), adapters.adapter("tgi"))
     assert tgi == {"running": 5, "waiting": 3, "prompt_tokens": 20480, "generation_tokens": 1280}
-    ll = metrics.parse((DATA / "llamacpp" / "metrics.txt").read_text(), servers.adapter("llamacpp"))
+    ll = metrics.parse((DATA / "llamacpp" / "metrics.txt").read_text(), adapters.adapter("llamacpp"))
     assert ll == {"running": 2, "waiting": 1, "prompt_tokens": 2048, "generation_tokens": 512}
 
 
@@ -46,19 +46,19 @@ def test_samples_are_summed_over_engines_and_usage_is_averaged():
         'vllm:kv_cache_usage_perc{engine="0"} 0.2\n'
         'vllm:kv_cache_usage_perc{engine="1"} 0.6\n'
     )
-    values = metrics.parse(text, servers.adapter("vllm"))
+    values = metrics.parse(text, adapters.adapter("vllm"))
     assert values["running"] == 5
     assert values["kv_usage"] == pytest.approx(0.4)
 
 
 def test_deprecated_vllm_names_are_read_when_the_new_ones_are_absent():
     text = "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.75\n"
-    assert metrics.parse(text, servers.adapter("vllm")) == {"kv_usage": 0.75}
+    assert metrics.parse(text, adapters.adapter("vllm")) == {"kv_usage": 0.75}
 
 
 def test_text_that_is_not_prometheus_is_a_target_error():
     with pytest.raises(TargetError, match="not Prometheus text"):
-        metrics.parse('vllm:num_requests_running{engine="0" 1\n', servers.adapter("vllm"))
+        metrics.parse('vllm:num_requests_running{engine="0" 1\n', adapters.adapter("vllm"))
 
 
 class FakeClock:
@@ -202,7 +202,7 @@ async def _slots_server(slots_status: int):
 
 
 def test_a_real_llama_server_page_maps_processing_and_deferred_onto_running_and_waiting():
-    values = metrics.parse((DATA / "llamacpp" / "live" / "metrics_busy.txt").read_text(), servers.adapter("llamacpp"))
+    values = metrics.parse((DATA / "llamacpp" / "live" / "metrics_busy.txt").read_text(), adapters.adapter("llamacpp"))
     assert values == {"running": 4, "waiting": 2, "prompt_tokens": 60, "generation_tokens": 24}
 
 
@@ -212,7 +212,7 @@ async def test_llamacpp_scrape_adds_kv_usage_from_slots():
     runner, url = await _slots_server(200)
     try:
         async with aiohttp.ClientSession() as session:
-            scrape = metrics.Scraper(session, url, servers.adapter("llamacpp"), headers={})
+            scrape = metrics.Scraper(session, url, adapters.adapter("llamacpp"), headers={})
             values = await scrape()
     finally:
         await runner.cleanup()
@@ -227,7 +227,7 @@ async def test_a_disabled_slots_endpoint_is_dropped_and_metrics_still_read():
     runner, url = await _slots_server(501)
     try:
         async with aiohttp.ClientSession() as session:
-            scrape = metrics.Scraper(session, url, servers.adapter("llamacpp"), headers={})
+            scrape = metrics.Scraper(session, url, adapters.adapter("llamacpp"), headers={})
             first = await scrape()
             second = await scrape()
     finally:

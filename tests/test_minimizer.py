@@ -7,10 +7,10 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import traces
 
-from fuzzer.minimizer import Check, Minimizer, Stop, size_key
-from fuzzer.mutators import generate
-from fuzzer.strategies import traces
+from fuzzer.search.mutators import generate
+from fuzzer.shrink.engine import Check, Minimizer, Stop, size_key
 
 
 def hol(trace) -> bool:

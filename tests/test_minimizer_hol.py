@@ -13,15 +13,15 @@ import random
 import numpy as np
 import pytest
 
-from fuzzer import oracle
-from fuzzer.calibration import calibrate
-from fuzzer.confirmation import examine
-from fuzzer.reduction import minimize_finding
+from fuzzer.oracle import judge as oracle
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.confirm import examine
+from fuzzer.oracle.kinds import Metric
+from fuzzer.shrink.finding import minimize_finding
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.sim.triggers import TRIGGERS
 from fuzzer.store import Store
-from fuzzer.verdict import Metric
 
 TRIGGER = TRIGGERS[P.HOL_PREFIX_BURST]
 # Measured on seeds 0-19 (benchmarks/README.md, Minimization): 4 requests in 76-100

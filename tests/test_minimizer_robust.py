@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import random
 
-from fuzzer.minimizer import Check, Minimizer, size_key
-from fuzzer.shrink_memory import RETRY_AT, FailureMemory
+from fuzzer.shrink.engine import Check, Minimizer, size_key
+from fuzzer.shrink.memory import RETRY_AT, FailureMemory
 from fuzzer.trace import from_dict
 
 

@@ -7,10 +7,18 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import traces
 
 from fuzzer import trace as tf
-from fuzzer.mutators import OPERATORS, Limits, Mutator, NullMutator, OperatorStats, generate, splice
-from fuzzer.strategies import traces
+from fuzzer.search.mutators import (
+    OPERATORS,
+    Limits,
+    Mutator,
+    NullMutator,
+    OperatorStats,
+    generate,
+    splice,
+)
 
 LIMITS = Limits(max_model_len=16384, max_output_tokens=512)
 

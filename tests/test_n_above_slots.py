@@ -8,16 +8,16 @@ import random
 import aiohttp
 import numpy as np
 from aiohttp import web
+from loopback import serving
 
-from fuzzer import servers
-from fuzzer.calibration import calibrate
-from fuzzer.expectation import SchedulerAssumption, StepModel, expect, paper_schedule
-from fuzzer.oracle import judge
-from fuzzer.servers import ServerInfo
+from fuzzer.execute import adapters
+from fuzzer.execute.adapters import ServerInfo
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.expectation import expect, paper_schedule
+from fuzzer.oracle.judge import judge
+from fuzzer.oracle.model import SchedulerAssumption, StepModel
 from fuzzer.sim import VirtualTarget
 from fuzzer.trace import Request, Trace
-
-from loopback import serving
 
 MODEL = StepModel(overhead_s=0.004, prefill_token_s=30e-6, decode_seq_s=20e-6, context_token_s=1e-8,
                   request_overhead_s=0.002)
@@ -70,14 +70,14 @@ async def _probe(limit: int | None) -> dict:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     async with serving(app) as url, aiohttp.ClientSession() as session:
-        return await servers.probe_capabilities(session, url, servers.adapter("openai"), None, headers={})
+        return await adapters.probe_capabilities(session, url, adapters.adapter("openai"), None, headers={})
 
 
 async def test_the_probe_records_the_largest_n_a_server_accepts():
     for limit, expected in ((4, 4), (2, 2), (1, 1), (None, None)):
         caps = await _probe(limit)
         assert caps["n"] is (limit != 1)
-        assert caps.get(servers.MAX_N) == (expected if limit not in (1, None) else None)
+        assert caps.get(adapters.MAX_N) == (expected if limit not in (1, None) else None)
         info = ServerInfo(kind="openai", version=None, model=None, max_model_len=None, capabilities=caps)
         assert info.max_n == expected
         assert info.accepts("n") is (limit != 1)

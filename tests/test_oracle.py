@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from paper_target import PaperTarget
 
-from fuzzer.calibration import calibrate
-from fuzzer.confirmation import confirm, examine
 from fuzzer.execution import Outcome
-from fuzzer.mutators import generate
-from fuzzer.oracle import (
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.confirm import confirm, examine
+from fuzzer.oracle.judge import (
     Candidate,
     OraclePolicy,
     after_idle,
@@ -23,10 +22,11 @@ from fuzzer.oracle import (
     judge,
     observe,
 )
+from fuzzer.oracle.kinds import Decision, FindingKind, Metric
+from fuzzer.search.mutators import generate
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as sim_pathologies
 from fuzzer.trace import Request, Trace, from_dict
-from fuzzer.verdict import Decision, FindingKind, Metric
 
 
 @functools.cache
@@ -367,14 +367,14 @@ def test_hundreds_of_random_traces_on_a_clean_simulator_yield_no_confirmed_findi
 
 def _report(**slow):
     """A RequestReport whose metrics are candidates as given (True/False); None leaves a metric out."""
-    from fuzzer.oracle import Observation, RequestReport
+    from fuzzer.oracle.judge import Observation, RequestReport
 
     obs = {Metric(m): Observation(Metric(m), 1.0, 0.1, 0.05, flag) for m, flag in slow.items() if flag is not None}
     return RequestReport("r", Outcome.OK, None, obs)
 
 
 def test_the_judged_symptom_is_the_earliest_one_seen_in_most_runs_not_a_flicker():
-    from fuzzer.oracle import _judged_metric
+    from fuzzer.oracle.judge import _judged_metric
 
     # Every token 3x too slow in all runs, the first token borderline in 2 runs of 10: an ITL stall.
     runs = [_report(ttft=i < 2, max_itl=True, e2e=True) for i in range(10)]

@@ -7,13 +7,12 @@ import random
 
 import aiohttp
 import pytest
-
-from fuzzer import prompts, servers
-from fuzzer import trace as tf
-from fuzzer.errors import TargetError
-
 from loopback import serving
 from misbehaving_server import CHAT_TEMPLATE_TOKENS, running
+
+from fuzzer import trace as tf
+from fuzzer.errors import TargetError
+from fuzzer.execute import adapters, prompts
 
 
 class WordCounter:
@@ -129,7 +128,7 @@ async def test_calibration_without_usage_is_a_target_error():
 
 async def test_server_counter_uses_the_servers_tokenize_for_text_and_chat():
     async with running() as (url, state), aiohttp.ClientSession() as session:
-        counter = prompts.ServerCounter(session, url, servers.adapter("vllm"), "test-model", headers={})
+        counter = prompts.ServerCounter(session, url, adapters.adapter("vllm"), "test-model", headers={})
         assert counter.templates_chat
         assert await counter.count("one two three") == 4
         assert await counter.count("one two three", chat=True) == 4 + CHAT_TEMPLATE_TOKENS
@@ -140,7 +139,7 @@ async def test_server_counter_uses_the_servers_tokenize_for_text_and_chat():
 
 def test_server_counter_needs_a_tokenize_endpoint():
     with pytest.raises(TargetError, match="no tokenize endpoint"):
-        prompts.ServerCounter(None, "http://127.0.0.1:1", servers.adapter("openai"), None, headers={})  # type: ignore[arg-type]
+        prompts.ServerCounter(None, "http://127.0.0.1:1", adapters.adapter("openai"), None, headers={})  # type: ignore[arg-type]
 
 
 async def test_words_of_several_tokens_are_topped_up_with_a_one_token_word_to_the_exact_length():
@@ -172,7 +171,7 @@ async def test_a_server_without_chat_tokenize_counts_chat_through_its_template_e
     app.router.add_post("/apply-template", apply_template)
     app.router.add_post("/tokenize", tokenize)
     async with serving(app) as url, aiohttp.ClientSession() as session:
-        counter = prompts.ServerCounter(session, url, servers.adapter("llamacpp"), None, headers={})
+        counter = prompts.ServerCounter(session, url, adapters.adapter("llamacpp"), None, headers={})
         assert counter.templates_chat
         assert await counter.count("one two three") == 4
         assert seen == ["tokenize"]

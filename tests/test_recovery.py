@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from fuzzer.errors import TargetError
+from fuzzer.execute.recovery import BACKOFF_MAX_S, PatientTarget, backoff
 from fuzzer.execution import ExecutionResult
-from fuzzer.recovery import BACKOFF_MAX_S, PatientTarget, backoff
 from fuzzer.trace import Request, Trace
 
 TRACE = Trace(requests=(Request(id="a", at_ms=0, prompt_tokens=8, max_tokens=1),))

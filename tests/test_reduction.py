@@ -6,18 +6,17 @@ import random
 
 import numpy as np
 import pytest
+from conftest import CORPUS
 
 from fuzzer import trace as tf
-from fuzzer.calibration import calibrate
-from fuzzer.confirmation import confirm
 from fuzzer.errors import TargetError
-from fuzzer.minimizer import size_key
-from fuzzer.oracle import candidates
-from fuzzer.reduction import minimize_finding
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.confirm import confirm
+from fuzzer.oracle.judge import candidates
+from fuzzer.shrink.engine import size_key
+from fuzzer.shrink.finding import minimize_finding
 from fuzzer.sim import VirtualTarget
 from fuzzer.store import Store
-
-from conftest import CORPUS
 
 
 async def _no_sleep(seconds):

@@ -16,8 +16,8 @@ from reliability_support import (
 )
 
 from fuzzer.errors import ConfigError
+from fuzzer.execute.http import HttpTarget
 from fuzzer.execution import FAILURE_KIND, Outcome
-from fuzzer.executor import HttpTarget
 from fuzzer.sim import faults
 from fuzzer.sim.config import SimConfig
 from fuzzer.sim.server import SimServer

@@ -6,13 +6,12 @@ import os
 
 import pytest
 from click.testing import CliRunner
+from reliability_support import lock_holder
 
 from fuzzer.cli import cli
 from fuzzer.cli import minimize as minimize_cli
 from fuzzer.errors import ConfigError, StoreError
 from fuzzer.store import CampaignLock, Store, minimization_lock
-
-from reliability_support import lock_holder
 
 
 @pytest.fixture

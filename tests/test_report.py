@@ -10,10 +10,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import CORPUS
 
-from fuzzer import report
 from fuzzer import trace as tf
-from fuzzer.campaign import Campaign, Settings
 from fuzzer.cli import cli
+from fuzzer.report import html as report
+from fuzzer.search.campaign import Campaign, Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.store import Store
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from misbehaving_server import running as misbehaving
 
-from fuzzer import repro
 from fuzzer import trace as tf
-from fuzzer.calibration import calibrate
-from fuzzer.confirmation import examine
 from fuzzer.errors import ConfigError
-from fuzzer.repro import (
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.confirm import examine
+from fuzzer.report import repro
+from fuzzer.report.repro import (
     _script_net,
     _script_run,
     criterion_from_verdict,

@@ -7,13 +7,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-
-from fuzzer import servers
-from fuzzer.errors import ConfigError, TargetError
-from fuzzer.servers import Fingerprint
-
 from loopback import serving
 from misbehaving_server import running
+
+from fuzzer.errors import ConfigError, TargetError
+from fuzzer.execute import adapters
+from fuzzer.execute.adapters import Fingerprint
+from fuzzer.oracle.calibrate import scheduler_assumption
 
 DATA = Path(__file__).parent / "data" / "servers"
 _FILES = {
@@ -37,44 +37,44 @@ def recorded(kind: str, *, without: tuple[str, ...] = ()) -> Fingerprint:
     return Fingerprint(answers)
 
 
-@pytest.mark.parametrize("kind", servers.KINDS)
+@pytest.mark.parametrize("kind", adapters.KINDS)
 def test_each_engine_is_detected_from_its_recorded_answers(kind):
-    assert servers.detect(recorded(kind)) == kind
+    assert adapters.detect(recorded(kind)) == kind
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang", "tgi", "llamacpp"])
 def test_detection_without_metrics_falls_back_on_the_engine_endpoints(kind):
     # Metrics are opt-in on SGLang and llama.cpp: detection must not need them.
-    assert servers.detect(recorded(kind, without=("/metrics",))) == kind
+    assert adapters.detect(recorded(kind, without=("/metrics",))) == kind
 
 
 def test_nothing_recognisable_is_the_generic_openai_adapter():
-    assert servers.detect(Fingerprint({"/v1/models": (200, "not json")})) == "openai"
-    assert servers.detect(Fingerprint({})) == "openai"
+    assert adapters.detect(Fingerprint({"/v1/models": (200, "not json")})) == "openai"
+    assert adapters.detect(Fingerprint({})) == "openai"
 
 
 def test_describe_reads_version_model_and_context_length():
-    assert servers.describe(recorded("vllm"), "vllm") == ("0.11.0", "Qwen/Qwen2.5-0.5B-Instruct", 32768)
-    assert servers.describe(recorded("tgi"), "tgi") == ("3.3.6", "Qwen/Qwen2.5-0.5B-Instruct", 4096)
-    assert servers.describe(recorded("llamacpp"), "llamacpp") == ("b6500-1a2b3c4", "qwen2.5-0.5b-instruct-q8_0.gguf", 8192)
-    assert servers.describe(recorded("sglang"), "sglang") == ("0.5.4", "Qwen/Qwen3-0.6B", 40960)
-    assert servers.describe(recorded("openai"), "openai") == (None, "gpt-4o-mini", None)
+    assert adapters.describe(recorded("vllm"), "vllm") == ("0.11.0", "Qwen/Qwen2.5-0.5B-Instruct", 32768)
+    assert adapters.describe(recorded("tgi"), "tgi") == ("3.3.6", "Qwen/Qwen2.5-0.5B-Instruct", 4096)
+    assert adapters.describe(recorded("llamacpp"), "llamacpp") == ("b6500-1a2b3c4", "qwen2.5-0.5b-instruct-q8_0.gguf", 8192)
+    assert adapters.describe(recorded("sglang"), "sglang") == ("0.5.4", "Qwen/Qwen3-0.6B", 40960)
+    assert adapters.describe(recorded("openai"), "openai") == (None, "gpt-4o-mini", None)
 
 
 def test_unknown_kind_is_a_config_error():
     with pytest.raises(ConfigError, match="unknown server kind 'trt'"):
-        servers.adapter("trt")
+        adapters.adapter("trt")
 
 
 def test_every_adapter_maps_only_common_names_and_states_its_assumptions():
-    from fuzzer.metrics import COMMON_NAMES
+    from fuzzer.execute.metrics import COMMON_NAMES
 
-    for kind in servers.KINDS:
-        a = servers.adapter(kind)
+    for kind in adapters.KINDS:
+        a = adapters.adapter(kind)
         assert set(a.metrics) <= set(COMMON_NAMES), kind
-    assert servers.adapter("vllm").scheduler_defaults["max_num_batched_tokens"] == (2048, 8192)
-    assert servers.adapter("vllm").scheduler_defaults["block_size"] == 16
-    assert not servers.adapter("openai").has_metrics
+    assert adapters.adapter("vllm").scheduler_defaults["max_num_batched_tokens"] == (2048, 8192)
+    assert adapters.adapter("vllm").scheduler_defaults["block_size"] == 16
+    assert not adapters.adapter("openai").has_metrics
 
 
 def _recorded_app(kind: str) -> web.Application:
@@ -91,23 +91,23 @@ def _recorded_app(kind: str) -> web.Application:
     return app
 
 
-@pytest.mark.parametrize("kind", servers.KINDS)
+@pytest.mark.parametrize("kind", adapters.KINDS)
 async def test_fingerprint_over_http_detects_each_engine(kind):
     async with serving(_recorded_app(kind)) as url, aiohttp.ClientSession() as session:
-        fp = await servers.fingerprint(session, url, headers={})
-    assert servers.detect(fp) == kind
+        fp = await adapters.fingerprint(session, url, headers={})
+    assert adapters.detect(fp) == kind
 
 
 async def test_fingerprint_of_an_unreachable_server_is_a_target_error(unused_tcp_port):
     async with aiohttp.ClientSession() as session:
         with pytest.raises(TargetError, match="cannot reach"):
-            await servers.fingerprint(session, f"http://127.0.0.1:{unused_tcp_port}", headers={})
+            await adapters.fingerprint(session, f"http://127.0.0.1:{unused_tcp_port}", headers={})
 
 
 async def test_probe_finds_every_feature_of_a_full_server():
     async with running() as (url, _state), aiohttp.ClientSession() as session:
-        caps = await servers.probe_capabilities(session, url, servers.adapter("vllm"), "test-model", headers={})
-    assert caps == {f: True for f in servers.FEATURES}
+        caps = await adapters.probe_capabilities(session, url, adapters.adapter("vllm"), "test-model", headers={})
+    assert caps == {f: True for f in adapters.FEATURES}
 
 
 async def test_probe_records_a_4xx_as_an_unsupported_feature():
@@ -120,7 +120,7 @@ async def test_probe_records_a_4xx_as_an_unsupported_feature():
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     async with serving(app) as url, aiohttp.ClientSession() as session:
-        caps = await servers.probe_capabilities(session, url, servers.adapter("openai"), None, headers={})
+        caps = await adapters.probe_capabilities(session, url, adapters.adapter("openai"), None, headers={})
     assert caps["completions"] and caps["ignore_eos"]
     assert not caps["n"] and not caps["logprobs"]
     assert not caps["chat"]  # no such route: 404
@@ -136,7 +136,7 @@ async def test_probe_reports_a_refused_api_key():
     app.router.add_post("/v1/completions", refuse)
     async with serving(app) as url, aiohttp.ClientSession() as session:
         with pytest.raises(TargetError, match="refused the API key"):
-            await servers.probe_capabilities(session, url, servers.adapter("openai"), None, headers={})
+            await adapters.probe_capabilities(session, url, adapters.adapter("openai"), None, headers={})
 
 
 # --- llama.cpp, from a real llama-server's recorded answers (data/servers/llamacpp/live) ---
@@ -147,7 +147,7 @@ _LIVE_FILES = {"/metrics": "metrics_idle.txt", "/v1/models": "v1_models.json", "
 
 def live_llamacpp(*, without: tuple[str, ...] = ()) -> Fingerprint:
     answers = {}
-    for path in servers.FINGERPRINT_PATHS:
+    for path in adapters.FINGERPRINT_PATHS:
         name = _LIVE_FILES.get(path)
         if name and path not in without:
             answers[path] = (200, (LIVE / name).read_text())
@@ -163,26 +163,26 @@ def live_llamacpp(*, without: tuple[str, ...] = ()) -> Fingerprint:
     "without", [(), ("/metrics",), ("/metrics", "/props"), ("/props", "/v1/models")], ids=str
 )
 def test_a_real_llama_server_is_detected_from_any_of_its_answers(without):
-    assert servers.detect(live_llamacpp(without=without)) == "llamacpp"
+    assert adapters.detect(live_llamacpp(without=without)) == "llamacpp"
 
 
 def test_describe_a_real_llama_server():
-    version, model, max_len = servers.describe(live_llamacpp(), "llamacpp")
+    version, model, max_len = adapters.describe(live_llamacpp(), "llamacpp")
     assert version == "b0-unknown"  # build_info of a build from the sdist (no git metadata)
     assert model is not None and model.endswith("random-llama.gguf")
     assert max_len == 4096  # the per-slot context (-c 16384 over -np 4), not the model's n_ctx_train
 
 
 def test_a_real_llama_server_reports_its_slots_as_max_num_seqs():
-    assert servers.reported_scheduler(live_llamacpp(), "llamacpp") == {"max_num_seqs": 4}
-    assert servers.reported_scheduler(live_llamacpp(without=("/props",)), "llamacpp") == {}
-    assert servers.reported_scheduler(recorded("vllm"), "vllm") == {}
+    assert adapters.reported_scheduler(live_llamacpp(), "llamacpp") == {"max_num_seqs": 4}
+    assert adapters.reported_scheduler(live_llamacpp(without=("/props",)), "llamacpp") == {}
+    assert adapters.reported_scheduler(recorded("vllm"), "vllm") == {}
 
 
 def test_llamacpp_assumption_is_a_2048_token_step_and_its_slots():
-    from fuzzer.expectation import assumption_for
+    from fuzzer.oracle.model import assumption_for
 
-    a = servers.adapter("llamacpp")
+    a = adapters.adapter("llamacpp")
     assumption = assumption_for("llamacpp", {**a.scheduler_defaults, "max_num_seqs": 2})
     assert (assumption.token_budget, assumption.max_num_seqs, assumption.block_size) == (2048, 2, 1)
     assert assumption_for("llamacpp", a.scheduler_defaults).max_num_seqs == 4
@@ -190,14 +190,14 @@ def test_llamacpp_assumption_is_a_2048_token_step_and_its_slots():
 
 def test_every_command_calibrates_under_the_servers_own_assumption():
     """Before, `fuzz campaign`, `replay` and `minimize` calibrated a llama-server under vLLM's defaults."""
-    from fuzzer.expectation import SchedulerAssumption
+    from fuzzer.oracle.model import SchedulerAssumption
 
-    info = servers.ServerInfo(kind="llamacpp", version=None, model="m", max_model_len=4096,
+    info = adapters.ServerInfo(kind="llamacpp", version=None, model="m", max_model_len=4096,
                               scheduler={"max_num_seqs": 2})
-    a = servers.scheduler_assumption(info)
+    a = scheduler_assumption(info)
     assert (a.token_budget, a.max_num_seqs, a.block_size) == (2048, 2, 1)
-    assert servers.scheduler_assumption(info, token_budget=512).token_budget == 512
-    assert servers.scheduler_assumption(None) == SchedulerAssumption()  # the in-process simulator: vLLM's
+    assert scheduler_assumption(info, token_budget=512).token_budget == 512
+    assert scheduler_assumption(None) == SchedulerAssumption()  # the in-process simulator: vLLM's
 
 
 def _json(name: str):
@@ -207,7 +207,7 @@ def _json(name: str):
 
 
 def test_kv_usage_from_real_slots_counts_busy_slots_only():
-    read = servers.adapter("llamacpp").slots_metrics
+    read = adapters.adapter("llamacpp").slots_metrics
     assert read is not None
     # Four busy slots holding 8, 8, 9+1, 9+1 tokens of 4 x 4096.
     assert read(_json("slots_busy.json")) == {"kv_usage": pytest.approx(36 / 16384)}
@@ -215,7 +215,7 @@ def test_kv_usage_from_real_slots_counts_busy_slots_only():
 
 
 def test_kv_usage_reads_decoded_tokens_and_rejects_what_is_not_slots():
-    read = servers.adapter("llamacpp").slots_metrics
+    read = adapters.adapter("llamacpp").slots_metrics
     slots = [
         {"n_ctx": 100, "is_processing": True, "n_prompt_tokens": 30, "next_token": [{"n_decoded": 20}]},
         {"n_ctx": 100, "is_processing": False, "n_prompt_tokens": 99, "next_token": [{"n_decoded": 99}]},
@@ -228,7 +228,7 @@ def test_kv_usage_reads_decoded_tokens_and_rejects_what_is_not_slots():
 
 
 def test_llamacpp_tokenize_counts_as_completions_do_and_leaves_chat_to_the_template():
-    a = servers.adapter("llamacpp")
+    a = adapters.adapter("llamacpp")
     assert a.tokenize_body("hi", None, False) == {"content": "hi", "add_special": True, "parse_special": True}
     assert a.tokenize_body("hi", None, True) is None
     assert a.template_path == "/apply-template"

@@ -9,10 +9,10 @@ import time
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from timing import holds_in_some_attempt
 
 from fuzzer.sim import SimConfig, VirtualTarget
 from fuzzer.sim.server import SimServer, running_server
-from timing import holds_in_some_attempt
 
 #: Ten times faster than real: HTTP tests stay short in wall time.
 FAST = SimConfig(speed=10.0)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from fuzzer.execute.sse import StreamAccount, usage_counts
 from fuzzer.execution import Outcome
-from fuzzer.sse import StreamAccount, usage_counts
 
 
 def ev(obj) -> bytes:

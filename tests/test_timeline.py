@@ -6,9 +6,9 @@ import struct
 
 import pytest
 
-from fuzzer import timeline
 from fuzzer.errors import OutputError
 from fuzzer.execution import ExecutionResult, Outcome, RequestResult
+from fuzzer.report import timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
+from strategies import traces
 
 from fuzzer import trace as tf
 from fuzzer.errors import TraceError
-from fuzzer.strategies import traces
 
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 

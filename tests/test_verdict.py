@@ -8,19 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from fuzzer.oracle.kinds import Decision, FindingKind, Metric
+from fuzzer.oracle.signature import request_shape, signature, size_class
+from fuzzer.oracle.statistics import ALPHA, Interval, compare
+from fuzzer.oracle.verdict import Verdict
 from fuzzer.trace import Request, Trace
-from fuzzer.verdict import (
-    ALPHA,
-    Decision,
-    FindingKind,
-    Interval,
-    Metric,
-    Verdict,
-    compare,
-    request_shape,
-    signature,
-    size_class,
-)
 
 
 def _baseline(rng, n=40, noise=0.05):

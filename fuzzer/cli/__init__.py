@@ -1,4 +1,4 @@
-"""The ``fuzz`` command line (SPEC §9).
+"""The ``fuzz`` command line (ARCHITECTURE.md, "Store and CLI").
 
 Only this package prints. Library code raises :class:`fuzzer.errors.FuzzError`;
 the group below turns it into one line on stderr and exit status 2. Exit status 1

@@ -12,7 +12,7 @@ from fuzzer.trace import Trace
 
 
 def finding_summary(f: StoredFinding) -> dict[str, Any]:
-    """The fields of SPEC §9 (`fuzz findings --json`), plus what identifies the finding."""
+    """The fields of ARCHITECTURE.md, "Store and CLI" (`fuzz findings --json`), plus what identifies the finding."""
     return {
         "id": f.id,
         "kind": f.kind,

@@ -12,7 +12,7 @@ import random
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fuzzer.errors import ConfigError
-from fuzzer.mutators import Limits
+from fuzzer.search.mutators import Limits
 
 API_KEY_ENV = "OPENAI_API_KEY"
 
@@ -38,7 +38,7 @@ async def open_target(
     fault_rate, fault_grace). ``timeout_s``: the client's read timeout (a hang is declared
     after it); the executor's default when None.
     """
-    from fuzzer.executor import HttpTarget  # noqa: PLC0415 - aiohttp import only for commands that run traces
+    from fuzzer.execute.http import HttpTarget  # noqa: PLC0415 - aiohttp import only for commands that run traces
 
     api_key = os.environ.get(API_KEY_ENV) or None
     rng = random.Random(seed)

@@ -12,8 +12,6 @@ from collections.abc import AsyncIterator
 import click
 from rich.table import Table
 
-from fuzzer import servers
-from fuzzer.calibration import NOISY, Calibration, Fit, calibrate, calibration_key
 from fuzzer.cli._console import err, out
 from fuzzer.cli._options import (
     db_option,
@@ -22,7 +20,15 @@ from fuzzer.cli._options import (
     server_option,
     target_option,
 )
-from fuzzer.verdict import Metric
+from fuzzer.oracle.calibrate import (
+    NOISY,
+    Calibration,
+    Fit,
+    calibrate,
+    calibration_key,
+    scheduler_assumption,
+)
+from fuzzer.oracle.kinds import Metric
 
 #: Where the API key comes from by default: the variable OpenAI clients read.
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
@@ -83,7 +89,7 @@ def command(target, db_path, server, model, token_budget, max_num_seqs, block_si
 async def _calibrate(
     target: str | None, server: str, model: str | None, api_key: str | None, overrides: dict, repeats: int, seed: int
 ) -> tuple[str, Calibration]:
-    from fuzzer.executor import HttpTarget
+    from fuzzer.execute.http import HttpTarget
 
     async with contextlib.AsyncExitStack() as stack:
         url = await stack.enter_async_context(_base_url(target))
@@ -92,7 +98,7 @@ async def _calibrate(
         )
         info = http.info
         assert info is not None
-        assumption = servers.scheduler_assumption(info, **overrides)
+        assumption = scheduler_assumption(info, **overrides)
         cal = await calibrate(http, assumption=assumption, rng=random.Random(seed), repeats=repeats,
                               max_model_len=info.max_model_len)
         return calibration_key(target, info.model), cal

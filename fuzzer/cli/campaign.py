@@ -13,9 +13,6 @@ from rich.live import Live
 from rich.table import Table
 
 from fuzzer import trace as trace_format
-from fuzzer.calibration import REFRESH_AFTER_S, Calibration, calibration_keys
-from fuzzer.campaign import Campaign, ExitReason, Settings, Stats, Summary
-from fuzzer.pacing import IDLE_SHARE
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._target import (
@@ -26,8 +23,11 @@ from fuzzer.cli._target import (
     sim_key,
 )
 from fuzzer.errors import ConfigError
+from fuzzer.oracle.calibrate import REFRESH_AFTER_S, Calibration, calibration_keys
+from fuzzer.oracle.verdict import Verdict
+from fuzzer.search.campaign import Campaign, ExitReason, Settings, Stats, Summary
+from fuzzer.search.pacing import IDLE_SHARE
 from fuzzer.store import CampaignLock, Store
-from fuzzer.verdict import Verdict
 
 # AFL: stability "harmless when it stays over 90% or so".
 STABILITY_WARNING = 0.90

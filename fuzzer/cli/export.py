@@ -29,7 +29,7 @@ def command(finding_id, db_path, out_dir) -> None:
     Example:
         fuzz export 3 --db night.db --out findings/
     """
-    from fuzzer.export import export_finding  # noqa: PLC0415 - scipy/matplotlib only for this command
+    from fuzzer.report.export import export_finding  # noqa: PLC0415 - scipy/matplotlib only for this command
     from fuzzer.store import Store  # noqa: PLC0415
 
     with Store.open(db_path, create=False) as store:

@@ -7,16 +7,21 @@ import random
 
 import click
 
-from fuzzer.calibration import Calibration, calibrate, calibration_keys, with_target_kv
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._render import trace_table
 from fuzzer.cli._target import SIM_PREFIX, open_target, parse_sim_key
 from fuzzer.errors import ConfigError
-from fuzzer.export import repro_script, verdict_for
-from fuzzer.minimizer import Progress
-from fuzzer.recovery import DEFAULT_PATIENCE_S
-from fuzzer.reduction import minimize_finding
+from fuzzer.execute.recovery import DEFAULT_PATIENCE_S
+from fuzzer.oracle.calibrate import (
+    Calibration,
+    calibrate,
+    calibration_keys,
+    with_target_kv,
+)
+from fuzzer.report.export import repro_script, verdict_for
+from fuzzer.shrink.engine import Progress
+from fuzzer.shrink.finding import minimize_finding
 from fuzzer.store import Store, minimization_lock
 
 

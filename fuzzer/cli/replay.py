@@ -15,16 +15,21 @@ import numpy as np
 from rich.table import Table
 
 from fuzzer import trace as trace_format
-from fuzzer.calibration import Calibration, calibrate, calibration_keys, with_target_kv
 from fuzzer.cli import EXIT_FINDING
 from fuzzer.cli._console import err, out, warn_if_unreliable
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
 from fuzzer.cli._target import sim_key
-from fuzzer.confirmation import Examination, examine
 from fuzzer.errors import ConfigError
+from fuzzer.execute.adapters import ServerInfo
+from fuzzer.execute.http import HttpTarget
 from fuzzer.execution import ExecutionResult, RequestResult
-from fuzzer.executor import HttpTarget
-from fuzzer.servers import ServerInfo
+from fuzzer.oracle.calibrate import (
+    Calibration,
+    calibrate,
+    calibration_keys,
+    with_target_kv,
+)
+from fuzzer.oracle.confirm import Examination, examine
 from fuzzer.trace import Trace
 
 #: Where the API key comes from by default: the variable OpenAI clients read.

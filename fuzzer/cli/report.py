@@ -32,7 +32,7 @@ def command(db_path, out_path) -> None:
     Example:
         fuzz report --db night.db --out night.html
     """
-    from fuzzer import report  # noqa: PLC0415 - matplotlib only for this command
+    from fuzzer.report import html as report  # noqa: PLC0415 - matplotlib only for this command
     from fuzzer.store import Store  # noqa: PLC0415
 
     with Store.open(db_path, create=False) as store:

@@ -1,4 +1,4 @@
-"""The built-in simulated LLM server (SPEC §11).
+"""The built-in simulated LLM server (ARCHITECTURE.md, "Simulator").
 
 A vLLM-v1-like engine (continuous batching, chunked prefill, KV blocks with
 prefix caching, recompute preemption) with planted pathologies, served over

@@ -1,7 +1,7 @@
-"""Every parameter of the simulated server in one frozen value (SPEC §11).
+"""Every parameter of the simulated server in one frozen value (ARCHITECTURE.md, "Simulator").
 
 The defaults describe Qwen2.5-0.5B served by vLLM v1 on one datacenter GPU
-(research/servers.md §5): a decode step of ~3.5-5 ms, ~30 µs per prefill token,
+(ARCHITECTURE.md, "Engines"): a decode step of ~3.5-5 ms, ~30 µs per prefill token,
 so a 2048-token prompt prefills in ~65 ms. The KV cache is deliberately small
 (2560 blocks of 16 tokens = 40960 tokens): a burst of ~20 prompts of 2048 tokens
 fills it, so the fuzzer can reach KV pressure and preemption with short traces.

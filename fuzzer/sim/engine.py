@@ -6,7 +6,7 @@ with the current time, waits until the returned step's ``end_s``, then calls
 :meth:`Engine.complete`. Requests arrive with :meth:`Engine.add_request` and
 leave by finishing or :meth:`Engine.abort`.
 
-One step, as vLLM v1's scheduler (research/servers.md §3.1):
+One step, as vLLM v1's scheduler (ARCHITECTURE.md, "Engines"):
 
 1. running requests first, in admission order: a decode takes one token per
    choice, a partial prefill the rest of its prompt up to the token budget; when

@@ -6,7 +6,7 @@ streams that hang past the client's timeout, malformed or truncated SSE, and a c
 takes the whole server down until it restarts. Each is off unless named
 (``fuzz sim --faults http-500,crash`` or ``all``), documented below by a class whose
 docstring says what it models and what a client sees, and tagged with the finding kind
-(SPEC §7) a campaign must record for it.
+(ARCHITECTURE.md, "Oracle") a campaign must record for it.
 
 Which request a fault hits is deterministic: a hash of the simulator's seed, the fault's
 name and the request's shape (prompt tokens, max_tokens) falls under the fault rate. The
@@ -53,7 +53,7 @@ class FaultInfo:
     name: str
     summary: str
     client_sees: str
-    #: The finding kind (SPEC §7) a campaign should record for it.
+    #: The finding kind (ARCHITECTURE.md, "Oracle") a campaign should record for it.
     kind: str
 
 

@@ -1,4 +1,4 @@
-"""The registry of planted pathologies (SPEC §11).
+"""The registry of planted pathologies (ARCHITECTURE.md, "Simulator").
 
 Each pathology is off unless named. Each is modelled on a public report and
 documented below by a class whose docstring says what it models, what triggers
@@ -36,7 +36,7 @@ class PathologyInfo:
     models: str
     trigger: str
     effect: str
-    #: The finding kind (SPEC §7) an oracle should report for it.
+    #: The finding kind (ARCHITECTURE.md, "Oracle") an oracle should report for it.
     kind: str
 
 

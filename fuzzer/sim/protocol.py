@@ -3,7 +3,7 @@
 Request bodies are checked the way vLLM checks them; a bad one raises
 :class:`BadRequest`, which the front end answers with vLLM's error JSON
 (``{"error": {"message", "type", "param", "code"}}``). Response builders make
-the chunk and body shapes of research/servers.md §2: ``text_completion`` chunks,
+the chunk and body shapes of ARCHITECTURE.md, "Engines": ``text_completion`` chunks,
 ``chat.completion.chunk`` chunks with a role-only first chunk, ``finish_reason``
 on the last content chunk, a usage chunk with ``choices: []``.
 """

@@ -1,4 +1,4 @@
-"""The campaign database (SPEC §9): the only module that touches SQLite.
+"""The campaign database (ARCHITECTURE.md, "Store and CLI"): the only module that touches SQLite.
 
 One file per campaign database, WAL mode so readers (``fuzz status``,
 ``fuzz findings``) work while a campaign writes. The schema is built by numbered

@@ -18,9 +18,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 import gguf
+import numpy as np
 
 __all__ = ["ModelShape", "Vocab", "build_vocab", "write_model"]
 

@@ -22,7 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: import the package
 
-from llamacpp.conftest import SERVER_ARGS, find_llama_server, start_llama_server, stop_llama_server  # noqa: E402
+from llamacpp.conftest import (  # noqa: E402
+    SERVER_ARGS,
+    find_llama_server,
+    start_llama_server,
+    stop_llama_server,
+)
 from llamacpp.make_model import write_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "data" / "servers" / "llamacpp" / "live"

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fuzzer import servers
 from fuzzer import trace as trace_format
-from fuzzer.calibration import Calibration, calibrate
 from fuzzer.cli import cli as cli_main
+from fuzzer.execute import adapters
+from fuzzer.execute.http import HttpTarget
 from fuzzer.execution import Outcome
-from fuzzer.executor import HttpTarget
-from fuzzer.expectation import assumption_for
+from fuzzer.oracle.calibrate import Calibration, calibrate
+from fuzzer.oracle.model import assumption_for
 from fuzzer.store import Store
 
 from . import conftest
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.llamacpp
 ROOT = Path(__file__).resolve().parents[2]
 SLOTS = 4  # -np 4 in conftest.SERVER_ARGS
 SLOT_CONTEXT = 16384 // SLOTS
-# Finding kinds of SPEC §7: whatever a campaign finds must be one of them.
+# Finding kinds of ARCHITECTURE.md, "Oracle": whatever a campaign finds must be one of them.
 KINDS = {"ttft-outlier", "itl-stall", "e2e-outlier", "cold-start", "leak", "error", "hang", "protocol", "crash"}
 # Bounds of the short campaign: enough executions to seed the corpus and fuzz a few children.
 CAMPAIGN_MAX_EXECS = 10
@@ -133,14 +133,14 @@ async def _store_calibration(url: str, db: Path, monkeypatch) -> None:
 
 
 async def _quick_calibration(url: str, monkeypatch) -> dict:
-    from fuzzer import calibration
+    from fuzzer.oracle import calibrate as calibration
 
     for name, value in _QUICK_PROBES.items():
         monkeypatch.setattr(calibration, name, value)
     async with HttpTarget(url, server="llamacpp", rng=random.Random(3)) as target:
         info = target.info
         assert info is not None
-        assumption = assumption_for("llamacpp", {**servers.adapter("llamacpp").scheduler_defaults, **info.scheduler},
+        assumption = assumption_for("llamacpp", {**adapters.adapter("llamacpp").scheduler_defaults, **info.scheduler},
                                     max_num_seqs=_TEST_MAX_NUM_SEQS)
         cal = await calibrate(target, assumption=assumption, rng=random.Random(3), repeats=1, warmup_runs=1,
                               max_model_len=info.max_model_len)
@@ -193,7 +193,7 @@ SHORT_BEHIND_LONG = trace_format.from_dict({"name": "short-behind-long", "reques
 
 def _repro(tmp_path: Path, expected_s: float) -> Path:
     """A repro.py whose criterion is the short request's TTFT over ``expected_s`` (as a ttft-outlier verdict)."""
-    from fuzzer.repro import criterion_from_verdict, script_data, script_source
+    from fuzzer.report.repro import criterion_from_verdict, script_data, script_source
 
     criterion = criterion_from_verdict("ttft-outlier", {"request_id": "short", "metric": "ttft", "expected_s": expected_s})
     data = script_data(finding={"id": 1, "kind": "ttft-outlier"}, criterion=criterion, trace=SHORT_BEHIND_LONG,
@@ -259,7 +259,7 @@ async def test_a_real_finding_is_minimized_and_its_exported_repro_reproduces_it(
 ):
     import numpy as np
 
-    from fuzzer.confirmation import examine
+    from fuzzer.oracle.confirm import examine
 
     url = small_llama_server.base_url
     db = tmp_path / "min.db"

@@ -14,7 +14,6 @@ import urllib.request
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from timing import holds_in_some_attempt
 
 from .conftest import get_json, post_json

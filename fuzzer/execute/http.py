@@ -1,0 +1,509 @@
+"""The HTTP executor: precise open-loop replay of a trace against a live server (ARCHITECTURE.md, "Execute").
+
+:class:`HttpTarget` implements :class:`fuzzer.execution.Target`. On first use it
+detects the server kind, asks which features it accepts, picks a prompt counter
+(/tokenize or a usage calibration); then every ``execute``:
+
+1. builds fresh prompts of exact length and pre-encodes every request body;
+2. waits at the idle barrier (running + waiting = 0 on /metrics);
+3. opens as many keep-alive connections as the trace has requests (TCP setup is
+   not server latency) and starts the /metrics sampler;
+4. sends request *i* at ``t0 + at_ms`` on an absolute schedule, stamping the
+   actual send (dispatch lateness = sent - scheduled), and reads each stream
+   with a ``perf_counter`` stamp per network read;
+5. after the last request, checks that the server returns to idle.
+
+Failures are data (:class:`fuzzer.execution.Outcome`); only a target that cannot
+be used at all raises :class:`fuzzer.errors.TargetError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from fuzzer.errors import TargetError
+from fuzzer.execute import adapters, clientlag
+from fuzzer.execute import prompts as prompt_builder
+from fuzzer.execute.adapters import Adapter, ServerInfo
+from fuzzer.execute.metrics import (
+    DEFAULT_INTERVAL_S,
+    Sampler,
+    Scraper,
+    settles_idle,
+    wait_idle,
+)
+from fuzzer.execute.sse import StreamAccount, short, usage_counts
+from fuzzer.execution import ExecutionResult, Outcome, RequestResult
+from fuzzer.trace import MAX_REQUESTS, Request, Trace
+
+#: No byte from the server for this long is a hang (the request's outcome is TIMEOUT).
+DEFAULT_TIMEOUT_S = 60.0
+#: A request still streaming after this long is cut off as TIMEOUT too (a server that trickles forever).
+DEFAULT_TOTAL_TIMEOUT_S = 600.0
+#: How long the idle barrier waits for running + waiting = 0 before going ahead with a warning.
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+#: After the last request: how long the server may take to return to idle (else idle_after = False).
+DEFAULT_IDLE_AFTER_TIMEOUT_S = 5.0
+# Connector limit: above any trace's concurrency (a trace holds at most MAX_REQUESTS
+# requests), plus room for the metrics sampler and tokenize calls.
+_CONNECTION_LIMIT = MAX_REQUESTS + 16
+# aiohttp reads 64 KiB at a time by default, which throttles long streams and big
+# non-streaming bodies (vllm#39963); 4 MiB never binds for one response.
+_READ_BUFSIZE = 1 << 22
+# t0 is set this far after the connections are warm, so building the dispatch tasks
+# does not make the first request late.
+_START_DELAY_S = 0.005
+# asyncio timers fire with ~1 ms granularity: sleep until this close to a send
+# time, then yield to the loop until it is due.
+_SPIN_S = 0.0015
+# A request sent later than this after its schedule gets a harness warning.
+LATENESS_WARN_S = 0.005
+# Idle pooled connections are dropped by the client after this long, before the server
+# drops them: llama-server (cpp-httplib) and uvicorn (vLLM, SGLang) close an idle
+# keep-alive connection after 5 s, and a request written onto a connection the server is
+# closing fails ("Can not write request body"), measured against llama-server. Connections
+# are warmed right before each execution, so nothing longer is needed.
+_KEEPALIVE_S = 4.0
+
+
+@dataclass(frozen=True)
+class _Planned:
+    request: Request
+    x_request_id: str
+    url: URL
+    body: bytes
+    headers: CIMultiDict[str]
+    scheduled_s: float
+
+
+class HttpTarget:
+    """A live OpenAI-compatible server as a fuzzing target."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        server: str = "auto",
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        total_timeout_s: float = DEFAULT_TOTAL_TIMEOUT_S,
+        metrics_interval_s: float = DEFAULT_INTERVAL_S,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        idle_after_timeout_s: float = DEFAULT_IDLE_AFTER_TIMEOUT_S,
+        capabilities: Mapping[str, bool | int] | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
+        if server != "auto":
+            adapters.adapter(server)  # raises ConfigError for an unknown kind
+        if not base_url.startswith(("http://", "https://")):
+            raise TargetError(f"target must be an http:// or https:// URL, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.name = self.base_url
+        self._server = server
+        self._model = model
+        self._api_key = api_key
+        self._timeout = aiohttp.ClientTimeout(total=total_timeout_s, sock_read=timeout_s)
+        self._metrics_interval_s = metrics_interval_s
+        self._idle_timeout_s = idle_timeout_s
+        self._idle_after_timeout_s = idle_after_timeout_s
+        self._given_capabilities = dict(capabilities) if capabilities is not None else None
+        self._rng = rng if rng is not None else random.Random()
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._sleep = sleep
+        self._session: aiohttp.ClientSession | None = None
+        self._adapter: Adapter | None = None
+        self._scraper: Scraper | None = None
+        self._counter: prompt_builder.TokenCounter | None = None
+        self._setup_warnings: list[str] = []
+        self._executions = 0
+        self.info: ServerInfo | None = None
+
+    def __repr__(self) -> str:  # never shows the API key
+        return f"HttpTarget({self.base_url!r}, server={self._server!r})"
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "HttpTarget":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    async def start(self) -> ServerInfo:
+        """Detect the server, probe its features, choose the prompt counter. Idempotent."""
+        if self.info is not None:
+            return self.info
+        connector = aiohttp.TCPConnector(limit=_CONNECTION_LIMIT, keepalive_timeout=_KEEPALIVE_S, ttl_dns_cache=None)
+        # No cookies, no proxy lookup from the environment (trust_env costs two thread-pool
+        # hops per request), no compression: less work between dispatch and the socket.
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            read_bufsize=_READ_BUFSIZE,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+        )
+        try:
+            fp = await adapters.fingerprint(self._session, self.base_url, headers=self._headers)
+            kind = adapters.detect(fp) if self._server == "auto" else self._server
+            self._adapter = adapters.adapter(kind)
+            version, listed_model, max_len = adapters.describe(fp, kind)
+            model = self._model or listed_model
+            if self._given_capabilities is not None:
+                caps = self._given_capabilities
+            else:
+                caps = await adapters.probe_capabilities(
+                    self._session, self.base_url, self._adapter, model, headers=self._headers
+                )
+            self.info = ServerInfo(
+                kind=kind, version=version, model=model, max_model_len=max_len, capabilities=caps,
+                scheduler=adapters.reported_scheduler(fp, kind),
+            )
+            if self._adapter.has_metrics and fp.ok(self._adapter.metrics_path or "") is not None:
+                self._scraper = Scraper(self._session, self.base_url, self._adapter, headers=self._headers)
+            await self._choose_counter()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self.info
+
+    def kv_cache(self) -> tuple[int, int] | None:
+        """(KV blocks, tokens per block) the server reported when first met, or None."""
+        return self.info.kv_cache() if self.info is not None else None
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self.info = None
+
+    async def _choose_counter(self) -> None:
+        assert self._session is not None and self._adapter is not None and self.info is not None
+        rng = random.Random(self._rng.getrandbits(64))
+        if self.info.accepts("tokenize") and self.info.capabilities.get("tokenize"):
+            counter = prompt_builder.ServerCounter(
+                self._session, self.base_url, self._adapter, self.info.model, headers=self._headers
+            )
+            if self.info.accepts("chat") and not counter.templates_chat:
+                counter.chat_overhead = await prompt_builder.chat_overhead(self._measure, counter, rng)
+            self._counter = counter
+            return
+        try:
+            self._counter = await prompt_builder.calibrate(self._measure, rng)
+            self._setup_warnings.append(
+                "the server has no /tokenize: prompt lengths come from a usage calibration and are checked against usage"
+            )
+        except TargetError as e:
+            self._counter = prompt_builder.CalibratedCounter()
+            self._setup_warnings.append(f"prompt lengths are estimates (1 token per word): {e}")
+
+    async def _measure(self, text: str, chat: bool) -> int | None:
+        """usage.prompt_tokens of a one-token completion of ``text``."""
+        assert self._session is not None and self._adapter is not None and self.info is not None
+        body: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0}
+        if self.info.model:
+            body["model"] = self.info.model
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+            url = self.base_url + self._adapter.chat_path
+        else:
+            body["prompt"] = text
+            url = self.base_url + self._adapter.completions_path
+        try:
+            async with self._session.post(url, json=body, headers=self._headers, timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return None
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        return usage_counts(answer.get("usage") if isinstance(answer, dict) else None)[0]
+
+    # --- one execution ------------------------------------------------------------------
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        """Run the trace once. Never raises for a request's failure."""
+        info = await self.start()
+        assert self._session is not None and self._counter is not None
+        self._executions += 1
+        warnings = list(self._setup_warnings)
+        prompt_set = await prompt_builder.build(trace, self._counter, self._rng)
+        warnings.extend(prompt_set.warnings)
+        plans, plan_warnings = self._plan(trace, prompt_set, info)
+        warnings.extend(plan_warnings)
+
+        idle = await wait_idle(self._scraper, timeout_s=self._idle_timeout_s, clock=self._clock, sleep=self._sleep)
+        if not idle.reached:
+            warnings.append(f"the server was not idle after {self._idle_timeout_s:g} s (last scrape: {dict(idle.last)})")
+        await self._warm(len(plans))
+
+        sampler = None
+        t0 = self._clock() + _START_DELAY_S
+        started_at = self._wall_clock() + _START_DELAY_S
+        if self._scraper is not None:
+            sampler = Sampler(self._scraper, interval_s=self._metrics_interval_s, clock=self._clock, sleep=self._sleep)
+            sampler.start(t0)
+        lag = clientlag.LagMonitor(clock=self._clock, sleep=self._sleep)
+        lag.start()
+        try:
+            tasks: list[asyncio.Task[RequestResult]] = []
+            for plan in plans:
+                await self._sleep_until(t0 + plan.scheduled_s)
+                tasks.append(asyncio.create_task(self._send(plan, t0)))
+            results = await asyncio.gather(*tasks)
+            duration_s = self._clock() - t0
+        finally:
+            client_lag_s = await lag.stop()
+        idle_after = await settles_idle(
+            self._scraper, timeout_s=self._idle_after_timeout_s, clock=self._clock, sleep=self._sleep
+        )
+        samples = ()
+        if sampler is not None:
+            samples, failed = await sampler.stop()
+            if failed:
+                warnings.append(f"{failed} /metrics scrapes failed during the execution")
+        warnings.extend(_result_warnings(trace, results))
+        lag_warning = clientlag.warning(client_lag_s)
+        if lag_warning:
+            warnings.append(lag_warning)
+        return ExecutionResult(
+            trace_hash=trace.content_hash(),
+            target=self.base_url,
+            started_at=started_at,
+            duration_s=duration_s,
+            requests=tuple(results),
+            samples=samples,
+            idle_before_s=idle.idle_s,
+            idle_after=idle_after,
+            warnings=tuple(warnings),
+            client_lag_s=client_lag_s,
+        )
+
+    def _plan(
+        self, trace: Trace, prompt_set: prompt_builder.PromptSet, info: ServerInfo
+    ) -> tuple[list[_Planned], list[str]]:
+        """Pre-encode every request body and header set, so sending does no work."""
+        assert self._adapter is not None
+        warnings = []
+        suffix = f"{self._executions:x}{self._rng.getrandbits(32):08x}"
+        send_ignore_eos = info.accepts("ignore_eos")
+        if not send_ignore_eos and any(r.ignore_eos for r in trace.requests):
+            warnings.append("the server rejects ignore_eos: it is not sent, so outputs may end before max_tokens")
+        usage_ok = info.accepts("stream_options")
+        plans = []
+        urls = {
+            api: URL(self.base_url + path, encoded=True)
+            for api, path in (("chat", self._adapter.chat_path), ("completions", self._adapter.completions_path))
+        }
+        for r in trace.requests:
+            body: dict[str, Any] = {"max_tokens": r.max_tokens, "temperature": r.temperature, "stream": r.stream}
+            if info.model:
+                body["model"] = info.model
+            text = prompt_set.prompts[r.id].text
+            if r.api == "chat":
+                body["messages"] = [{"role": "user", "content": text}]
+                if r.logprobs is not None:
+                    body["logprobs"] = True
+                    body["top_logprobs"] = r.logprobs
+            else:
+                body["prompt"] = text
+                if r.logprobs is not None:
+                    body["logprobs"] = r.logprobs
+            if r.n != 1:
+                body["n"] = r.n
+            if r.ignore_eos and send_ignore_eos:
+                body["ignore_eos"] = True
+            if r.stream and usage_ok:
+                body["stream_options"] = {"include_usage": True}
+            xid = f"{r.id}-{suffix}"
+            headers = CIMultiDict({"Content-Type": "application/json", "X-Request-Id": xid, **self._headers})
+            plans.append(_Planned(r, xid, urls[r.api], json.dumps(body).encode(), headers, r.at_ms / 1000.0))
+        return plans, warnings
+
+    async def _warm(self, connections: int) -> None:
+        """Open ``connections`` keep-alive connections now, so no request pays for TCP setup."""
+        assert self._session is not None and self._adapter is not None
+        url = self.base_url + self._adapter.health_path
+
+        async def touch() -> None:
+            try:
+                async with self._session.get(url, headers=self._headers, timeout=self._timeout) as resp:  # type: ignore[union-attr]
+                    await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+
+        await asyncio.gather(*(touch() for _ in range(connections)))
+
+    async def _sleep_until(self, due: float) -> None:
+        while True:
+            remaining = due - self._clock()
+            if remaining <= 0:
+                return
+            await self._sleep(remaining - _SPIN_S if remaining > _SPIN_S else 0)
+
+    async def _send(self, plan: _Planned, t0: float) -> RequestResult:
+        """Send one request and read its answer; every failure becomes an outcome."""
+        assert self._session is not None
+        r = plan.request
+        clock = self._clock
+        sent = clock()
+        account = StreamAccount() if r.stream else None
+        status: int | None = None
+        end: float | None = None
+        body: Any = None
+        outcome = Outcome.OK
+        detail: str | None = None
+        try:
+            async with self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout) as resp:
+                status = resp.status
+                if status >= 400:
+                    raw = await resp.read()
+                    end = clock()
+                    outcome = self._status_outcome(status, r)
+                    detail = short(raw) or f"HTTP {status}"
+                elif account is not None:
+                    outcome, end = await self._read_stream(resp, account, r)
+                else:
+                    raw = await resp.read()
+                    end = clock()
+                    try:
+                        body = json.loads(raw)
+                    except ValueError:
+                        outcome, detail = Outcome.MALFORMED, f"body is not JSON: {short(raw[:80])}"
+        except asyncio.TimeoutError:
+            outcome, detail = Outcome.TIMEOUT, "no answer within the client timeout"
+        except aiohttp.ClientPayloadError as e:
+            outcome, detail = Outcome.CONNECTION_ERROR, f"response cut off: {short(str(e))}"
+        except aiohttp.ClientError as e:
+            outcome, detail = Outcome.CONNECTION_ERROR, f"{e.__class__.__name__}: {short(str(e))}"
+        return self._result(plan, t0, sent, status, end, outcome, detail, account, body)
+
+    async def _read_stream(
+        self, resp: aiohttp.ClientResponse, account: StreamAccount, r: Request
+    ) -> tuple[Outcome, float]:
+        clock = self._clock
+        content = resp.content
+        cancel_after = r.cancel_after_tokens
+        while True:
+            data = await content.readany()
+            now = clock()
+            if not data:
+                return (Outcome.MISSING_DONE if account.done_t is None else Outcome.OK), now
+            account.feed(data, now)
+            if cancel_after is not None and account.tokens >= cancel_after and not account.finished:
+                resp.close()  # drop the connection, as a client that stops listening does
+                return Outcome.CANCELLED, now
+            if account.finished:
+                if account.fault is not None:
+                    resp.close()
+                    return account.fault, now
+                return Outcome.OK, account.done_t or now
+
+    def _status_outcome(self, status: int, r: Request) -> Outcome:
+        if status >= 500:
+            return Outcome.HTTP_ERROR
+        info = self.info
+        if info is not None and status != 429:
+            uses = {
+                "chat": r.api == "chat",
+                "logprobs": r.logprobs is not None,
+                "ignore_eos": r.ignore_eos,
+            }
+            if any(used and not info.accepts(feature) for feature, used in uses.items()):
+                return Outcome.UNSUPPORTED
+            if info.max_n is not None and r.n > info.max_n:
+                return Outcome.UNSUPPORTED  # more choices than the probe saw accepted (1: n refused)
+        return Outcome.REJECTED
+
+    def _result(
+        self,
+        plan: _Planned,
+        t0: float,
+        sent: float,
+        status: int | None,
+        end: float | None,
+        outcome: Outcome,
+        detail: str | None,
+        account: StreamAccount | None,
+        body: Any,
+    ) -> RequestResult:
+        r = plan.request
+        ttft = first_event = finish = None
+        token_times: tuple[float, ...] = ()
+        usage = None
+        if account is not None:
+            ttft = None if account.first_token_t is None else account.first_token_t - sent
+            first_event = None if account.first_event_t is None else account.first_event_t - sent
+            token_times = tuple(t - sent for t in account.token_times)
+            finish = account.finish_reason
+            usage = account.usage
+            if account.fault is not None and detail is None:
+                detail = account.detail
+        elif isinstance(body, dict):
+            usage = body.get("usage")
+            choices = body.get("choices")
+            if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                finish = choices[0].get("finish_reason")
+        prompt_tokens, completion_tokens, cached = usage_counts(usage)
+        if (
+            outcome is Outcome.OK
+            and r.ignore_eos
+            and self.info is not None
+            and self.info.accepts("ignore_eos")
+            and completion_tokens is not None
+            and completion_tokens != r.max_tokens * r.n
+        ):
+            outcome = Outcome.TOKEN_MISMATCH
+            detail = f"{completion_tokens} completion tokens with ignore_eos, expected {r.max_tokens * r.n}"
+        return RequestResult(
+            request_id=r.id,
+            x_request_id=plan.x_request_id,
+            scheduled_s=plan.scheduled_s,
+            sent_s=sent - t0,
+            outcome=outcome,
+            ttft_s=ttft,
+            first_event_s=first_event,
+            token_times_s=token_times,
+            e2e_s=None if end is None or outcome is Outcome.TIMEOUT else end - sent,
+            finish_reason=finish if isinstance(finish, str) else None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached,
+            http_status=status,
+            detail=detail,
+        )
+
+
+def _result_warnings(trace: Trace, results: list[RequestResult]) -> list[str]:
+    """Client-side trouble: late dispatches, and prompts the server counted differently."""
+    warnings = []
+    late = [r for r in results if r.dispatch_lateness_s > LATENESS_WARN_S]
+    if late:
+        worst = max(r.dispatch_lateness_s for r in late)
+        warnings.append(
+            f"{len(late)} request(s) left more than {LATENESS_WARN_S * 1000:g} ms late "
+            f"(worst {worst * 1000:.1f} ms): client lag, not server latency"
+        )
+    for r in results:
+        want = trace.request(r.request_id).prompt_tokens
+        if r.prompt_tokens is not None and r.prompt_tokens != want:
+            warnings.append(f"{r.request_id}: the server counted {r.prompt_tokens} prompt tokens, the trace asked {want}")
+    return warnings

@@ -1,0 +1,75 @@
+"""Waiting out a server that went down (crashed, restarting, refusing connections).
+
+A request that fails is data; a target that cannot even be asked (its /tokenize or
+/metrics refused before the trace starts) raises :class:`~fuzzer.errors.TargetError`
+and nothing was measured. A campaign then waits with backoff for as long as it runs
+(:mod:`fuzzer.search.campaign`); an interactive command such as ``fuzz minimize`` wraps its
+target in a :class:`PatientTarget`, which waits a bounded time and then gives up with
+one clear error (its progress is already saved, so the same command resumes).
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Iterator
+
+from fuzzer.errors import TargetError
+from fuzzer.execution import ExecutionResult, Target
+from fuzzer.trace import Trace
+
+#: Waiting for a server that went down: first wait, growth factor, longest wait.
+BACKOFF_FIRST_S = 1.0
+BACKOFF_FACTOR = 2.0
+BACKOFF_MAX_S = 60.0
+#: How long a :class:`PatientTarget` waits for its server before giving up. A supervised
+#: server restarts in tens of seconds; a large model takes minutes to load.
+DEFAULT_PATIENCE_S = 300.0
+
+
+def backoff() -> Iterator[float]:
+    """The waits between tries: 1, 2, 4, ... seconds, capped at :data:`BACKOFF_MAX_S`."""
+    wait = BACKOFF_FIRST_S
+    while True:
+        yield wait
+        wait = min(BACKOFF_MAX_S, wait * BACKOFF_FACTOR)
+
+
+class PatientTarget:
+    """A target that, when its server cannot be reached, waits for it and runs the trace again."""
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        sleep: Callable[[float], Awaitable[None]],
+        patience_s: float = DEFAULT_PATIENCE_S,
+        on_down: Callable[[str], None] = lambda reason: None,
+    ):
+        self._target = target
+        self._sleep = sleep
+        self._patience_s = patience_s
+        self._on_down = on_down
+        self.name = target.name
+        idle = getattr(target, "idle", None)
+        if idle is not None:
+            self.idle = idle
+        #: How many times the server was found down.
+        self.outages = 0
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        waited = 0.0
+        waits = backoff()
+        while True:
+            try:
+                return await self._target.execute(trace)
+            except TargetError as e:
+                if waited == 0.0:
+                    self.outages += 1
+                    self._on_down(str(e))
+                if waited >= self._patience_s:
+                    raise TargetError(f"the server stayed unreachable for {waited:.0f} s: {e}") from None
+                wait = min(next(waits), self._patience_s - waited)
+                await self._sleep(wait)
+                waited += wait
+
+    async def aclose(self) -> None:  # the caller owns the wrapped target
+        return None

@@ -1,0 +1,420 @@
+"""Calibration: a target's idle latencies, step-time model and noise, measured (ARCHITECTURE.md, "Oracle").
+
+The oracle judges a request against what the *calibrated* server should have given
+it. Calibration measures that, on a warmed-up server, with probe traces whose
+requests run one at a time (spaced further apart than each takes):
+
+- idle TTFT versus prompt length, uncached (a fresh salt per execution) and cached
+  (a second request reusing the prefix the first one computed);
+- decode step time (inter-token latency) versus context length for one sequence,
+  and versus batch size for many short sequences decoding together.
+
+Each relation is fitted with the Theil-Sen estimator (scipy), which ignores the
+stray slow request (a GC pause, a late packet) that would drag a least-squares line.
+The fits give the :class:`~fuzzer.oracle.expectation.StepModel`; the residuals of every
+probe against that model give the measured noise and the *baseline*: the ratios
+observed / expected that an unremarkable request shows. Confirmation tests a
+candidate's ratios against this baseline.
+
+This module measures and fits; what comes out, the :class:`Calibration` value type
+and the keys it is stored under, is :mod:`fuzzer.oracle.calibration` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from scipy import stats
+
+from fuzzer.errors import TargetError
+from fuzzer.execute import adapters
+from fuzzer.execution import ExecutionResult, RequestResult, Target
+from fuzzer.oracle.calibration import (  # noqa: F401 (re-exported for importers of fuzzer.oracle.calibrate)
+    FORMAT_VERSION,
+    NOISY,
+    REFRESH_AFTER_S,
+    SIM_CALIBRATION_KEY,
+    UNRELIABLE_NOISE,
+    WARMUP_RUNS,
+    Calibration,
+    Fit,
+    calibration_key,
+    calibration_keys,
+)
+from fuzzer.oracle.expectation import idle_expectation
+from fuzzer.oracle.kinds import Metric
+from fuzzer.oracle.model import SchedulerAssumption, StepModel, assumption_for
+from fuzzer.trace import Request, Trace
+
+# --- probe design -------------------------------------------------------------------------
+
+#: Prompt lengths of the uncached TTFT probes, clipped to the token budget so each
+#: prefill is one step (the relation is then a line). Denser at the short end, where
+#: the fixed overhead dominates.
+PREFILL_LENGTHS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+#: Prefix lengths of the cached probes (each followed by a short private suffix).
+CACHED_PREFIXES = (256, 512, 1024, 2048)
+CACHED_SUFFIX_TOKENS = 16
+#: Context lengths of the single-sequence decode probes, and their output length: enough
+#: inter-token gaps for a stable median without making the probe long.
+DECODE_CONTEXTS = (16, 512, 1024, 2048, 4096)
+#: Longer contexts make the (small) per-context-token cost measurable; used when the
+#: server's max_model_len is known to allow them.
+LONG_DECODE_CONTEXTS = (8192,)
+DECODE_TOKENS = 32
+#: Batch sizes of the batched decode probes (short prompts, all sent at once).
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+BATCH_PROMPT_TOKENS = 16
+#: Each probe is repeated this often: with 9 lengths this gives ~36 TTFT residuals, a
+#: baseline large enough for MWU/KS to reach p <= 0.01 with three candidate samples.
+REPEATS = 4
+#: Probes run one at a time: each is spaced this many times the slowest pilot request of
+#: its kind apart (the pilot measures it), but never closer than MIN_SPACING_S.
+SPACING_FACTOR = 3.0
+MIN_SPACING_S = 0.05
+#: 1.4826 x MAD estimates a normal standard deviation robustly (Iglewicz-Hoaglin).
+MAD_SCALE = 1.4826
+#: Fewer usable probes than this in a fit means the target misbehaved; refuse to fit.
+MIN_FIT_POINTS = 4
+
+
+# --- fitting (the model from the probes: fit, below) -----------------------------------------
+
+
+def theil_sen(x: Sequence[float], y: Sequence[float]) -> Fit:
+    """Theil-Sen fit of y on x (median of pairwise slopes): robust to up to ~29% outliers."""
+    if len(x) < MIN_FIT_POINTS or len(set(x)) < 2:
+        raise TargetError(
+            f"calibration got {len(x)} usable probe measurements at {len(set(x))} distinct sizes; "
+            f"at least {MIN_FIT_POINTS} at 2 sizes are needed (is the server failing requests?)"
+        )
+    res = stats.theilslopes(np.asarray(y, dtype=float), np.asarray(x, dtype=float), alpha=0.95, method="joint")
+    return Fit(float(res.intercept), float(res.slope), float(res.low_slope), float(res.high_slope), len(x))
+
+
+# --- the KV capacity the server reports ----------------------------------------------------------
+
+
+def reported_kv(target: Target) -> tuple[int, int] | None:
+    """(KV blocks, tokens per block) the target reports through its optional ``kv_cache()``
+    (an HTTP target: vLLM's ``vllm:cache_config_info``; the in-process simulator: its
+    configuration, what its /metrics reports); None when it reports none."""
+    report = getattr(target, "kv_cache", None)
+    return report() if callable(report) else None
+
+
+def scheduler_assumption(info: adapters.ServerInfo | None, **overrides: int | None) -> SchedulerAssumption:
+    """What the oracle assumes of a server's scheduler: its adapter's documented defaults,
+    then what the server itself reports (llama.cpp's slot count), then the user's overrides.
+    No info (the in-process simulator): vLLM's defaults, which the simulator follows."""
+    if info is None:
+        return assumption_for("vllm", adapters.adapter("vllm").scheduler_defaults, **overrides) if overrides else SchedulerAssumption()
+    return assumption_for(info.kind, {**adapters.adapter(info.kind).scheduler_defaults, **info.scheduler}, **overrides)
+
+
+def with_reported_kv(assumption: SchedulerAssumption, target: Target) -> SchedulerAssumption:
+    """``assumption`` with the KV capacity (and its block size) the target reports, unless it names one."""
+    kv = reported_kv(target) if assumption.kv_blocks is None else None
+    return assumption if kv is None else replace(assumption, kv_blocks=kv[0], block_size=kv[1])
+
+
+def with_target_kv(calibration: Calibration, target: Target) -> Calibration:
+    """A stored calibration with the KV capacity the target reports, when it names none (one
+    made before capacities were read stays KV-unaware otherwise until it goes stale)."""
+    assumption = with_reported_kv(calibration.assumption, target)
+    return calibration if assumption is calibration.assumption else calibration.with_assumption(assumption)
+
+
+# --- probes -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """One measured probe request: what it was and what the client saw."""
+
+    prompt: int
+    cached: int
+    max_tokens: int
+    batch: int
+    result: RequestResult
+
+
+@dataclass
+class _Plan:
+    """Builds one probe trace: requests spaced ``spacing_s`` apart, or groups sent together."""
+
+    spacing_s: float
+    requests: list[Request] = field(default_factory=list)
+    prefixes: dict[str, int] = field(default_factory=dict)
+    meta: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    slot: int = 0
+
+    def add(self, prompt: int, max_tokens: int, *, batch: int = 1, lead_in: bool = False) -> None:
+        """A probe (or ``batch`` identical ones sent together) in the next slot."""
+        at_ms = round(self.slot * self.spacing_s * 1000.0, 3)
+        for i in range(batch):
+            rid = f"s{self.slot}" + (f"b{i}" if batch > 1 else "")
+            self.requests.append(Request(id=rid, at_ms=at_ms, prompt_tokens=prompt, max_tokens=max_tokens))
+            if not lead_in:
+                self.meta[rid] = (prompt, 0, max_tokens, batch)
+        self.slot += 1
+
+    def add_pair(self, prefix: int, suffix: int, *, hit: int) -> None:
+        """A request that computes a prefix, then (one slot later) a probe that reuses it."""
+        group = f"g{self.slot}"
+        self.prefixes[group] = prefix
+        for i, rid in enumerate((f"w{self.slot}", f"c{self.slot}")):
+            at_ms = round((self.slot + i) * self.spacing_s * 1000.0, 3)
+            self.requests.append(Request(id=rid, at_ms=at_ms, prompt_tokens=prefix + suffix, max_tokens=2, prefix=group))
+        self.meta[f"c{self.slot}"] = (prefix + suffix, hit, 2, 1)
+        self.slot += 2
+
+    def trace(self, name: str) -> Trace:
+        return Trace(requests=tuple(self.requests), prefixes=dict(self.prefixes), name=name)
+
+
+async def _run(target: Target, plan: _Plan, name: str) -> list[_Probe]:
+    result: ExecutionResult = await target.execute(plan.trace(name))
+    probes = []
+    for r in result.requests:
+        if r.request_id not in plan.meta:
+            continue
+        if r.outcome.failed:
+            raise TargetError(
+                f"calibration probe {r.request_id} of {name} failed ({r.outcome.value}"
+                + (f": {r.detail}" if r.detail else "")
+                + "); the target must serve plain requests before it can be fuzzed"
+            )
+        prompt, cached, max_tokens, batch = plan.meta[r.request_id]
+        probes.append(_Probe(prompt, cached, max_tokens, batch, r))
+    return probes
+
+
+def _usable(probes: Sequence[_Probe], *, streamed: bool = True) -> list[_Probe]:
+    return [p for p in probes if (p.result.ttft_s is not None) or not streamed]
+
+
+async def calibrate(
+    target: Target,
+    *,
+    assumption: SchedulerAssumption | None = None,
+    rng: random.Random | None = None,
+    clock: Callable[[], float] = time.time,
+    repeats: int = REPEATS,
+    warmup_runs: int = WARMUP_RUNS,
+    max_model_len: int | None = None,
+    remeasure: bool = True,
+) -> Calibration:
+    """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure.
+
+    ``max_model_len`` (from the server's /v1/models) lets the decode probes use longer
+    contexts; without it they stay at 4096 tokens, which every served model accepts.
+    With ``remeasure``, a round whose noise makes the calibration unreliable
+    (:attr:`Calibration.reliable`) is followed by one more; the quieter one is kept.
+    """
+    # None: what the target's adapter documents and the server reports (llama.cpp's slots), not vLLM's.
+    assumption = with_reported_kv(assumption or scheduler_assumption(getattr(target, "info", None)), target)
+    if max_model_len is None:  # the context the server reported (llama.cpp: per slot), so no probe exceeds it
+        max_model_len = getattr(getattr(target, "info", None), "max_model_len", None)
+    rng = rng or random.Random(0)
+    budget = assumption.token_budget
+    lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS})
+    prefixes = sorted({min(n, max(assumption.block_size, budget - CACHED_SUFFIX_TOKENS)) for n in CACHED_PREFIXES})
+    contexts = list(DECODE_CONTEXTS)
+    if max_model_len is not None:
+        contexts = [n for n in (*DECODE_CONTEXTS, *LONG_DECODE_CONTEXTS) if n + DECODE_TOKENS <= max_model_len]
+
+    # Warm-up and pilot: the slowest probe of each kind tells how far apart probes must be.
+    pilot = _Plan(spacing_s=1.0)
+    pilot.add(max(lengths), 2)
+    pilot.add(max(contexts), DECODE_TOKENS)
+    pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=max(batch_sizes(assumption)))
+    slowest = {"prefill": 0.0, "decode": 0.0, "batch": 0.0}
+    for _ in range(max(1, warmup_runs)):
+        for probe in await _run(target, pilot, "calibration-pilot"):
+            kind = "batch" if probe.batch > 1 else ("decode" if probe.max_tokens > 2 else "prefill")
+            slowest[kind] = max(slowest[kind], probe.result.e2e_s or 0.0)
+    spacing = {k: max(MIN_SPACING_S, SPACING_FACTOR * v) for k, v in slowest.items()}
+
+    sizes = (lengths, prefixes, contexts)
+    cal = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes)
+    if remeasure and not cal.reliable:
+        # A noisy round is often a burst of load on the host: measure once more, keep the quieter.
+        again = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes)
+        cal = min((cal, again), key=lambda c: c.judged_noise()[1])
+    return cal
+
+
+def batch_sizes(assumption: SchedulerAssumption) -> tuple[int, ...]:
+    """The batched-decode probe sizes a server can run at once: a batch beyond its running
+    sequences (llama.cpp's 4 slots) would queue, measuring queueing instead of decode steps."""
+    return tuple(b for b in BATCH_SIZES if b <= assumption.max_num_seqs) or (1,)
+
+
+async def _measure(
+    target: Target,
+    assumption: SchedulerAssumption,
+    rng: random.Random,
+    clock: Callable[[], float],
+    repeats: int,
+    warmup_runs: int,
+    spacing: Mapping[str, float],
+    lengths: Sequence[int],
+    prefixes: Sequence[int],
+    contexts: Sequence[int],
+) -> Calibration:
+    """One round of probes (uncached and cached TTFT, decode, batched decode) and its fit."""
+
+    def shuffled(items: list) -> list:
+        rng.shuffle(items)
+        return items
+
+    # Uncached TTFT: one lead-in request (a first request after an idle gap may be slow).
+    plan = _Plan(spacing["prefill"])
+    plan.add(16, 2, lead_in=True)
+    for n in shuffled([n for n in lengths for _ in range(repeats)]):
+        plan.add(n, 2)
+    prefill = _usable(await _run(target, plan, "calibration-prefill"))
+
+    # Cached TTFT: a request computes the prefix, the next one (same group) reuses it.
+    plan = _Plan(spacing["prefill"])
+    plan.add(16, 2, lead_in=True)
+    for n in shuffled([n for n in prefixes for _ in range(repeats)]):
+        plan.add_pair(n, CACHED_SUFFIX_TOKENS, hit=(n // assumption.block_size) * assumption.block_size)
+    cached_probes = _usable(await _run(target, plan, "calibration-cached"))
+
+    # Decode, one sequence, growing context.
+    plan = _Plan(spacing["decode"])
+    plan.add(16, 2, lead_in=True)
+    for n in shuffled([n for n in contexts for _ in range(repeats)]):
+        plan.add(n, DECODE_TOKENS)
+    single = _usable(await _run(target, plan, "calibration-decode"))
+
+    # Decode, many short sequences together.
+    plan = _Plan(spacing["batch"])
+    plan.add(16, 2, lead_in=True)
+    for b in shuffled([b for b in batch_sizes(assumption) for _ in range(repeats)]):
+        plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b)
+    batched = _usable(await _run(target, plan, "calibration-batch"))
+
+    return fit(
+        target=target.name,
+        created_at=clock(),
+        assumption=assumption,
+        prefill=prefill,
+        cached=cached_probes,
+        single=single,
+        batched=batched,
+        warmup_runs=warmup_runs,
+    )
+
+
+def _median_itl(r: RequestResult) -> float | None:
+    gaps = r.itl_s
+    return float(np.median(gaps)) if gaps else None
+
+
+def fit(
+    *,
+    target: str,
+    created_at: float,
+    assumption: SchedulerAssumption,
+    prefill: Sequence[_Probe],
+    cached: Sequence[_Probe],
+    single: Sequence[_Probe],
+    batched: Sequence[_Probe],
+    warmup_runs: int = WARMUP_RUNS,
+) -> Calibration:
+    """Fit the step model from probe measurements and measure the residual noise."""
+    # Single-sequence decode: ITL = (overhead + one sequence) + context cost x context.
+    pts = [(p.prompt + p.max_tokens / 2.0, _median_itl(p.result)) for p in single]
+    pts = [(x, y) for x, y in pts if y is not None]
+    context_fit = theil_sen([x for x, _ in pts], [y for _, y in pts])
+    context_token_s = max(0.0, context_fit.slope)
+
+    # Batched decode, per group (requests of one slot): ITL minus context cost, versus batch size.
+    groups: dict[str, list[float]] = {}
+    for p in batched:
+        itl = _median_itl(p.result)
+        if itl is not None:
+            slot = p.result.request_id.split("b")[0]
+            ctx = p.batch * (p.prompt + p.max_tokens / 2.0)
+            groups.setdefault(f"{slot}:{p.batch}", []).append(itl - context_token_s * ctx)
+    xs = [int(k.split(":")[1]) for k in groups]
+    ys = [float(np.median(v)) for v in groups.values()]
+    batch_fit = theil_sen(xs, ys)
+    overhead_s = max(0.0, batch_fit.intercept)
+    decode_seq_s = max(0.0, batch_fit.slope)
+
+    # Idle TTFT: request overhead + step overhead + (frontend + prefill) cost x uncached tokens.
+    ttft_fit = theil_sen([p.prompt for p in prefill], [p.result.ttft_s for p in prefill])
+    request_overhead_s = max(0.0, ttft_fit.intercept - overhead_s)
+
+    # A cached prompt token skips the prefill but not the frontend (tokenization): the extra
+    # TTFT per cached token is the frontend's per-token cost; the rest of the slope is prefill.
+    cached_fit = None
+    frontend_token_s = 0.0
+    if len(cached) >= MIN_FIT_POINTS and len({p.cached for p in cached}) >= 2:
+        extra = [p.result.ttft_s - ttft_fit(p.prompt - p.cached) for p in cached]
+        cached_fit = theil_sen([p.cached for p in cached], extra)
+        frontend_token_s = min(max(0.0, cached_fit.slope), max(0.0, ttft_fit.slope))
+    prefill_token_s = max(0.0, ttft_fit.slope - frontend_token_s)
+
+    model = StepModel(
+        overhead_s=overhead_s,
+        prefill_token_s=prefill_token_s,
+        decode_seq_s=decode_seq_s,
+        context_token_s=context_token_s,
+        request_overhead_s=request_overhead_s,
+        frontend_token_s=frontend_token_s,
+    )
+    noise, noise_s, baseline = _residuals(model, assumption, [*prefill, *cached, *single])
+    return Calibration(
+        target=target,
+        created_at=created_at,
+        model=model,
+        assumption=assumption,
+        ttft_fit=ttft_fit,
+        cached_fit=cached_fit,
+        context_fit=context_fit,
+        batch_fit=batch_fit,
+        noise=noise,
+        noise_s=noise_s,
+        baseline=baseline,
+        probes=len(prefill) + len(cached) + len(single) + len(batched),
+        warmup_runs=warmup_runs,
+    )
+
+
+def _residuals(
+    model: StepModel, assumption: SchedulerAssumption, probes: Sequence[_Probe]
+) -> tuple[dict[Metric, float], dict[Metric, float], dict[Metric, tuple[float, ...]]]:
+    """Observed / expected of every probe, per metric, under the fitted model."""
+    observed: dict[Metric, list[tuple[float, float]]] = {m: [] for m in Metric}
+    for p in probes:
+        e = idle_expectation(p.prompt, p.max_tokens, model, assumption, cached_tokens=p.cached)
+        r = p.result
+        for metric, value, expected in (
+            (Metric.TTFT, r.ttft_s, e.ttft_s),
+            (Metric.MAX_ITL, r.max_itl_s, e.max_itl_s),
+            (Metric.E2E, r.e2e_s, e.e2e_s),
+        ):
+            if value is not None and expected and expected > 0 and value > 0:
+                observed[metric].append((value, expected))
+    noise: dict[Metric, float] = {}
+    noise_s: dict[Metric, float] = {}
+    baseline: dict[Metric, tuple[float, ...]] = {}
+    for metric, pairs in observed.items():
+        if not pairs:
+            continue
+        ratios = np.array([v / e for v, e in pairs])
+        diffs = np.array([v - e for v, e in pairs])
+        logs = np.log(ratios)
+        noise[metric] = float(MAD_SCALE * np.median(np.abs(logs - np.median(logs))))
+        noise_s[metric] = float(MAD_SCALE * np.median(np.abs(diffs - np.median(diffs))))
+        baseline[metric] = tuple(float(x) for x in ratios)
+    return noise, noise_s, baseline

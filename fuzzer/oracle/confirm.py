@@ -1,0 +1,185 @@
+"""Confirmation: re-execute a candidate until the three-valued test decides (ARCHITECTURE.md, "Oracle").
+
+A candidate from :func:`fuzzer.oracle.judge.candidates` (or an undecided verdict of
+:func:`fuzzer.oracle.judge.judge`) is re-executed: MIN_RUNS first, then STEP_RUNS more
+while the test says UNKNOWN, up to MAX_RUNS. Latency candidates run warm first; if
+the warm runs do not show the slowdown and it was seen after idleness, a cold arm
+follows, each run after an idle period. Only DIFFERENT becomes a finding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fuzzer.execution import FAILURE_KIND, ExecutionResult, Target
+from fuzzer.oracle.calibrate import Calibration
+from fuzzer.oracle.judge import (
+    DEFAULT_POLICY,
+    MIN_RUNS,
+    Candidate,
+    OraclePolicy,
+    RequestReport,
+    after_idle,
+    count_verdict,
+    crashed,
+    judge,
+    latency_verdict,
+    observe,
+)
+from fuzzer.oracle.kinds import Decision, FindingKind
+from fuzzer.oracle.signature import signature
+from fuzzer.oracle.verdict import Verdict
+from fuzzer.trace import Trace
+
+
+async def let_idle(target: Target, seconds: float, sleep: Callable[[float], Awaitable[None]]) -> None:
+    """Leave the server idle: on virtual time if the target has a clock, else really wait."""
+    advance = getattr(target, "idle", None)
+    if advance is not None:
+        outcome = advance(seconds)
+        if inspect.isawaitable(outcome):
+            await outcome
+    else:
+        await sleep(seconds)
+
+
+async def confirm(
+    target: Target,
+    trace: Trace,
+    candidate: Candidate,
+    calibration: Calibration,
+    *,
+    rng: np.random.Generator,
+    policy: OraclePolicy = DEFAULT_POLICY,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> Verdict:
+    """Re-execute ``trace`` until the candidate is DIFFERENT or SAME, or the run cap is reached.
+
+    Latency candidates are first re-run warm (back to back). If the warm runs do not
+    show the slowdown, and it was first seen after idleness (or is a cold-start
+    candidate), a cold arm follows: each run after ``policy.cold_idle_s`` of idleness.
+    A slowdown only the cold arm shows is ``cold-start``.
+    """
+    if candidate.metric is None:
+        return await _confirm_failure(target, trace, candidate, policy)
+    results: list[ExecutionResult] = []
+    verdict = None
+    while len(results) < policy.max_runs:
+        want = policy.min_runs if not results else min(policy.step_runs, policy.max_runs - len(results))
+        for _ in range(want):
+            results.append(await target.execute(trace))
+        verdict = latency_verdict(
+            trace, candidate.request_id, _reports(trace, results, calibration, policy, candidate.request_id),
+            [after_idle(r, policy) for r in results], calibration, rng, policy,
+        ) if candidate.request_id else None
+        if verdict is None or verdict.decision in (Decision.DIFFERENT, Decision.SAME, Decision.INSUFFICIENT_DATA):
+            break
+    assert verdict is not None
+    if verdict.is_finding or not (candidate.after_idle or candidate.kind is FindingKind.COLD_START):
+        return verdict
+    # Cold arm: idle, then run; repeat.
+    cold_results: list[ExecutionResult] = []
+    cold_verdict = verdict
+    while len(cold_results) < policy.max_runs:
+        want = policy.min_runs if not cold_results else min(policy.step_runs, policy.max_runs - len(cold_results))
+        for _ in range(want):
+            await let_idle(target, policy.cold_idle_s, sleep)
+            cold_results.append(await target.execute(trace))
+        every = [*results, *cold_results]
+        marks = [False] * len(results) + [True] * len(cold_results)
+        cold_verdict = latency_verdict(
+            trace, candidate.request_id, _reports(trace, every, calibration, policy, candidate.request_id),
+            marks, calibration, rng, policy,
+        )
+        if cold_verdict.kind is not FindingKind.COLD_START:
+            break  # the cold runs are no slower than the warm ones (or the warm ones are slow too)
+        if cold_verdict.decision in (Decision.DIFFERENT, Decision.INSUFFICIENT_DATA):
+            break
+    if cold_verdict.kind is FindingKind.COLD_START:
+        return cold_verdict
+    return verdict
+
+
+def _reports(
+    trace: Trace, results: Sequence[ExecutionResult], calibration: Calibration, policy: OraclePolicy, request_id: str
+) -> list[RequestReport]:
+    out = []
+    for r in results:
+        for rep in observe(trace, r, calibration, policy):
+            if rep.request_id == request_id:
+                out.append(rep)
+    return out
+
+
+async def _confirm_failure(target: Target, trace: Trace, candidate: Candidate, policy: OraclePolicy) -> Verdict:
+    results = [await target.execute(trace) for _ in range(policy.min_runs)]
+    if candidate.kind is FindingKind.CRASH:
+        hits = [crashed(r) for r in results]
+    elif candidate.kind is FindingKind.LEAK:
+        hits = [r.idle_after is False for r in results]
+    else:
+        hits = [
+            any(FAILURE_KIND.get(q.outcome) == candidate.kind.value for q in r.requests if q.request_id == candidate.request_id)
+            for r in results
+        ]
+    extra = {"outcome": candidate.detail} if candidate.request_id else {}
+    sig = signature(candidate.kind, trace, candidate.request_id, **extra)
+    return count_verdict(candidate.kind, candidate.request_id, sum(hits), len(hits), sig,
+                          detail=candidate.detail, quorum=policy.failure_quorum)
+
+
+# --- replay: run, judge, confirm -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Examination:
+    """What ``fuzz replay`` reports: the runs, one verdict per request, and the findings."""
+
+    results: tuple[ExecutionResult, ...]
+    verdicts: tuple[Verdict, ...]
+    #: Verdicts that came from confirmation re-runs (they replace the first judgement).
+    confirmations: tuple[Verdict, ...] = field(default=())
+
+    @property
+    def findings(self) -> tuple[Verdict, ...]:
+        """Confirmed findings, one per signature."""
+        seen: dict[str | None, Verdict] = {}
+        for v in self.verdicts:
+            if v.is_finding and v.signature not in seen:
+                seen[v.signature] = v
+        return tuple(seen.values())
+
+
+async def examine(
+    target: Target,
+    trace: Trace,
+    calibration: Calibration,
+    *,
+    runs: int = MIN_RUNS,
+    rng: np.random.Generator,
+    policy: OraclePolicy = DEFAULT_POLICY,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> Examination:
+    """Execute ``trace`` ``runs`` times, judge every request, confirm the undecided candidates."""
+    results = tuple([await target.execute(trace) for _ in range(runs)])
+    verdicts = judge(trace, results, calibration, rng=rng, policy=policy)
+    confirmed: list[Verdict] = []
+    seen: set[str] = set()
+    for i, v in enumerate(verdicts):
+        undecided = v.decision in (Decision.UNKNOWN, Decision.UNSTABLE, Decision.INSUFFICIENT_DATA)
+        if not (undecided and v.kind is not None and v.reproduced > 0 and v.signature not in seen):
+            continue
+        if len(confirmed) >= policy.max_confirmations:
+            break
+        seen.add(v.signature or "")
+        cand = Candidate(v.kind, v.request_id, v.metric, v.effect,
+                         after_idle=v.kind is FindingKind.COLD_START or any(after_idle(r, policy) for r in results))
+        better = await confirm(target, trace, cand, calibration, rng=rng, policy=policy, sleep=sleep)
+        confirmed.append(better)
+        verdicts[i] = better
+    return Examination(results, tuple(verdicts), tuple(confirmed))

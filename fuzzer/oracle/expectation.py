@@ -1,0 +1,232 @@
+"""Expectations: what a reasonable FCFS chunked-prefill scheduler would give each request (ARCHITECTURE.md, "Oracle").
+
+"Slow" means nothing without a model. Given the calibrated step-time model of a
+target and the scheduler parameters it is assumed to run with, this module replays
+a trace through an idealised continuous-batching scheduler on paper (:mod:`fuzzer.oracle.paper`):
+
+- every step has a token budget; running decodes are scheduled first (one token per
+  sequence), then prefill chunks in first-come-first-served order, first the
+  partially prefilled running requests, then waiting ones, up to ``max_num_seqs``;
+- a step takes ``overhead + prefill tokens x cost + decode sequences x cost +
+  context tokens x cost`` (the calibrated :class:`StepModel`);
+- the first token of a request comes out at the end of the step that finishes its
+  prefill; a prefix shared with an earlier request of the same trace is a cache hit
+  once that request has computed the prefix's full KV blocks.
+
+For every request it gives two expectations: *idle* (the request alone on an idle
+server: what the user would call normal) and the *FCFS bound* (given the work that
+arrived before it). Slowdown versus idle is what users feel; excess over the FCFS
+bound is what by-design queueing does not explain.
+
+The scheduler parameters the server does not expose (the per-step token budget,
+above all) come from the server adapter's documented defaults and can be overridden
+by the user; :meth:`SchedulerAssumption.describe` says in every verdict which were used.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from fuzzer.execution import ExecutionResult
+from fuzzer.oracle.kinds import Metric
+from fuzzer.oracle.model import ENVELOPE_SCALES, SchedulerAssumption, StepModel
+from fuzzer.oracle.paper import Job, PaperRequest, schedule, serve
+from fuzzer.trace import Request, Trace
+
+# Campaigns hold each execution against its expectations twice (coverage, then the oracle)
+# and confirmations re-run the same trace; results are kept for this many recent
+# (trace, send times, model, assumption) keys. An entry is a few KB.
+_EXPECT_CACHE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What one request should have seen: alone on an idle server, and under FCFS."""
+
+    request_id: str
+    idle_ttft_s: float
+    idle_max_itl_s: float | None
+    idle_e2e_s: float
+    #: The FCFS chunked-prefill bound given the work that arrived before it.
+    ttft_s: float
+    max_itl_s: float | None
+    e2e_s: float
+    #: Prompt tokens the paper schedule took from the prefix cache.
+    cached_tokens: int = 0
+
+    def bound(self, metric: Metric) -> float | None:
+        return {Metric.TTFT: self.ttft_s, Metric.MAX_ITL: self.max_itl_s, Metric.E2E: self.e2e_s}[metric]
+
+    def idle(self, metric: Metric) -> float | None:
+        return {Metric.TTFT: self.idle_ttft_s, Metric.MAX_ITL: self.idle_max_itl_s, Metric.E2E: self.idle_e2e_s}[
+            metric
+        ]
+
+
+def paper_schedule(
+    trace: Trace,
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    result: ExecutionResult | None = None,
+    *,
+    lookahead: bool = False,
+    window: float = 1.0,
+) -> dict[str, PaperRequest]:
+    """Serve ``trace`` with the paper FCFS chunked-prefill scheduler; by request id.
+
+    With ``result``, requests arrive when they were actually sent (``sent_s``), so the
+    client's own lateness is never counted against the server. ``lookahead`` and
+    ``window``: see :func:`fuzzer.oracle.paper.schedule`.
+    """
+    return serve(trace.requests, trace.prefixes, _sent(result), model, assumption, lookahead, window)
+
+
+def _sent(result: ExecutionResult | None) -> dict[str, float]:
+    return {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
+
+
+def expect(
+    trace: Trace,
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    result: ExecutionResult | None = None,
+    *,
+    kv: bool = True,
+) -> dict[str, Expectation]:
+    """Idle and FCFS expectations of every request of ``trace``, by request id.
+
+    The FCFS bound is an envelope: the trace is scheduled under the calibrated model,
+    under the model scaled by each of ENVELOPE_SCALES, with one step of admission
+    lookahead (a boundary just after a window of arrivals: they share a step), and with
+    a boundary just after the first arrival of a busy engine (who came a little later
+    waits out that step, then shares the next with later arrivals' chunks); each request
+    gets the largest value. Which step a request lands in (and which later arrivals'
+    chunks share that step) depends on step boundaries that drift with noise; the
+    envelope keeps a request that merely met an unlucky boundary from looking slow. The
+    max-ITL bound is the longest step the request was exposed to.
+
+    With ``kv`` and a known KV capacity (``assumption.kv_blocks``), the envelope also holds
+    the same variants with the KV cache modelled (:mod:`fuzzer.oracle.paper`: recompute preemption
+    of the newest request), unless the whole trace fits the cache at once: a request
+    preempted by design is bounded by when the paper engine, short of blocks too, serves it.
+    """
+    return dict(_expect(*_key(trace, result), model, assumption, kv)[0])
+
+
+def expected_preemptions(
+    trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None = None
+) -> int:
+    """The most preemptions any KV-aware variant of the envelope makes (0 without a KV capacity)."""
+    return _expect(*_key(trace, result), model, assumption, True)[1]
+
+
+def _key(trace: Trace, result: ExecutionResult | None) -> tuple:
+    sent = tuple((r.request_id, r.sent_s) for r in result.requests) if result is not None else ()
+    return trace.requests, tuple(trace.prefixes.items()), sent
+
+
+# The expectations depend on nothing but these arguments (all immutable); an execution is
+# held against them more than once, and a confirmation re-runs the same trace.
+@functools.lru_cache(maxsize=_EXPECT_CACHE_SIZE)
+def _expect(
+    requests: tuple[Request, ...],
+    prefix_items: tuple[tuple[str, int], ...],
+    sent_items: tuple[tuple[str, float], ...],
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    kv: bool,
+) -> tuple[dict[str, Expectation], int]:
+    prefixes, sent = dict(prefix_items), dict(sent_items)
+    capacities: list[int | None] = [None]
+    if kv and assumption.kv_blocks is not None and not _fits(requests, assumption):
+        capacities.append(assumption.kv_blocks)
+    variants = []
+    for cap in capacities:
+        variants += [serve(requests, prefixes, sent, model.scaled(k), assumption, False, kv_blocks=cap)
+                     for k in ENVELOPE_SCALES]
+        variants.append(serve(requests, prefixes, sent, model, assumption, True, kv_blocks=cap))
+        variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap))
+        if model.frontend_token_s > 0:  # without frontend time the slack changes nothing
+            variants.append(serve(requests, prefixes, sent, model.with_frontend_slack(), assumption, True,
+                                  window=0.0, kv_blocks=cap))
+        if cap is not None:
+            variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
+    loaded = serve(requests, prefixes, sent, model, assumption, False)
+    preempted = max((sum(p.preemptions for p in v.values()) for v in variants), default=0)
+    stalls = _preemption_stalls(variants) if preempted else {}
+    out: dict[str, Expectation] = {}
+    for r in requests:
+        done = loaded[r.id]
+        out_tokens = r.cancel_after_tokens or r.max_tokens
+        alone = _idle(r.prompt_tokens, out_tokens, model, assumption, done.cached_tokens, r.n)
+        every = [done, *(v[r.id] for v in variants)]
+        out[r.id] = Expectation(
+            request_id=r.id,
+            idle_ttft_s=alone.idle_ttft_s,
+            idle_max_itl_s=alone.idle_max_itl_s,
+            idle_e2e_s=alone.idle_e2e_s,
+            ttft_s=max(p.ttft_s for p in every),
+            max_itl_s=max(stalls.get(r.id, 0.0), *(max(p.max_step_s, p.max_itl_s or 0.0) for p in every))
+            if out_tokens > 1 else None,
+            e2e_s=max(p.e2e_s for p in every),
+            cached_tokens=done.cached_tokens,
+        )
+    return out, preempted
+
+
+def _preemption_stalls(variants: list[dict[str, PaperRequest]]) -> dict[str, float]:
+    """Request id -> the longest preemption stall of a schedule that it was in the system during.
+
+    Which running request is the newest when blocks run out depends on admission order and
+    step boundaries that drift: a request streaming while the paper engine stalls another
+    one by preemption could be that one on a real engine. Its max-ITL bound takes the stall.
+    """
+    out: dict[str, float] = {}
+    for v in variants:
+        gaps = []
+        for p in v.values():
+            if p.preemptions and len(p.token_times_s) > 1:
+                i = int(np.argmax(np.diff(p.token_times_s)))
+                gaps.append((p.arrival_s + p.token_times_s[i], p.arrival_s + p.token_times_s[i + 1]))
+        for p in v.values():
+            lo, hi = p.arrival_s, p.arrival_s + p.e2e_s
+            for start, end in gaps:
+                if lo < end and hi > start:
+                    out[p.request_id] = max(out.get(p.request_id, 0.0), end - start)
+    return out
+
+
+def _fits(requests: tuple[Request, ...], a: SchedulerAssumption) -> bool:
+    """Whether every request's prompt and output fit the KV cache at once, with admission headroom."""
+    assert a.kv_blocks is not None
+    b = a.block_size
+    need = sum(-(-(r.prompt_tokens + r.max_tokens) // b) + (r.n - 1) * -(-r.max_tokens // b) + 1 for r in requests)
+    return need <= a.kv_blocks
+
+
+def idle_expectation(
+    prompt_tokens: int,
+    max_tokens: int,
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    *,
+    cached_tokens: int = 0,
+    n: int = 1,
+) -> Expectation:
+    """The expectation of one request alone on an idle server (calibration uses it for residuals)."""
+    return _idle(prompt_tokens, max_tokens, model, assumption, cached_tokens, n)
+
+
+# Campaigns judge thousands of executions of similar requests; the idle schedule of a
+# (prompt, output, cache hit, n) shape under one model is computed once.
+@functools.lru_cache(maxsize=4096)
+def _idle(prompt: int, out: int, model: StepModel, assumption: SchedulerAssumption, cached: int, n: int) -> Expectation:
+    job = Job(id="alone", arrival_s=0.0, prompt=prompt, group=None, prefix=0, out=out, n=n, forced_cached=cached)
+    done = schedule([job], model, assumption)[0].paper(model)
+    ttft, itl, e2e = done.ttft_s, done.max_itl_s, done.e2e_s
+    return Expectation("alone", ttft, itl, e2e, ttft, itl, e2e, cached)
+
+

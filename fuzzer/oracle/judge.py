@@ -1,0 +1,494 @@
+"""The oracle: what is a finding (ARCHITECTURE.md, "Oracle").
+
+Three steps, each a function (the third lives in :mod:`fuzzer.oracle.confirm`):
+
+- :func:`observe` holds every request of one execution against its expectations
+  (:mod:`fuzzer.oracle.expectation`): slowdown versus idle, excess over the FCFS bound, and
+  whether it is a *candidate*: a TTFT, max ITL or E2E above ``factor x bound`` and
+  more than a margin above the measured noise. Queueing that FCFS explains is not a
+  candidate, however slow. Failed requests, a server that never returned to idle
+  (leak) and a server that went away (crash) are candidates of their own kinds.
+- :func:`judge` gives one :class:`~fuzzer.oracle.verdict.Verdict` per request (and per
+  execution-level problem) from one or more executions of a trace, testing the
+  request's ratios observed/bound against the calibration baseline. Runs that came
+  right after an idle period are held apart from warm runs: a slowdown seen only
+  there is ``cold-start``, never ``ttft-outlier``.
+- :func:`fuzzer.oracle.confirm.confirm` re-executes a trace for one candidate with the three-valued
+  sequential test (more runs while UNKNOWN, up to a cap), first warm, then, if the
+  warm runs do not show it, after idle periods. Only DIFFERENT becomes a finding.
+
+:func:`fuzzer.oracle.confirm.examine` strings them together for ``fuzz replay``: run, judge, confirm the
+undecided candidates. The oracle never reads ``ExecutionResult.ground_truth``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult
+from fuzzer.oracle.calibrate import Calibration
+from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions
+from fuzzer.oracle.kinds import METRIC_KIND, Decision, FindingKind, Metric
+from fuzzer.oracle.signature import signature
+from fuzzer.oracle.statistics import ALPHA, SAME_P, Comparison, compare
+from fuzzer.oracle.verdict import Verdict
+from fuzzer.trace import Trace
+
+# --- tunables ---------------------------------------------------------------------------
+
+#: A request is a candidate when it is this many times slower than its FCFS bound. The
+#: bound is a model, not the server: 2x leaves room for what the model does not know
+#: (KV-pressure stalls, detokenization, a busier GPU) while the reports that matter are
+#: 10-150x (vLLM 37308, 37343). It is also the effect a confirmed finding must reach.
+CANDIDATE_FACTOR = 2.0
+#: ... and at least this much slower in absolute terms: below ~20 ms an HTTP client on a
+#: busy host cannot tell scheduling from its own jitter.
+MIN_MARGIN_S = 0.020
+#: ... and more than this many measured noise widths (1.4826 x MAD of the calibration
+#: residuals) above the bound, so a noisy target needs a bigger excess.
+NOISE_MARGINS = 6.0
+#: ... and more than this many times the worst stall of the client's own event loop in that
+#: execution (``ExecutionResult.client_lag_s``): a busy or descheduled client stamps events
+#: late, and a stall it cannot tell from server latency is never blamed on the server.
+#: Twice, since a max ITL or an E2E can take in two stalls.
+CLIENT_LAG_MARGINS = 2.0
+#: Confirmation starts with this many re-executions: three samples against a ~40-value
+#: baseline can already reach p <= 0.01 with MWU/KS.
+MIN_RUNS = 3
+#: Added per round while the test says UNKNOWN ...
+STEP_RUNS = 2
+#: ... up to this many runs (the minimizer's final k/10 confirmation uses the same cap).
+MAX_RUNS = 10
+#: A run is "after idle" when the server had been idle at least this long before it:
+#: GPU clocks drop and caches go cold after seconds of idleness (the 37308 repro shows
+#: a cold first run after a pause of this order). Idle periods of confirmation's cold
+#: arm last this long too.
+COLD_IDLE_S = 10.0
+#: A failure (error, hang, protocol, leak, crash) is confirmed when it recurs in at
+#: least half of the re-executions: a one-off reset is noise, a recurring one is a bug.
+FAILURE_QUORUM = 0.5
+#: Without a KV capacity (a server that does not report one) the FCFS bound assumes KV
+#: never runs out. When the server reports a few preemptions during an execution,
+#: recompute-preemption by design (vLLM preempts the newest request, which then waits
+#: until blocks free up) stalls a stream by up to several times its bound; the candidate
+#: factor is multiplied by this for that execution.
+KV_PRESSURE_FACTOR = 5.0
+#: ... unless the preemptions outnumber the requests: each request preempted more than
+#: once on average is thrash, itself the pathology, and gets no allowance.
+THRASH_PREEMPTIONS_PER_REQUEST = 1.0
+#: With a KV capacity the bound models by-design preemption itself (fuzzer.oracle.paper) and
+#: there is no allowance; but preemptions beyond those the KV-aware schedule makes, by
+#: more than this per request, are thrash the model does not explain: the execution is
+#: then held against the KV-unaware bound. On the simulator (seeds 0-2) a clean server
+#: preempted KV-overflowing bursts of 16-30 requests 3 fewer to 5 more times than the
+#: model (at most 0.17 per request), the thrash pathology 24-1381 more.
+THRASH_EXCESS_PER_REQUEST = 0.25
+#: Confirm at most this many distinct candidates per examined trace: each costs up to
+#: MAX_RUNS executions, twice for cold-start.
+MAX_CONFIRMATIONS = 4
+
+#: Which latency symptom names a finding when several are above their bounds: the first
+#: one a user meets.
+_SYMPTOM_ORDER = (Metric.TTFT, Metric.MAX_ITL, Metric.E2E)
+
+_METHOD = "min(Mann-Whitney U, Kolmogorov-Smirnov) of observed/FCFS-bound ratios vs the calibration baseline"
+_FAILURE_METHOD = "reproduction count over re-executions"
+
+
+@dataclass(frozen=True)
+class OraclePolicy:
+    """The oracle's thresholds; every field defaults to the named constant above."""
+
+    factor: float = CANDIDATE_FACTOR
+    min_margin_s: float = MIN_MARGIN_S
+    noise_margins: float = NOISE_MARGINS
+    client_lag_margins: float = CLIENT_LAG_MARGINS
+    alpha: float = ALPHA
+    same_p: float = SAME_P
+    min_runs: int = MIN_RUNS
+    step_runs: int = STEP_RUNS
+    max_runs: int = MAX_RUNS
+    cold_idle_s: float = COLD_IDLE_S
+    failure_quorum: float = FAILURE_QUORUM
+    max_confirmations: int = MAX_CONFIRMATIONS
+    kv_pressure_factor: float = KV_PRESSURE_FACTOR
+    thrash_preemptions_per_request: float = THRASH_PREEMPTIONS_PER_REQUEST
+    thrash_excess_per_request: float = THRASH_EXCESS_PER_REQUEST
+
+    def margin_s(self, calibration: Calibration, metric: Metric, client_lag_s: float | None = None) -> float:
+        """How far above its bound a latency must be, in seconds, to be a candidate."""
+        return max(self.min_margin_s, self.noise_margins * calibration.noise_s.get(metric, 0.0),
+                   self.client_lag_margins * (client_lag_s or 0.0))
+
+
+DEFAULT_POLICY = OraclePolicy()
+
+
+# --- observation of one execution --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One metric of one request in one execution, against its expectations."""
+
+    metric: Metric
+    observed_s: float
+    #: The FCFS bound and the idle expectation.
+    expected_s: float
+    idle_s: float
+    candidate: bool
+    #: The factor over the bound that made (or would make) it a candidate.
+    factor: float = CANDIDATE_FACTOR
+    #: Judged against the KV-unaware bound because the execution thrashed (:func:`thrash`).
+    thrashed: bool = False
+
+    @property
+    def ratio(self) -> float:
+        return self.observed_s / self.expected_s if self.expected_s > 0 else math.inf
+
+    @property
+    def slowdown(self) -> float:
+        """Observed / idle: what the user feels."""
+        return self.observed_s / self.idle_s if self.idle_s > 0 else math.inf
+
+    @property
+    def excess_s(self) -> float:
+        """Observed - FCFS bound: what by-design queueing does not explain."""
+        return self.observed_s - self.expected_s
+
+
+@dataclass(frozen=True)
+class RequestReport:
+    """Everything the oracle saw about one request in one execution."""
+
+    request_id: str
+    outcome: Outcome
+    expectation: Expectation
+    observations: Mapping[Metric, Observation]
+    #: The finding kind a failed outcome is evidence of (error, hang, protocol), if any.
+    failure: FindingKind | None = None
+
+    @property
+    def worst(self) -> Observation | None:
+        """The metric furthest above its bound."""
+        return max(self.observations.values(), key=lambda o: o.ratio, default=None)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Something worth re-executing: a slow metric, a failure, a leak or a crash."""
+
+    kind: FindingKind
+    request_id: str | None = None
+    metric: Metric | None = None
+    #: Observed / FCFS bound when the candidate is a latency.
+    ratio: float | None = None
+    #: Whether the execution it was seen in came right after an idle period.
+    after_idle: bool = False
+    detail: str = ""
+
+
+def after_idle(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
+    """Could this execution have met a cold server?
+
+    True when the server had been idle for at least a cold start's time before it, and
+    when that is unknown (``idle_before_s`` None: a freshly started server, or one that
+    does not say): such a run is never taken as proof of a warm-server slowdown.
+    """
+    return result.idle_before_s is None or result.idle_before_s >= policy.cold_idle_s
+
+
+def observe(
+    trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
+) -> tuple[RequestReport, ...]:
+    """Hold every request of ``result`` against its idle expectation and its FCFS bound."""
+    expectations, factor = bounds(trace, result, calibration, policy)
+    thrashed = thrash(trace, result, calibration, policy)
+    reports = []
+    for r in result.requests:
+        e = expectations[r.request_id]
+        observations: dict[Metric, Observation] = {}
+        if r.outcome is Outcome.OK:
+            for metric, value in _measured(r).items():
+                bound, idle = e.bound(metric), e.idle(metric)
+                if value is None or bound is None or idle is None:
+                    continue
+                margin = policy.margin_s(calibration, metric, result.client_lag_s)
+                slow = value >= factor * bound and value - bound >= margin
+                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed)
+        failure = FindingKind(FAILURE_KIND[r.outcome]) if r.outcome in FAILURE_KIND else None
+        reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))
+    return tuple(reports)
+
+
+def preemptions(result: ExecutionResult) -> int:
+    """Preemptions the server reported during the execution (0 when it reports none)."""
+    counts = [s.values["preemptions"] for s in result.samples if "preemptions" in s.values]
+    return int(max(counts) - counts[0]) if len(counts) >= 2 else 0
+
+
+def kv_pressure(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
+    """By-design KV pressure: some preemptions, but not more than thrash allows."""
+    count = preemptions(result)
+    return 0 < count <= policy.thrash_preemptions_per_request * len(result.requests)
+
+
+def thrash(
+    trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
+) -> bool:
+    """More preemptions than the KV-aware schedule explains, by more than thrash allows (needs a KV capacity)."""
+    a = calibration.assumption
+    if a.kv_blocks is None:
+        return False
+    excess = preemptions(result) - expected_preemptions(trace, calibration.model, a, result)
+    return excess > policy.thrash_excess_per_request * len(result.requests)
+
+
+def bounds(
+    trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
+) -> tuple[dict[str, Expectation], float]:
+    """The expectations ``result`` is held against, and the candidate factor over them.
+
+    With the server's KV capacity known, the KV-aware bound (by-design preemption is inside
+    it) and the plain factor; when the execution thrashes (:func:`thrash`) the KV-unaware
+    bound, no allowance. Without a capacity, the KV-unaware bound and, under by-design KV
+    pressure (:func:`kv_pressure`), a factor KV_PRESSURE_FACTOR times larger.
+    """
+    model, a = calibration.model, calibration.assumption
+    if a.kv_blocks is not None:
+        return expect(trace, model, a, result, kv=not thrash(trace, result, calibration, policy)), policy.factor
+    factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
+    return expect(trace, model, a, result), factor
+
+
+def _measured(r: RequestResult) -> dict[Metric, float | None]:
+    return {Metric.TTFT: r.ttft_s, Metric.MAX_ITL: r.max_itl_s, Metric.E2E: r.e2e_s}
+
+
+def crashed(result: ExecutionResult) -> bool:
+    """The server went down: connection errors from some request on, and none answered after.
+
+    A single reset followed by answered requests is an ``error``, not a crash.
+    """
+    failed = [r.outcome is Outcome.CONNECTION_ERROR for r in sorted(result.requests, key=lambda r: r.sent_s)]
+    if not any(failed):
+        return False
+    tail = failed[failed.index(True):]
+    if not all(tail):
+        return False  # a later request was answered: the server is up
+    return len(tail) >= 2 or (len(failed) == 1 and result.idle_after is None)
+
+
+def candidates(
+    trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
+) -> list[Candidate]:
+    """What in one execution deserves confirmation, worst first."""
+    cold = after_idle(result, policy)
+    out: list[Candidate] = []
+    down = crashed(result)
+    if down:
+        out.append(Candidate(FindingKind.CRASH, detail="connection errors from some request on, none answered after"))
+    if result.idle_after is False:
+        out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"))
+    latency = []
+    for rep in observe(trace, result, calibration, policy):
+        if rep.failure is not None and not (down and rep.outcome is Outcome.CONNECTION_ERROR):
+            out.append(Candidate(rep.failure, rep.request_id, detail=rep.outcome.value))
+        slow = [o for o in rep.observations.values() if o.candidate]
+        if slow:
+            o = max(slow, key=lambda o: o.ratio)
+            latency.append(Candidate(METRIC_KIND[o.metric], rep.request_id, o.metric, o.ratio, cold))
+    latency.sort(key=lambda c: -(c.ratio or 0.0))
+    return out + latency
+
+
+# --- judging one or more executions -----------------------------------------------------------
+
+
+def judge(
+    trace: Trace,
+    results: Sequence[ExecutionResult],
+    calibration: Calibration,
+    *,
+    rng: np.random.Generator,
+    policy: OraclePolicy = DEFAULT_POLICY,
+) -> list[Verdict]:
+    """One verdict per request of ``trace`` (plus leak/crash verdicts) from executions of it.
+
+    Each request's worst metric is tested across the runs against the calibration
+    baseline. Runs after an idle period are judged apart: slow there and not in the warm
+    runs is ``cold-start``.
+    """
+    if not results:
+        return []
+    reports = [{rep.request_id: rep for rep in observe(trace, r, calibration, policy)} for r in results]
+    cold = [after_idle(r, policy) for r in results]
+    verdicts: list[Verdict] = []
+    verdicts += _execution_verdicts(trace, results)
+    for request in trace.requests:
+        per_run = [rep[request.id] for rep in reports if request.id in rep]
+        failure = _failure_verdict(trace, request.id, per_run)
+        if failure is not None:
+            verdicts.append(failure)
+            continue
+        verdicts.append(latency_verdict(trace, request.id, per_run, cold, calibration, rng, policy))
+    return verdicts
+
+
+def _execution_verdicts(trace: Trace, results: Sequence[ExecutionResult]) -> list[Verdict]:
+    out = []
+    for kind, hit in (
+        (FindingKind.CRASH, [crashed(r) for r in results]),
+        (FindingKind.LEAK, [r.idle_after is False for r in results]),
+    ):
+        k = sum(hit)
+        if k:
+            out.append(count_verdict(kind, None, k, len(results), signature(kind, trace)))
+    return out
+
+
+def _failure_verdict(trace: Trace, request_id: str, per_run: Sequence[RequestReport]) -> Verdict | None:
+    kinds = [rep.failure for rep in per_run if rep.failure is not None]
+    if not kinds:
+        return None
+    kind = max(set(kinds), key=kinds.count)
+    outcome = next(rep.outcome for rep in per_run if rep.failure is kind)
+    sig = signature(kind, trace, request_id, outcome=outcome.value)
+    return count_verdict(kind, request_id, kinds.count(kind), len(per_run), sig, detail=outcome.value)
+
+
+def count_verdict(
+    kind: FindingKind, request_id: str | None, k: int, n: int, sig: str, *, detail: str = "",
+    quorum: float = FAILURE_QUORUM,
+) -> Verdict:
+    if n < 2:
+        decision = Decision.INSUFFICIENT_DATA
+    elif k >= 2 and k / n >= quorum:
+        decision = Decision.DIFFERENT
+    elif k == 0:
+        decision = Decision.SAME
+    else:
+        decision = Decision.UNSTABLE
+    return Verdict(kind=kind, decision=decision, method=_FAILURE_METHOD, request_id=request_id,
+                   reproduced=k, runs=n, n_sample=n, signature=sig, detail=detail)
+
+
+def latency_verdict(
+    trace: Trace,
+    request_id: str,
+    per_run: Sequence[RequestReport],
+    cold: Sequence[bool],
+    calibration: Calibration,
+    rng: np.random.Generator,
+    policy: OraclePolicy,
+) -> Verdict:
+    worst = [rep.worst for rep in per_run if rep.worst is not None]
+    assumption = calibration.assumption.describe()
+    if not worst:
+        return Verdict(kind=None, decision=Decision.INSUFFICIENT_DATA, method=_METHOD, request_id=request_id,
+                       runs=len(per_run), assumption=assumption, detail="no latency measured in any run")
+    metric = _judged_metric(per_run) or max(worst, key=lambda o: o.ratio).metric
+    obs = [rep.observations.get(metric) for rep in per_run]
+    warm = [o for o, c in zip(obs, cold) if o is not None and not c]
+    cold_obs = [o for o, c in zip(obs, cold) if o is not None and c]
+    baseline = calibration.baseline.get(metric, ())
+
+    def test(sample: Sequence[Observation]) -> Comparison:
+        threshold = max((o.factor for o in sample), default=policy.factor)
+        return compare([o.ratio for o in sample], baseline, threshold=threshold, rng=rng,
+                       alpha=policy.alpha, same_p=policy.same_p)
+
+    everything = [o for o in obs if o is not None]
+    # A verdict on a calibration too noisy to judge says so (it is not withheld: the effect may be real).
+    unreliable = [note] if (note := calibration.reliability_note()) is not None else []
+    if cold_obs and warm and all(o.candidate for o in cold_obs) and not any(o.candidate for o in warm):
+        # Slow only right after idleness: a cold start, whatever the warm runs say.
+        c = test(cold_obs)
+        decision = Decision.UNKNOWN if c.decision is Decision.INSUFFICIENT_DATA else c.decision
+        if decision is Decision.SAME:
+            decision = Decision.UNKNOWN
+        return _make_verdict(FindingKind.COLD_START, decision, c, request_id, metric, cold_obs, assumption,
+                             signature(FindingKind.COLD_START, trace), threshold=max(o.factor for o in cold_obs),
+                             detail="; ".join([f"slow in {len(cold_obs)} run(s) after >= {policy.cold_idle_s:g} s idle, "
+                                               f"not in {len(warm)} warm run(s)", *unreliable]))
+    sample = warm if warm else everything
+    c = test(sample)
+    k = sum(o.candidate for o in sample)
+    kind = METRIC_KIND[metric] if k else None
+    decision = c.decision
+    if decision is Decision.UNKNOWN and len(sample) >= policy.max_runs and 0 < k < len(sample):
+        decision = Decision.UNSTABLE
+    notes = [] if warm else ["every run came after an idle period; a cold start cannot be ruled out"]
+    notes += unreliable
+    threshold = max((o.factor for o in sample), default=policy.factor)
+    if any(o.thrashed for o in sample):
+        notes.append("the server preempted far more often than a KV-aware FCFS scheduler would (thrash): "
+                     "judged against the bound that never runs out of KV")
+    if threshold > policy.factor:
+        notes.append(f"the server reported preemptions (KV cache full): candidate factor {threshold:g}x, "
+                     "not the KV-unaware FCFS bound's usual one")
+    detail = "; ".join(notes)
+    sig = signature(kind, trace, request_id) if kind else None
+    return _make_verdict(kind, decision, c, request_id, metric, sample, assumption, sig, threshold=threshold,
+                         detail=detail)
+
+
+def _judged_metric(per_run: Sequence[RequestReport]) -> Metric | None:
+    """The metric to judge a request on, or None when no run made it a candidate.
+
+    The earliest symptom that made a candidate in at least half of the runs (a late first
+    token also delays the end; blaming the end would hide the cause). A symptom that made
+    one only now and then is not the one to test when another does so in most runs: a
+    request that streams every token 40x too slowly and whose first token is borderline
+    slow in 2 runs of 10 is an inter-token stall, not a TTFT that tests SAME. When no
+    symptom reaches half of the runs (a slowdown only after idle periods, say), the one
+    that made a candidate most often, earliest first on a tie.
+    """
+    counts = {m: sum(1 for rep in per_run if (o := rep.observations.get(m)) is not None and o.candidate)
+              for m in _SYMPTOM_ORDER}
+    steady = [m for m in _SYMPTOM_ORDER if counts[m] and 2 * counts[m] >= len(per_run)]
+    if steady:
+        return steady[0]
+    best = max(counts.values())
+    return next((m for m in _SYMPTOM_ORDER if counts[m] == best), None) if best else None
+
+
+def _make_verdict(
+    kind: FindingKind | None,
+    decision: Decision,
+    c: Comparison,
+    request_id: str,
+    metric: Metric,
+    sample: Sequence[Observation],
+    assumption: str,
+    sig: str | None,
+    *,
+    threshold: float,
+    detail: str = "",
+) -> Verdict:
+    return Verdict(
+        kind=kind,
+        decision=decision,
+        method=_METHOD + (f" ({c.test})" if c.test else ""),
+        request_id=request_id,
+        metric=metric,
+        statistic=c.statistic,
+        p_value=c.p_value,
+        effect=c.effect,
+        effect_ci=c.effect_ci,
+        threshold=threshold,
+        n_sample=c.n_sample,
+        n_baseline=c.n_baseline,
+        reproduced=sum(o.candidate for o in sample),
+        runs=len(sample),
+        observed_s=float(np.median([o.observed_s for o in sample])) if sample else None,
+        expected_s=float(np.median([o.expected_s for o in sample])) if sample else None,
+        idle_s=float(np.median([o.idle_s for o in sample])) if sample else None,
+        assumption=assumption,
+        signature=sig,
+        detail=detail,
+    )

@@ -1,0 +1,193 @@
+"""The oracle's leaf: the calibrated step-time model and the scheduler assumption.
+
+A :class:`StepModel` says what one engine step costs (and what a request spends outside
+the engine); a :class:`SchedulerAssumption` says which scheduler parameters the bound
+assumes (token budget, sequence slots, KV blocks) and where each came from. Both are
+frozen values stored with a calibration; the paper scheduler (:mod:`fuzzer.oracle.paper`)
+and the expectations (:mod:`fuzzer.oracle.expectation`) read them, nothing here reads those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fuzzer.errors import ConfigError
+
+# vLLM's API server defaults (vllm/config/scheduler.py, ARCHITECTURE.md, "Engines"): a token
+# budget of 2048 per step on GPUs under 70 GiB (8192 above), 256 running sequences, KV
+# blocks of 16 tokens. The budget cannot be read from a server, so it is an assumption.
+DEFAULT_TOKEN_BUDGET = 2048
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_BLOCK_SIZE = 16
+
+# The FCFS bound is taken over the calibrated step model and these scalings of it. A real
+# server's step boundaries drift from the model's (noise, calibration error); +-15% covers
+# the drift of a busy period of a few hundred steps at the few-percent noise measured on
+# GPUs, so a request that merely missed a step boundary is not called slow.
+ENVELOPE_SCALES = (0.85, 1.15)
+#: Frontend time a request may save against the calibrated per-token cost (JSON parsing,
+#: event-loop turns, tokenizer warm caches): over HTTP a clean simulator let a 1024-token
+#: prompt sent 0.2 ms before a 1-token one reach its engine first, against a calibrated
+#: 2.3 ms of frontend time; 16,000-token prompts (36 ms) still came second.
+FRONTEND_SLACK_S = 0.005
+
+@dataclass(frozen=True)
+class StepModel:
+    """Calibrated cost of one engine step, plus the latency outside the engine."""
+
+    overhead_s: float
+    prefill_token_s: float
+    decode_seq_s: float
+    context_token_s: float
+    #: Send-to-engine and engine-to-client time of a request that does not grow with it (HTTP).
+    request_overhead_s: float = 0.0
+    #: Frontend time per prompt token before the engine sees a request (tokenization). It
+    #: also decides the engine's order of requests sent at the same instant.
+    frontend_token_s: float = 0.0
+    #: How much sooner than ``frontend_token_s`` x prompt a request may reach the engine (a
+    #: variant of the envelope, never stored): the frontend's time is uncertain by a few ms.
+    frontend_slack_s: float = 0.0
+
+    def frontend_s(self, prompt_tokens: int) -> float:
+        """Frontend time (tokenization) before the engine sees a request of ``prompt_tokens``."""
+        return max(0.0, self.frontend_token_s * prompt_tokens - self.frontend_slack_s)
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        return (
+            self.overhead_s
+            + self.prefill_token_s * prefill_tokens
+            + self.decode_seq_s * decode_seqs
+            + self.context_token_s * context_tokens
+        )
+
+    def scaled(self, factor: float) -> StepModel:
+        """The same model with every engine and frontend cost multiplied by ``factor``.
+
+        Scaling the frontend too reorders requests sent within a frontend-time of each
+        other: which of them the engine sees first is as uncertain as the fit.
+        """
+        return StepModel(
+            self.overhead_s * factor,
+            self.prefill_token_s * factor,
+            self.decode_seq_s * factor,
+            self.context_token_s * factor,
+            self.request_overhead_s,
+            self.frontend_token_s * factor,
+        )
+
+    def with_frontend_slack(self) -> StepModel:
+        """The same model with FRONTEND_SLACK_S less frontend time per request: a long prompt
+        sent a moment before a short one may reach the engine first, as over HTTP a
+        one-process frontend handles requests in arrival order; one whose tokenization takes
+        far longer than the gap between them still comes second."""
+        return replace(self, frontend_slack_s=FRONTEND_SLACK_S)
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "overhead_s": self.overhead_s,
+            "prefill_token_s": self.prefill_token_s,
+            "decode_seq_s": self.decode_seq_s,
+            "context_token_s": self.context_token_s,
+            "request_overhead_s": self.request_overhead_s,
+            "frontend_token_s": self.frontend_token_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepModel:
+        return cls(**{k: float(data[k]) for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class SchedulerAssumption:
+    """Scheduler parameters the expectation needs and the server does not expose."""
+
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    prefix_caching: bool = True
+    #: Where the values come from, for the verdict ("vLLM default", "user override").
+    source: str = "vLLM API-server default"
+    #: KV cache capacity in blocks of ``block_size``, as the server reports it (vLLM's
+    #: ``cache_config_info`` num_gpu_blocks); None when unknown: the bound assumes the KV
+    #: cache never runs out, and the oracle allows for preemptions (fuzzer.oracle.judge).
+    kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"scheduler assumption {name} must be a positive integer, got {value!r}")
+        if self.kv_blocks is not None and (not isinstance(self.kv_blocks, int) or self.kv_blocks < 1):
+            raise ConfigError(f"scheduler assumption kv_blocks must be a positive integer or None, got {self.kv_blocks!r}")
+
+    def describe(self) -> str:
+        kv = f", KV cache {self.kv_blocks} blocks (server-reported)" if self.kv_blocks is not None else ""
+        return (
+            f"max_num_batched_tokens={self.token_budget}, max_num_seqs={self.max_num_seqs}, "
+            f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv} ({self.source})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "token_budget": self.token_budget,
+            "max_num_seqs": self.max_num_seqs,
+            "block_size": self.block_size,
+            "prefix_caching": self.prefix_caching,
+            "source": self.source,
+            "kv_blocks": self.kv_blocks,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SchedulerAssumption:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+#: Names under which engines document the per-step token budget (server adapters'
+#: ``scheduler_defaults``). A tuple value lists the documented choices; the first (the
+#: smaller GPU's default) is taken, and the verdict says so.
+_BUDGET_KEYS = ("max_num_batched_tokens", "chunked_prefill_size", "max_batch_prefill_tokens", "n_batch")
+_SEQS_KEYS = ("max_num_seqs", "max_concurrent_requests")
+
+
+def assumption_for(
+    kind: str,
+    defaults: Mapping[str, Any],
+    *,
+    token_budget: int | None = None,
+    max_num_seqs: int | None = None,
+    block_size: int | None = None,
+) -> SchedulerAssumption:
+    """The assumption for a server kind, from its adapter's documented defaults and user overrides."""
+    found: dict[str, Any] = {}
+    notes = []
+    for key in _BUDGET_KEYS:
+        if key in defaults:
+            value = defaults[key]
+            found["token_budget"] = value[0] if isinstance(value, (tuple, list)) else value
+            notes.append(f"{key} documented default")
+            break
+    for key in _SEQS_KEYS:
+        if key in defaults:
+            value = defaults[key]
+            found["max_num_seqs"] = value[0] if isinstance(value, (tuple, list)) else value
+            break
+    for key in ("block_size", "page_size"):
+        if key in defaults:
+            found["block_size"] = defaults[key]
+            break
+    if "prefix_caching" in defaults:
+        found["prefix_caching"] = bool(defaults["prefix_caching"])
+    if isinstance(defaults.get("num_gpu_blocks"), int) and defaults["num_gpu_blocks"] > 0:
+        # Reported by the server itself (fuzzer.execute.adapters.reported_scheduler), never a documented default.
+        found["kv_blocks"] = defaults["num_gpu_blocks"]
+    source = f"{kind} default" if found else "no documented default; vLLM's assumed"
+    overrides = {
+        k: v
+        for k, v in (("token_budget", token_budget), ("max_num_seqs", max_num_seqs), ("block_size", block_size))
+        if v is not None
+    }
+    if overrides:
+        source += "; user override of " + ", ".join(sorted(overrides))
+    return SchedulerAssumption(**{**found, **overrides}, source=source)

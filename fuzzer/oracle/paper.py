@@ -1,0 +1,505 @@
+"""The paper scheduler: an idealised FCFS chunked-prefill engine, step by step (ARCHITECTURE.md, "Oracle").
+
+:mod:`fuzzer.oracle.expectation` asks it how a trace would be served under a calibrated step
+model and a scheduler assumption. Every step has a token budget; running decodes come
+first (one token per sequence), then prefill chunks in first-come-first-served order,
+first the partially prefilled running requests, then waiting ones, up to
+``max_num_seqs``. A prefix shared with an earlier request of the same trace is a cache
+hit once that request has computed the prefix's full KV blocks. Stretches of pure
+decoding are computed many steps at once, float for float the same as one by one.
+
+A request asking for more choices (``n``) than ``max_num_seqs`` sequences is served in
+waves, as an engine that fans the choices out into sequences does: the first
+``max_num_seqs`` choices (choice 0 among them: its tokens are the ones a client times)
+run as the request, the rest queue behind it as further requests with the same prompt
+and arrival, each taking a free slot when there is one; the request ends with its last
+wave. A later wave recomputes the prompt (an upper bound: a prefix cache may keep it).
+
+With a KV capacity (``kv_blocks``, read from the server: vLLM's ``cache_config_info``),
+the schedule also holds KV blocks, as vLLM v1 does: a request holds the blocks of the
+tokens it has computed (each further choice its own output blocks); a waiting request is
+admitted only when its chunk's blocks fit with one block of headroom per running
+request; when a running request's decode or chunk needs a block that is not free, the
+newest running request is preempted (recompute): its blocks are freed, it goes back to
+the front of the waiting queue and, re-admitted, recomputes its prompt and the tokens
+it had generated before its next token. Blocks are counted per request (a prefix shared
+by a group is counted in each member: more pressure, never less, than a prefix cache
+gives), so by-design preemption delays are inside the bound. Without a capacity the KV
+cache never runs out.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fuzzer.errors import ConfigError
+from fuzzer.trace import Request
+
+if TYPE_CHECKING:
+    from fuzzer.oracle.model import SchedulerAssumption, StepModel
+
+# A trace whose paper schedule needs more steps than this is not a fuzzing input
+# (a million steps is hours of decoding); stop rather than spin.
+MAX_MODEL_STEPS = 1_000_000
+
+# A stretch of pure decode steps with no end in sight (nobody decoding, a request that can
+# never be admitted) is computed this many steps at a time, so memory stays small.
+_DECODE_RUN_MAX = 65_536
+
+
+@dataclass(frozen=True)
+class PaperRequest:
+    """One request as the paper scheduler serves it; times from its send, like a client's."""
+
+    request_id: str
+    #: When it arrived, offset from the start of the execution.
+    arrival_s: float
+    #: Arrival of each token (choice 0), measured from the request's send.
+    token_times_s: tuple[float, ...]
+    e2e_s: float
+    cached_tokens: int
+    #: The longest engine step while the request was in the system.
+    max_step_s: float = 0.0
+    #: Times the request was preempted for KV blocks (0 without a KV capacity).
+    preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0]
+
+    @functools.cached_property
+    def max_itl_s(self) -> float | None:
+        t = self.token_times_s
+        return float(np.diff(np.array(t)).max()) if len(t) > 1 else None
+
+
+def serve(
+    requests: tuple[Request, ...],
+    prefixes: Mapping[str, int],
+    sent: Mapping[str, float],
+    model: StepModel,
+    assumption: SchedulerAssumption,
+    lookahead: bool,
+    window: float = 1.0,
+    kv_blocks: int | None = None,
+) -> dict[str, PaperRequest]:
+    """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
+
+    ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited).
+    """
+    jobs = [
+        Job(
+            id=r.id,
+            arrival_s=sent.get(r.id, r.at_ms / 1000.0),
+            prompt=r.prompt_tokens,
+            group=r.prefix,
+            prefix=prefixes[r.prefix] if r.prefix else 0,
+            out=r.cancel_after_tokens or r.max_tokens,
+            n=r.n,
+        )
+        for r in requests
+    ]
+    done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks)
+    return {j.id: j.paper(model) for j in done}
+
+
+@dataclass
+class Job:
+    """Mutable bookkeeping of one request inside the paper schedule."""
+
+    id: str
+    arrival_s: float
+    prompt: int
+    group: str | None
+    prefix: int
+    out: int
+    n: int
+    #: Cached tokens forced from outside (idle replay of a request that had hits); None = decide.
+    forced_cached: int | None = None
+    cached: int = 0
+    computed: int = 0
+    admitted: bool = False
+    tokens: int = 0
+    token_times: list[float] = field(default_factory=list)
+    finish_s: float | None = None
+    max_step: float = 0.0
+    #: When the engine sees it: arrival plus the frontend's per-prompt-token time.
+    ready_s: float = 0.0
+    #: Generated tokens to recompute after a preemption (prefilled again with the prompt).
+    recompute: int = 0
+    #: KV blocks held (only with a KV capacity) and preemptions suffered.
+    held: int = 0
+    preemptions: int = 0
+
+    @property
+    def prefilled(self) -> bool:
+        return self.admitted and self.computed >= self.prompt + self.recompute
+
+    def paper(self, model: StepModel) -> PaperRequest:
+        assert self.finish_s is not None and self.token_times
+        shift = model.request_overhead_s - self.arrival_s
+        return PaperRequest(
+            request_id=self.id,
+            arrival_s=self.arrival_s,
+            token_times_s=tuple((np.array(self.token_times) + shift).tolist()),
+            e2e_s=self.finish_s + shift,
+            cached_tokens=self.cached,
+            max_step_s=self.max_step,
+            preemptions=self.preemptions,
+        )
+
+
+def _cacheable(job: Job, block: int) -> int:
+    """Prompt tokens a prefix hit can cover: the prefix's full blocks, never the whole prompt."""
+    full = (job.prefix // block) * block
+    return min(full, ((job.prompt - 1) // block) * block)
+
+
+def schedule(
+    jobs: list[Job],
+    model: StepModel,
+    a: SchedulerAssumption,
+    *,
+    lookahead: bool = False,
+    window: float = 1.0,
+    kv_blocks: int | None = None,
+) -> list[Job]:
+    """Run the jobs through the paper scheduler; fills token times and finish times in place.
+
+    With ``lookahead``, each step boundary of a busy engine that an arrival is due within
+    one step of falls later, just after the arrivals of ``window`` step-lengths from the
+    first of them, which then share the step: ``window=1`` is the most unlucky alignment
+    for a request that a later arrival's chunk joins; ``window=0`` puts the boundary just
+    after the first arrival, so one that comes a little later waits out that step.
+
+    Stretches of pure decoding (nothing to prefill, nothing admissible, no arrival, no
+    request finishing) are computed for many steps at once by :func:`_decode_run`; the
+    result is the same, float for float, as stepping them one by one.
+
+    ``kv_blocks``: the KV capacity (see the module's docstring); None, unlimited.
+    """
+    kv = _KV(kv_blocks, a.block_size) if kv_blocks is not None else None
+    waves = _waves(jobs, a.max_num_seqs)
+    queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
+    for j in queued:
+        j.ready_s = j.arrival_s + model.frontend_s(j.prompt)
+    order = sorted(queued, key=lambda j: j.ready_s)  # stable: same-instant requests keep trace order
+    pending = deque(order)
+    waiting: deque[Job] = deque()
+    running: list[Job] = []
+    #: prefix group -> time its full blocks were computed (cache hits from then on).
+    ready: dict[str, float] = {}
+    t = order[0].ready_s if order else 0.0
+    steps = 0
+    last_dt = 0.0
+    while pending or waiting or running:
+        horizon = t
+        if lookahead and running and pending and pending[0].ready_s <= t + last_dt:
+            # The boundary may fall up to one step after the first new arrival.
+            horizon = max(t, pending[0].ready_s + window * last_dt)
+        while pending and pending[0].ready_s <= horizon:
+            job = pending.popleft()
+            waiting.append(job)
+            t = max(t, job.ready_s)  # the step boundary falls after this arrival
+        if not waiting and not running:
+            t = pending[0].ready_s
+            continue
+        room = kv.make_room(running, waiting, a.token_budget) if kv is not None else {}
+        decoding = [j for j in running if j.prefilled]
+        decode_seqs = sum(j.n for j in decoding)
+        context = sum(j.n * (j.prompt + j.tokens) for j in decoding)
+        budget = a.token_budget - decode_seqs
+        if (
+            len(decoding) == len(running)
+            and (
+                not waiting
+                or budget <= 0
+                or decode_seqs + waiting[0].n > a.max_num_seqs
+                or (kv is not None and running and kv.admit_blocks(waiting[0], t, ready, a, budget, len(running)) is None)
+            )
+            and steps < MAX_MODEL_STEPS
+        ):
+            # Nothing to prefill and nobody admissible: only decode steps until something changes.
+            t, last_dt, done = _decode_run(
+                t, last_dt, decoding, decode_seqs, context, waiting, running, pending, model,
+                lookahead=lookahead, max_steps=MAX_MODEL_STEPS - steps, kv=kv,
+            )
+            steps += done
+            _retire(running, t, kv)
+            continue
+        chunks: list[tuple[Job, int]] = []
+        for j in running:
+            if not j.prefilled and budget > 0:
+                c = min(j.prompt + j.recompute - j.computed, budget, room.get(id(j), budget))
+                if c > 0:
+                    chunks.append((j, c))
+                    budget -= c
+        seqs = sum(j.n for j in running)
+        while waiting and budget > 0 and seqs + waiting[0].n <= a.max_num_seqs:
+            if kv is not None and running:
+                blocks = kv.admit_blocks(waiting[0], t, ready, a, budget, len(running))
+                if blocks is None:
+                    break  # its blocks do not fit: head-of-line, as vLLM's FCFS admission
+            j = waiting.popleft()
+            _admit(j, t, ready, a)
+            running.append(j)
+            seqs += j.n
+            c = min(j.prompt + j.recompute - j.computed, budget)
+            chunks.append((j, c))
+            budget -= c
+            if kv is not None:
+                kv.hold(j, kv.admitted_tokens(j, j.computed, budget + c))
+        prefill = sum(c for _, c in chunks)
+        dt = model.step_s(prefill, decode_seqs, context)
+        # Every request in the system during this step (or arriving while it runs) was exposed
+        # to it: a step this long may sit between two of its tokens.
+        for j in (*waiting, *running):
+            j.max_step = max(j.max_step, dt)
+        for j in pending:
+            if j.ready_s >= t + dt:
+                break
+            j.max_step = max(j.max_step, dt)
+        t += dt
+        last_dt = dt
+        steps += 1
+        if steps > MAX_MODEL_STEPS:
+            raise ConfigError(f"the trace needs more than {MAX_MODEL_STEPS} scheduler steps to model; shorten it")
+        for j in decoding:
+            j.tokens += 1
+            j.token_times.append(t)
+        for j, c in chunks:
+            j.computed += c
+            if j.group is not None and j.group not in ready and j.computed >= _cacheable(j, a.block_size) > 0:
+                ready[j.group] = t
+            if j.computed >= j.prompt + j.recompute:
+                j.tokens += 1
+                j.token_times.append(t)
+        _retire(running, t, kv)
+    for j in jobs:
+        for w in waves.get(id(j), ()):
+            j.n += w.n
+            j.finish_s = max(j.finish_s or 0.0, w.finish_s or 0.0)
+            j.max_step = max(j.max_step, w.max_step)
+            j.preemptions += w.preemptions
+    return jobs
+
+
+def _waves(jobs: list[Job], max_num_seqs: int) -> dict[int, list[Job]]:
+    """Split every job asking for more than ``max_num_seqs`` choices; id(job) -> its later waves.
+
+    The job keeps ``max_num_seqs`` choices while scheduled (its ``n`` is restored after).
+    """
+    out: dict[int, list[Job]] = {}
+    for j in jobs:
+        extra = []
+        while j.n > max_num_seqs:
+            k = min(j.n - max_num_seqs, max_num_seqs)
+            extra.append(Job(id=j.id, arrival_s=j.arrival_s, prompt=j.prompt, group=j.group, prefix=j.prefix,
+                             out=j.out, n=k, forced_cached=j.forced_cached))
+            j.n -= k
+        if extra:
+            out[id(j)] = extra
+    return out
+
+
+def _retire(running: list[Job], t: float, kv: _KV | None = None) -> None:
+    """Finish (at ``t``) and remove the running requests that have all their tokens."""
+    for j in [j for j in running if j.prefilled and j.tokens >= j.out]:
+        j.finish_s = t
+        running.remove(j)
+        if kv is not None:
+            kv.free += j.held
+            j.held = 0
+
+
+class _KV:
+    """The KV blocks of the paper schedule: how many are free, who holds how many."""
+
+    #: Blocks kept free per running request when admitting (each decode may need one next step).
+    HEADROOM_PER_SEQ = 1
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        self.free = capacity
+        self.block = block_size
+
+    def blocks(self, j: Job, tokens: int) -> int:
+        """Blocks that hold ``tokens`` of the job's sequence (each further choice its own output)."""
+        b = self.block
+        out = -(-tokens // b)
+        if j.n > 1:
+            out += (j.n - 1) * -(-max(0, tokens - j.prompt) // b)
+        return out
+
+    def hold(self, j: Job, tokens: int) -> None:
+        """Let ``j`` hold the blocks of ``tokens`` (it never gives any back before it leaves)."""
+        need = self.blocks(j, tokens) - j.held
+        if need > 0:
+            j.held += need
+            self.free -= need
+
+    def admit_blocks(
+        self, j: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, budget: int, running: int
+    ) -> int | None:
+        """Blocks the waiting ``j`` would take if admitted now; None when they do not fit with the headroom.
+
+        A fresh request needs the blocks of its first chunk; a preempted one those of its whole
+        recompute (vLLM finds the head of its own sequence in the prefix cache and allocates
+        the rest at once, so it is not re-admitted only to be preempted again).
+        """
+        cached = _hit(j, t, ready, a)
+        need = self.blocks(j, self.admitted_tokens(j, cached, budget))
+        return need if need + running * self.HEADROOM_PER_SEQ <= self.free else None
+
+    @staticmethod
+    def admitted_tokens(j: Job, cached: int, budget: int) -> int:
+        """Tokens whose blocks a job takes when admitted (see :meth:`admit_blocks`)."""
+        return j.prompt + j.recompute if j.preemptions else cached + min(j.prompt + j.recompute - cached, budget)
+
+    def make_room(self, running: list[Job], waiting: deque[Job], token_budget: int) -> dict[int, int]:
+        """Give every running request the blocks of this step's work, preempting the newest when short.
+
+        Returns id(job) -> the prefill chunk its blocks cover (decodes are not listed).
+        """
+        budget = token_budget - sum(j.n for j in running if j.prefilled)
+        room: dict[int, int] = {}
+        i = 0
+        while i < len(running):
+            j = running[i]
+            if j.prefilled:
+                want = j.prompt + j.tokens
+            else:
+                c = min(j.prompt + j.recompute - j.computed, max(budget, 0))
+                budget -= c
+                room[id(j)] = c
+                want = j.computed + c
+            need = self.blocks(j, want) - j.held
+            while need > self.free and len(running) > 1:
+                victim = running.pop()  # the newest running request
+                self.preempt(victim, waiting)
+                if victim is j:
+                    break
+            if i >= len(running):
+                break  # j itself was preempted
+            self.hold(j, want)
+            i += 1
+        return room
+
+    def preempt(self, j: Job, waiting: deque[Job]) -> None:
+        """Recompute preemption: free the blocks, back to the front of the queue."""
+        self.free += j.held
+        j.held = 0
+        j.admitted = False
+        j.computed = 0
+        j.recompute = j.tokens
+        j.preemptions += 1
+        waiting.appendleft(j)
+
+    def decode_steps(self, decoding: list[Job], count: int) -> int:
+        """How many of ``count`` pure decode steps fit the free blocks (at least 1: step 0 was made room for)."""
+        b = self.block
+        prompt = np.array([j.prompt for j in decoding], dtype=np.int64)
+        tokens = np.array([j.tokens for j in decoding], dtype=np.int64)
+        extra = np.array([j.n - 1 for j in decoding], dtype=np.int64)
+        held = np.array([j.held for j in decoding], dtype=np.int64)
+
+        def need(s: int) -> int:  # blocks beyond those held that steps 0..s need
+            blocks = -(-(prompt + tokens + s) // b) + extra * -(-(tokens + s) // b)
+            return int(np.maximum(0, blocks - held).sum())
+
+        if count <= 1 or need(count - 1) <= self.free:
+            return count
+        lo, hi = 0, count - 1  # need(lo) fits, need(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= self.free else (lo, mid)
+        return hi
+
+
+def _decode_run(
+    t: float,
+    last_dt: float,
+    decoding: list[Job],
+    decode_seqs: int,
+    context: int,
+    waiting: deque[Job],
+    running: list[Job],
+    pending: deque[Job],
+    model: StepModel,
+    *,
+    lookahead: bool,
+    max_steps: int,
+    kv: _KV | None = None,
+) -> tuple[float, float, int]:
+    """Take the pure-decode steps from ``t`` on at once; returns (t, last_dt, steps taken).
+
+    The run stops after the step in which the first decoding request gets its last
+    token, or before the step at whose start the next arrival would be admitted to the
+    waiting queue, whichever comes first (at least one step is taken: the caller found
+    none admissible at ``t``). Step k has the context of step 0 plus k tokens of every
+    decoding sequence; the times are accumulated in order, exactly as step-by-step. With
+    ``kv``, it also stops before the first step whose decodes need more blocks than are free.
+    """
+    left = min((j.out - j.tokens for j in decoding), default=None)
+    count = min(max_steps, _DECODE_RUN_MAX if left is None else left)
+    if kv is not None and decoding:
+        count = kv.decode_steps(decoding, count)
+    # overhead + prefill x 0 + decode: the same float operations, in the same order, as step_s.
+    base = model.overhead_s + model.prefill_token_s * 0 + model.decode_seq_s * decode_seqs
+    contexts = np.arange(count, dtype=np.float64)
+    contexts *= decode_seqs
+    contexts += context
+    dts = base + model.context_token_s * contexts
+    ends = np.cumsum(np.concatenate(([t], dts)))[1:]  # sequential: ends[k] = ends[k-1] + dts[k]
+    if pending:
+        # Step k >= 1 starts at ends[k-1]; the next arrival joins the queue there when it is
+        # due (with lookahead: due within the previous step's length).
+        due = ends[:-1] + dts[:-1] if lookahead and running else ends[:-1]
+        late = np.flatnonzero(pending[0].ready_s <= due)
+        if late.size:
+            count = int(late[0]) + 1
+            dts, ends = dts[:count], ends[:count]
+    longest = float(dts.max())
+    for j in (*waiting, *running):
+        j.max_step = max(j.max_step, longest)
+    if pending:
+        # An arrival is exposed to every step that ends after it arrives.
+        rising = bool(dts.min() > 0)
+        tail_max = np.maximum.accumulate(dts[::-1])[::-1]
+        for j in pending:
+            if rising:
+                k = int(np.searchsorted(ends, j.ready_s, side="right"))
+                exposed = float(tail_max[k]) if k < count else None
+            else:  # a fitted model with negative costs: step ends need not rise
+                mask = ends > j.ready_s
+                exposed = float(dts[mask].max()) if mask.any() else None
+            if exposed is None:
+                break
+            j.max_step = max(j.max_step, exposed)
+    times = ends.tolist()
+    for j in decoding:
+        j.tokens += count
+        j.token_times.extend(times)
+        if kv is not None:
+            kv.hold(j, j.prompt + j.tokens - 1)
+    return times[-1], float(dts[-1]), count
+
+
+def _admit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption) -> None:
+    job.admitted = True
+    job.cached = _hit(job, t, ready, a)
+    job.computed = job.cached
+
+
+def _hit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption) -> int:
+    """Prompt tokens a job admitted at ``t`` takes from the prefix cache."""
+    if job.forced_cached is not None:
+        return job.forced_cached
+    if a.prefix_caching and job.group is not None and ready.get(job.group, float("inf")) <= t:
+        return _cacheable(job, a.block_size)
+    return job.cached

@@ -1,0 +1,75 @@
+"""Signatures: the deduplication key of a finding, the kind plus the shape around its victim.
+
+Two findings with one signature are "the same bug" as a maintainer would count them: ids,
+exact numbers and timings are left out, log2 size classes kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from fuzzer.oracle.kinds import FindingKind
+from fuzzer.trace import Request, Trace, canonical_json
+
+
+#: Request-shape classes are log2 buckets: a 2000- and a 2100-token prompt are the same
+#: shape, a 128- and a 2048-token prompt are not. Noise never moves a trace across them.
+def size_class(tokens: int) -> int:
+    """log2 bucket of a token count (0 for 1 token, 11 for 2048-4095)."""
+    return max(0, int(tokens).bit_length() - 1)
+
+
+def _count_class(count: int) -> str:
+    if count <= 1:
+        return str(count)
+    return "2-3" if count <= 3 else ("4-7" if count <= 7 else "8+")
+
+
+def request_shape(trace: Trace, request: Request) -> dict[str, Any]:
+    """The shape of a request in its trace: what a maintainer would call "the same bug".
+
+    The victim's own class (prompt size, output size, stream, api, n/logprobs, shared
+    prefix) and what arrived before it (how many, the largest prompt, whether one shares
+    its prefix). Ids, exact numbers and timings are left out, so reruns and small
+    mutations of the same situation map to the same shape.
+    """
+    position = next(i for i, r in enumerate(trace.requests) if r.id == request.id)
+    before = trace.requests[:position]
+    return {
+        "prompt": size_class(request.prompt_tokens),
+        "output": size_class(request.max_tokens),
+        "stream": request.stream,
+        "api": request.api,
+        "fanout": request.n > 1 or request.logprobs is not None,
+        "shared_prefix": request.prefix is not None,
+        "cancel": request.cancel_after_tokens is not None,
+        "before": _count_class(len(before)),
+        "before_max_prompt": size_class(max((r.prompt_tokens for r in before), default=0)) if before else None,
+        "before_same_prefix": any(r.prefix is not None and r.prefix == request.prefix for r in before),
+    }
+
+
+def signature(kind: FindingKind, trace: Trace, request_id: str | None = None, **extra: Any) -> str:
+    """A deduplication key: the kind plus the shape of the trace around the victim.
+
+    ``extra`` adds evidence that separates bugs of one kind (the HTTP status of an error).
+    The key reads ``<kind>:<12 hex digits>``.
+    """
+    shape: dict[str, Any] = {"kind": kind.value, **{k: v for k, v in sorted(extra.items())}}
+    if request_id is not None:
+        shape["victim"] = request_shape(trace, trace.request(request_id))
+    else:
+        shape["trace"] = _trace_shape(trace)
+    digest = hashlib.sha256(canonical_json(shape).encode()).hexdigest()[:12]
+    return f"{kind.value}:{digest}"
+
+
+def _trace_shape(trace: Trace) -> dict[str, Any]:
+    return {
+        "requests": _count_class(len(trace.requests)),
+        "max_prompt": size_class(max(r.prompt_tokens for r in trace.requests)),
+        "cancel": any(r.cancel_after_tokens is not None for r in trace.requests),
+        "fanout": any(r.n > 1 or r.logprobs is not None for r in trace.requests),
+        "shared_prefix": any(r.prefix is not None for r in trace.requests),
+    }

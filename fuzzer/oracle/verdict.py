@@ -1,0 +1,142 @@
+"""Verdicts: what the oracle concludes about one request or one execution.
+
+A verdict is a frozen value, never a bare bool. It says which finding kind the evidence
+points at, how it was tested (method, statistic, p-value; :mod:`fuzzer.oracle.statistics`),
+how big the effect is (with a bootstrap confidence interval), on how many samples, how often
+it reproduced (``k/n``) and which scheduler assumption the expectation used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fuzzer.oracle.kinds import Decision, FindingKind, Metric
+from fuzzer.oracle.statistics import Interval
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the oracle concluded about one request (or one execution, for leak/crash)."""
+
+    #: The kind the evidence points at; None when nothing is suspicious.
+    kind: FindingKind | None
+    decision: Decision
+    #: How it was decided, in words ("min(Mann-Whitney U, Kolmogorov-Smirnov) of ... vs ...").
+    method: str
+    #: The request judged; None for verdicts about the whole execution (leak, crash).
+    request_id: str | None = None
+    metric: Metric | None = None
+    statistic: float | None = None
+    p_value: float | None = None
+    #: Median observed / expected (or the candidate's ratio over the baseline's).
+    effect: float | None = None
+    effect_ci: Interval | None = None
+    #: The effect a DIFFERENT needs (the candidate factor).
+    threshold: float | None = None
+    n_sample: int = 0
+    n_baseline: int = 0
+    #: Runs in which the request exceeded its bound (or failed the same way) ...
+    reproduced: int = 0
+    #: ... out of this many runs.
+    runs: int = 0
+    #: Median observed time, its FCFS bound and its idle expectation, in seconds.
+    observed_s: float | None = None
+    expected_s: float | None = None
+    idle_s: float | None = None
+    #: The scheduler assumption the expectation rests on, e.g. "max_num_batched_tokens=2048 (vLLM default)".
+    assumption: str = ""
+    signature: str | None = None
+    detail: str = ""
+
+    @property
+    def is_finding(self) -> bool:
+        """Only a DIFFERENT verdict with a kind becomes a finding."""
+        return self.decision is Decision.DIFFERENT and self.kind is not None
+
+    @property
+    def reproduction(self) -> str:
+        """The ``k/n`` reproduction rate maintainers know from GRIEF reports."""
+        return f"{self.reproduced}/{self.runs}"
+
+    @property
+    def slowdown(self) -> float | None:
+        """Observed over idle expectation: what a user feels."""
+        if self.observed_s is None or not self.idle_s:
+            return None
+        return self.observed_s / self.idle_s
+
+    @property
+    def excess_s(self) -> float | None:
+        """Observed minus the FCFS bound: what no reasonable FCFS scheduler explains."""
+        if self.observed_s is None or self.expected_s is None:
+            return None
+        return self.observed_s - self.expected_s
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (for the store and ``--json``)."""
+        return {
+            "kind": self.kind.value if self.kind else None,
+            "decision": self.decision.value,
+            "method": self.method,
+            "request_id": self.request_id,
+            "metric": self.metric.value if self.metric else None,
+            "statistic": _finite(self.statistic),
+            "p_value": _finite(self.p_value),
+            "effect": _finite(self.effect),
+            "effect_ci": [_finite(self.effect_ci.low), _finite(self.effect_ci.high), self.effect_ci.level]
+            if self.effect_ci
+            else None,
+            "threshold": self.threshold,
+            "n_sample": self.n_sample,
+            "n_baseline": self.n_baseline,
+            "reproduced": self.reproduction,
+            "observed_s": _finite(self.observed_s),
+            "expected_s": _finite(self.expected_s),
+            "idle_s": _finite(self.idle_s),
+            "slowdown": _finite(self.slowdown),
+            "excess_s": _finite(self.excess_s),
+            "assumption": self.assumption,
+            "signature": self.signature,
+            "detail": self.detail,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
+        ci = data.get("effect_ci")
+        k, _, n = str(data.get("reproduced") or "0/0").partition("/")
+        return cls(
+            kind=FindingKind(data["kind"]) if data.get("kind") else None,
+            decision=Decision(data["decision"]),
+            method=data.get("method", ""),
+            request_id=data.get("request_id"),
+            metric=Metric(data["metric"]) if data.get("metric") else None,
+            statistic=data.get("statistic"),
+            p_value=data.get("p_value"),
+            effect=data.get("effect"),
+            effect_ci=Interval(_num(ci[0]), _num(ci[1]), ci[2]) if ci else None,
+            threshold=data.get("threshold"),
+            n_sample=data.get("n_sample", 0),
+            n_baseline=data.get("n_baseline", 0),
+            reproduced=int(k or 0),
+            runs=int(n or 0),
+            observed_s=data.get("observed_s"),
+            expected_s=data.get("expected_s"),
+            idle_s=data.get("idle_s"),
+            assumption=data.get("assumption", ""),
+            signature=data.get("signature"),
+            detail=data.get("detail", ""),
+        )
+
+
+def _finite(value: float | None) -> float | None:
+    """JSON has no infinity: an unbounded value is written as null."""
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _num(value: float | None) -> float:
+    return math.inf if value is None else float(value)

@@ -1,0 +1,259 @@
+"""Part 3 of the generated repro.py: the finding's criterion, the output, the command line.
+
+Everything below the ``repro.py begins`` line is copied into the script; the
+``DATA`` line is replaced by the finding's data.
+"""
+
+import argparse
+import http.client
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+
+from fuzzer.report.repro._script_net import (
+    DEFAULT_RUNS,
+    DEFAULT_TIMEOUT_S,
+    EXIT_CANNOT_TEST,
+    EXIT_NOT_REPRODUCED,
+    EXIT_REPRODUCED,
+    FAILURE_OUTCOMES,
+    IDLE_BARRIER_S,
+    LATENCY_KINDS,
+    METRIC_NAMES,
+    POLL_S,
+    CannotTest,
+    Counter,
+    Server,
+    check_server,
+    say,
+)
+from fuzzer.report.repro._script_run import idle_barrier, run_once
+
+# --- repro.py begins ---
+
+# --- the finding (filled in by the generator) ---
+
+DATA = None  # <<repro-data>>
+
+
+def metric_value(res, metric):
+    if metric == "ttft":
+        return res["ttft_s"]
+    if metric == "max_itl":
+        t = res["token_times_s"]
+        return max(b - a for a, b in zip(t, t[1:])) if len(t) >= 2 else None  # noqa: RUF007 - pairwise is 3.10+
+    return res["e2e_s"] if res["outcome"] in ("ok", "cancelled") else None
+
+
+def threshold_s(criterion, override_ms):
+    if override_ms is not None:
+        return override_ms / 1000.0
+    expected = criterion.get("expected_s")
+    if expected is None:
+        return None
+    return max(criterion["factor"] * expected, expected + criterion["margin_s"])
+
+
+def judge_run(criterion, results, server, limit_s, leak_wait_s):
+    """(verdict, words): verdict True (reproduced), False (not) or None (this run tests nothing)."""
+    kind = criterion["kind"]
+    by_id = {res["id"]: res for res in results}
+    victim = by_id.get(criterion.get("request_id")) if criterion.get("request_id") else None
+    if victim is None and kind not in ("crash", "leak"):
+        raise CannotTest("the trace has no request %r to judge" % criterion.get("request_id"))
+    if kind in LATENCY_KINDS:
+        if victim["outcome"] == "rejected":
+            return None, "%s was rejected (HTTP %s): %s" % (victim["id"], victim["status"], victim["detail"][:80])
+        value = metric_value(victim, criterion["metric"])
+        name = METRIC_NAMES.get(criterion["metric"], criterion["metric"])
+        if value is None:
+            return False, "%s measured no %s (%s)" % (victim["id"], name, victim["outcome"])
+        hit = value >= limit_s
+        return hit, "%s %s %.1f ms %s %.1f ms" % (victim["id"], name, value * 1000, ">=" if hit else "<", limit_s * 1000)
+    if kind in FAILURE_OUTCOMES:
+        wanted = (criterion["outcome"],) if criterion.get("outcome") else FAILURE_OUTCOMES[kind]
+        hit = victim["outcome"] in wanted
+        return hit, "%s ended %s%s" % (victim["id"], victim["outcome"], " as the finding says" if hit else
+                                       " (the finding: %s)" % " or ".join(wanted))
+    if kind == "crash":
+        for _ in range(3):
+            try:
+                status, _ = server.call("GET", "/health", timeout_s=2.0)
+                if status < 500:
+                    return False, "the server still answers /health (HTTP %d)" % status
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.5)
+        return True, "the server stopped answering /health after the trace"
+    if kind == "leak":
+        deadline = time.monotonic() + leak_wait_s
+        busy = server.busy()
+        while busy is not None and busy > 0 and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            busy = server.busy()
+        if busy is None:
+            raise CannotTest("a leak is judged from /metrics running + waiting, and this server exports neither")
+        hit = busy > 0
+        return hit, ("running + waiting still %g, %g s after every request ended" % (busy, leak_wait_s) if hit
+                     else "running + waiting returned to 0")
+    raise CannotTest("this script does not know how to judge a %r finding" % kind)
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def ms(value):
+    return "-" if value is None else "%.1f" % (value * 1000)
+
+
+def show_run(results, victim_id):
+    say("  %-14s %9s %9s %11s %9s  %s" % ("request", "sent_ms", "ttft_ms", "max_itl_ms", "e2e_ms", "outcome"))
+    for res in results:
+        mark = "  <- victim" if res["id"] == victim_id else ""
+        detail = (": " + res["detail"][:60]) if res["outcome"] not in ("ok", "cancelled") and res["detail"] else ""
+        say("  %-14s %9s %9s %11s %9s  %s%s%s" % (
+            res["id"], ms(res["sent_s"]), ms(res["ttft_s"]), ms(metric_value(res, "max_itl")),
+            ms(res["e2e_s"]), res["outcome"], detail, mark))
+
+
+def parse_args(argv):
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # a usage error must not read as "bad commit" to git bisect
+            self.print_usage(sys.stderr)
+            sys.stderr.write("repro.py: error: %s\n" % message)
+            sys.exit(EXIT_CANNOT_TEST)
+
+    crit = DATA["criterion"]
+    p = Parser(description="Reproduce finding %s (%s). Exit 1 reproduced, 0 not, 125 cannot test."
+               % (DATA["finding"].get("id"), crit["kind"]))
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    p.add_argument("--model", default=None, help="model to request (default: the first of GET /v1/models)")
+    p.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="executions of the trace (default %(default)s)")
+    p.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY; never printed)")
+    p.add_argument("--threshold-ms", type=float, default=None,
+                   help="victim latency that counts as reproduced, overriding the embedded criterion")
+    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds without a byte before a request counts as hung (default %(default)s)")
+    p.add_argument("--idle-s", type=float, default=crit.get("idle_before_s", 0.0),
+                   help="idle seconds before every run (default %(default)s; a cold-start finding needs it)")
+    p.add_argument("--leak-wait-s", type=float, default=crit.get("leak_wait_s", 5.0),
+                   help="how long a leak check waits for the server to return to idle (default %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the prompt text (default: a fresh one)")
+    args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error("--runs must be >= 1")
+    if args.timeout_s <= 0:
+        p.error("--timeout-s must be > 0")
+    return args
+
+
+def reproduce(args):
+    crit = DATA["criterion"]
+    trace = DATA["trace"]
+    kind = crit["kind"]
+    server = Server(args.base_url, args.api_key or os.environ.get("OPENAI_API_KEY"), args.timeout_s)
+    limit_s = threshold_s(crit, args.threshold_ms) if kind in LATENCY_KINDS else None
+    if kind in LATENCY_KINDS and limit_s is None:
+        raise CannotTest("the finding has no embedded FCFS bound; pass --threshold-ms")
+    model = check_server(server, args.model)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
+    counter = Counter(server, model, DATA["server"].get("kind"), DATA["words"])
+    finding = DATA["finding"]
+    say("finding %s: %s (%s), %d requests, seen %s in the fuzzer" % (
+        finding.get("id"), kind, finding.get("signature"), len(trace["requests"]), finding.get("reproduced")))
+    say("server: %s  model: %s  prompts: %s  seed: %d" % (
+        server.base_url, model, "exact lengths via /tokenize" if counter.exact else "1 token per word (no /tokenize)",
+        seed))
+    say("criterion: " + describe(crit, limit_s))
+    master = random.Random(seed)
+    hits, tested, lines, values = 0, 0, [], []
+    for run in range(1, args.runs + 1):
+        waiting = idle_barrier(server, args.idle_s, args.leak_wait_s if kind == "leak" else IDLE_BARRIER_S)
+        rng = random.Random(master.getrandbits(64))
+        results = run_once(server, trace, DATA["words"], model, counter, rng, DATA["server"].get("features") or {},
+                           "repro%d-" % run, args.timeout_s)
+        if all(res["outcome"] == "rejected" for res in results):
+            raise CannotTest("every request was rejected (HTTP %s: %s)" % (results[0]["status"], results[0]["detail"][:120]))
+        if kind != "crash" and all(res["outcome"] == "connection-error" for res in results):
+            raise CannotTest("no request got through: %s" % results[0]["detail"][:120])
+        say("run %d/%d" % (run, args.runs))
+        if waiting:
+            say("  note: the server was not idle before this run (running + waiting = %g)" % waiting)
+        show_run(results, crit.get("request_id"))
+        if not counter.exact:
+            off = [res["id"] for res, r in zip(results, trace["requests"])
+                   if isinstance((res["usage"] or {}).get("prompt_tokens"), int)
+                   and res["usage"]["prompt_tokens"] != r["prompt_tokens"]]
+            if off:
+                say("  note: the server counted other prompt lengths for %s (no /tokenize to fit them)" % ", ".join(off))
+        verdict, words = judge_run(crit, results, server, limit_s, args.leak_wait_s)
+        if kind in LATENCY_KINDS and crit.get("request_id"):
+            victim = next(res for res in results if res["id"] == crit["request_id"])
+            value = metric_value(victim, crit["metric"])
+            if value is not None:
+                values.append(value)
+        say("  -> %s: %s" % ({True: "reproduced", False: "not reproduced", None: "not tested"}[verdict], words))
+        lines.append(words)
+        if verdict is not None:
+            tested += 1
+            hits += int(verdict)
+        if kind == "crash" and verdict:
+            break  # the server is down: there is nothing left to run against
+    if tested == 0:
+        raise CannotTest("no run could test the finding: " + lines[-1])
+    reproduced = hits * 2 > tested or (kind == "crash" and hits > 0)
+    say("")
+    say("summary: reproduced in %d/%d runs (a majority is needed)" % (hits, tested))
+    if values:
+        say("  %s of %s: median %.1f ms, min %.1f ms, max %.1f ms; threshold %.1f ms" % (
+            METRIC_NAMES.get(crit["metric"]), crit["request_id"], statistics.median(values) * 1000,
+            min(values) * 1000, max(values) * 1000, limit_s * 1000))
+    if crit.get("note"):
+        say("  note: " + crit["note"])
+    say("RESULT: REPRODUCED" if reproduced else "RESULT: NOT REPRODUCED")
+    return EXIT_REPRODUCED if reproduced else EXIT_NOT_REPRODUCED
+
+
+def describe(crit, limit_s):
+    kind = crit["kind"]
+    if kind in LATENCY_KINDS:
+        name = METRIC_NAMES.get(crit["metric"], crit["metric"])
+        how = "%s of %s >= %.1f ms" % (name, crit["request_id"], limit_s * 1000)
+        if crit.get("expected_s") is not None:
+            how += " (max(%g x FCFS bound %.1f ms, bound + %.0f ms))" % (
+                crit["factor"], crit["expected_s"] * 1000, crit["margin_s"] * 1000)
+        if kind == "cold-start":
+            how += ", each run after %g s idle" % crit.get("idle_before_s", 0)
+        return how + ", in a majority of runs"
+    if kind in FAILURE_OUTCOMES:
+        wanted = (crit["outcome"],) if crit.get("outcome") else FAILURE_OUTCOMES[kind]
+        return "%s ends %s, in a majority of runs" % (crit["request_id"], " or ".join(wanted))
+    if kind == "crash":
+        return "the server stops answering /health after the trace"
+    if kind == "leak":
+        return "running + waiting do not return to 0 within %g s after every request ended" % crit.get("leak_wait_s", 5)
+    return kind
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return reproduce(args)
+    except CannotTest as e:
+        say("cannot test: %s" % e)
+        say("RESULT: CANNOT TEST")
+        return EXIT_CANNOT_TEST
+    except Exception:  # noqa: BLE001 - a bug in this script must not read as "bad commit" to git bisect
+        traceback.print_exc()
+        say("RESULT: CANNOT TEST (internal error in repro.py, see above)")
+        return EXIT_CANNOT_TEST
+
+
+if __name__ == "__main__":
+    if DATA is None:
+        sys.stderr.write("this is the template of repro.py; `fuzz export ID` writes a runnable one\n")
+        sys.exit(EXIT_CANNOT_TEST)
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""The fuzzing campaign: the main job (ARCHITECTURE.md, "Search" / "Oracle" / "Store and CLI").
+
+A run goes through named phases and ends through an :class:`ExitReason`, the way
+Hypothesis' engine does:
+
+    calibrate -> seed (the corpus/ traces) -> fuzz (pick, mutate, execute, keep)
+                 -> confirm candidates with the oracle -> record findings
+
+Time (fuzzer.search.pacing): a new corpus entry (seed or child) is kept on its first run and
+re-run for stability only when it is first picked to be fuzzed (most never are); seeds
+run cheapest first, and once the corpus has an entry, seeding takes at most a share of
+the server time and goes on between fuzz iterations. Now and then a
+fuzz iteration is a *cold probe*: the server is left idle long enough to go cold
+before a corpus trace runs, so that cold-start slowdowns can be found at all.
+``--duration`` holds during stability runs and confirmations too: a confirmation cut
+short by the deadline (or Ctrl-C) is saved as pending and done first on resume.
+
+Every execution is written to the store before the next one starts, and the
+campaign checkpoints its state (RNG, corpus, counters) so that running it again
+on the same database resumes where it stopped. The campaign never prints: it
+hands :class:`Stats` snapshots and events to callbacks, and the CLI renders them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import replace
+from typing import Awaitable, Callable, Sequence
+
+import numpy as np
+
+from fuzzer.errors import FuzzError, TargetError
+from fuzzer.execute.recovery import backoff
+from fuzzer.execution import ExecutionResult, Target
+from fuzzer.oracle import judge as oracle
+from fuzzer.oracle.calibrate import Calibration, calibrate, with_target_kv
+from fuzzer.oracle.confirm import let_idle
+from fuzzer.oracle.expectation import expect
+from fuzzer.oracle.kinds import FindingKind, Metric
+from fuzzer.oracle.verdict import Verdict
+from fuzzer.search.confirming import (
+    OracleSteps,
+    OutOfTime,
+    candidate_from_dict,
+    candidate_to_dict,
+)
+from fuzzer.search.corpus import Corpus, Entry
+from fuzzer.search.coverage import Coverage, measure
+from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats
+from fuzzer.search.pacing import ColdProbes, ServerTime
+from fuzzer.search.settings import (
+    STABILITY_RUNS,
+    ExitReason,
+    Phase,
+    Settings,
+    Stats,
+    Summary,
+)
+from fuzzer.store import Store
+from fuzzer.trace import Request, Trace
+
+__all__ = ["Campaign", "ExitReason", "Phase", "Settings", "Stats", "Summary", "STABILITY_RUNS"]
+
+# Checkpoint the campaign state at least every this many executions even when nothing changed,
+# so a resumed campaign repeats little.
+CHECKPOINT_EVERY = 10
+# A periodic recalibration that fails (a flaky server failed a probe) keeps the previous
+# calibration and is tried again this much later, not after every execution.
+RECALIBRATE_RETRY_S = 600.0
+#: Children made from one parent before the next is picked.
+CHILDREN_PER_PICK = 4
+
+
+class Campaign(OracleSteps):
+    """One campaign on one target, stored in one database."""
+
+    def __init__(
+        self,
+        target: Target,
+        store: Store,
+        settings: Settings,
+        *,
+        seeds: Sequence[Trace] = (),
+        target_key: str | None = None,
+        calibration_key: str | None = None,
+        target_id: int | None = None,
+        calibration: Calibration | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_stats: Callable[[Stats], None] | None = None,
+        on_finding: Callable[[int, Verdict], None] | None = None,
+        stop: asyncio.Event | None = None,
+    ):
+        self.target = target
+        self.store = store
+        self.settings = settings
+        # Cheapest seeds first (AFL favours fast inputs): a short campaign gets through more of them.
+        self.seeds = sorted(seeds, key=_work)
+        self.target_key = target_key or target.name
+        #: Where calibrations are stored and read (one key for every command); the target's name by default.
+        self.calibration_key = calibration_key or self.target_key
+        self.target_id = target_id
+        self.calibration = with_target_kv(calibration, target) if calibration is not None else None
+        self._clock = clock
+        self._sleep = sleep
+        self._on_stats = on_stats or (lambda s: None)
+        self._on_finding = on_finding or (lambda i, v: None)
+        self._stop = stop or asyncio.Event()
+        self._phase = Phase.CALIBRATE
+        self._server = "up"
+        self.corpus = Corpus()
+        self._dirty: set[int] = set()
+        self._new_features: dict[str, int] = {}
+        self._rejected: dict[str, int] = {}
+        self._found: set[str] = {f.signature for f in store.list_findings()}
+        self._new_findings: list[tuple[int, str]] = []
+        self._candidates = 0
+        self._confirmations = 0
+        self._last_find: float | None = None
+        self._since_checkpoint = 0
+        self._seeded = 0
+        self._server_errors = 0
+        self._last_server_error: str | None = None
+        self._recalibrate_at: float | None = None
+        self.probes = ColdProbes()
+        self.server_time = ServerTime()
+        #: Candidates whose confirmation the deadline cut short: (trace, candidate, key).
+        self._pending: list[tuple[Trace, oracle.Candidate, str]] = []
+
+    # --- setup and resume ---------------------------------------------------------------
+
+    def _open(self) -> bool:
+        """Start a new campaign in the store or take up the last one. Returns True when resuming."""
+        latest = self.store.latest_campaign()
+        resumed = latest is not None
+        if latest is None:
+            self.campaign_id = self.store.start_campaign(
+                seed=self.settings.seed, target=self.target_key, settings=self.settings.to_dict()
+            )
+            self.rng = random.Random(self.settings.seed)
+            op_stats = OperatorStats()
+        else:
+            self.campaign_id = latest["id"]
+            state = latest["state"]
+            self.rng = random.Random(latest["seed"])
+            if "rng" in state:
+                self.rng.setstate(_tuple_state(state["rng"]))
+            rows = self.store.corpus_rows(self.campaign_id)
+            traces = {row["trace_hash"]: self.store.get_trace(row["trace_hash"]) for row in rows}
+            self.corpus = Corpus.from_dict({**state.get("corpus", {}), "entries": rows}, traces)
+            op_stats = OperatorStats.from_dict(state.get("operators", {}))
+            self._rejected = dict(state.get("rejected", {}))
+            self._seeded = int(state.get("seeded", 0))
+            self.probes = ColdProbes.from_dict(state.get("cold_probes"))
+            self.server_time = ServerTime.from_dict(state.get("server_time"))
+            self._pending = [(self.store.get_trace(p["trace_hash"]), candidate_from_dict(p), p["key"])
+                             for p in state.get("pending", [])]
+        self.np_rng = np.random.default_rng(self.rng.getrandbits(64))
+        if self.settings.mutator == "null":
+            self.mutator = NullMutator(self.settings.limits)
+        else:
+            self.mutator = Mutator(self.settings.limits, op_stats)
+        self._started = self._clock()
+        self._executions_at_start = self.store.count_executions(campaign_id=self.campaign_id)
+        return resumed
+
+    # --- the loop ---------------------------------------------------------------------
+
+    async def run(self) -> Summary:
+        resumed = self._open()
+        reason = ExitReason.INTERRUPTED
+        try:
+            await self._ensure_calibration()
+            while (reason := self._should_stop()) is None:
+                if self._pending:
+                    await self._confirm_pending()
+                elif self._seeded < len(self.seeds) and self.server_time.seed_due(len(self.corpus), self.settings.seed_share):
+                    self._phase = Phase.SEED
+                    await self._seed(self.seeds[self._seeded])
+                else:
+                    self._phase = Phase.FUZZ
+                    if self._cold_probe_due():
+                        await self._cold_probe()
+                    else:
+                        await self._fuzz_one()
+                if not self._out_of_time() and self._recalibration_due():
+                    await self._ensure_calibration(force=True)
+        except asyncio.CancelledError:
+            reason = ExitReason.INTERRUPTED
+        except (_Stopped, OutOfTime):
+            reason = self._should_stop()
+        finally:
+            self._phase = Phase.DONE
+            self._checkpoint(status="stopped", force=True)
+        stats = self.stats()
+        self._on_stats(stats)
+        return Summary(self.campaign_id, reason or ExitReason.INTERRUPTED, stats, tuple(self._new_findings), resumed)
+
+    def _should_stop(self) -> ExitReason | None:
+        if self._stop.is_set():
+            return ExitReason.INTERRUPTED
+        s = self.settings
+        if s.max_execs is not None and self.executions >= s.max_execs:
+            return ExitReason.MAX_EXECS
+        if s.duration_s is not None and self._clock() - self._started >= s.duration_s:
+            return ExitReason.DURATION
+        return None
+
+    @property
+    def executions(self) -> int:
+        return self.store.count_executions(campaign_id=self.campaign_id)
+
+    async def _ensure_calibration(self, force: bool = False) -> None:
+        if self.calibration is not None and not force:
+            return
+        if not force:
+            stored = self.store.latest_calibration(self.calibration_key)
+            if stored is not None:
+                self.calibration = with_target_kv(Calibration.from_dict(stored), self.target)
+                if not self.calibration.is_stale(time.time(), max_age_s=self.settings.recalibrate_after_s):
+                    return
+        previous = self._phase
+        self._phase = Phase.CALIBRATE
+        self._emit()
+        assumption = self.calibration.assumption if self.calibration else None
+        try:
+            self.calibration = await calibrate(
+                self.target, assumption=assumption, rng=random.Random(self.rng.getrandbits(64))
+            )
+        except TargetError as e:
+            if self.calibration is None:
+                raise  # no calibration to fall back on: the CLI says why in one line
+            self._server_errors += 1
+            self._last_server_error = f"recalibration failed, the previous calibration stays: {e}"
+            self._recalibrate_at = self._clock() + RECALIBRATE_RETRY_S
+        else:
+            self.store.save_calibration(self.calibration_key, self.calibration.to_dict())
+        self._phase = previous
+
+    def _recalibration_due(self) -> bool:
+        if self.calibration is None:
+            return False
+        if self._recalibrate_at is not None and self._clock() < self._recalibrate_at:
+            return False
+        return self.calibration.is_stale(time.time(), max_age_s=self.settings.recalibrate_after_s)
+
+    # --- executing ---------------------------------------------------------------------
+
+    async def _execute(self, trace: Trace, purpose: str, *, idled_s: float = 0.0) -> ExecutionResult:
+        result = await self._execute_when_up(trace)
+        if idled_s and (result.idle_before_s or 0.0) < idled_s:
+            # We left the server idle this long on purpose; an HTTP idle barrier only sees its own polls.
+            result = replace(result, idle_before_s=idled_s)
+        self.server_time.record(purpose, result.duration_s)
+        number = self.executions + 1
+        self.store.record_execution(
+            result, trace, target_id=self.target_id, campaign_id=self.campaign_id, purpose=purpose, number=number
+        )
+        self._since_checkpoint += 1
+        self._checkpoint()
+        self._emit()
+        return result
+
+    async def _execute_when_up(self, trace: Trace) -> ExecutionResult:
+        """Run ``trace``; when the target cannot even be asked (down, refusing), wait for it and retry.
+
+        A request that fails is data (the executor returns it); a server that cannot be reached
+        before the trace starts (its /tokenize or /metrics refused) raises TargetError. Nothing
+        was measured then, so nothing is recorded: the campaign waits with backoff and runs the
+        trace again once the server answers.
+        """
+        while True:
+            try:
+                return await self.target.execute(trace)
+            except TargetError as e:
+                self._server_errors += 1
+                self._last_server_error = str(e)
+                await self._wait_for_server()
+                if self._should_stop() is not None:
+                    raise _Stopped from None
+
+    def _coverage(self, trace: Trace, result: ExecutionResult) -> Coverage:
+        assert self.calibration is not None
+        expectations = expect(trace, self.calibration.model, self.calibration.assumption, result)
+        idle = {}
+        for r in trace.requests:
+            metric = Metric.TTFT if r.stream else Metric.E2E
+            value = expectations[r.id].idle(metric)
+            if value:
+                idle[r.id] = value
+        return measure(result, trace, idle)
+
+    async def _seed(self, trace: Trace) -> None:
+        """Run a seed once and keep it provisionally (its stability runs come when it is first fuzzed)."""
+        result = await self._execute(trace, "seed")
+        self._keep(trace, [result], parent=None, operators=("seed",), force=True)
+        self._seeded += 1
+        await self._examine(trace, result)
+
+    async def _fuzz_one(self) -> None:
+        if not self.corpus.entries:
+            child = Child(NullMutator(self.settings.limits).mutate(Trace(requests=()), self.rng).trace, ("generate",))
+            await self._try(child, None)
+            return
+        parent = self.corpus.choose(self.rng)
+        if self.settings.mutator != "null" and parent.id in self.corpus.provisional:
+            await self._settle(parent)
+        self._dirty.add(parent.id)
+        # Several children per pick (AFL's stages): a fresh parent's stability runs are paid once.
+        for i in range(CHILDREN_PER_PICK):
+            if i and self._should_stop() is not None:
+                return
+            other = self.corpus.choose(self.rng).trace if len(self.corpus) > 1 else None
+            await self._try(self.mutator.mutate(parent.trace, self.rng, other), parent)
+
+    async def _try(self, child: Child, parent: Entry | None) -> None:
+        """Execute one child, keep it when it reaches something new, examine it."""
+        first = await self._execute(child.trace, "fuzz")
+        kept = False
+        # The null mutator never reads the corpus: re-running its children for stability would
+        # only make the baseline of the fuzzing benchmark pay for guidance it does not get.
+        if self.settings.mutator != "null" and self.corpus.is_interesting(self._coverage(child.trace, first)):
+            kept = self._keep(child.trace, [first], parent=parent.id if parent else None, operators=child.operators)
+        self.mutator.feedback(child, kept)
+        await self._examine(child.trace, first)
+
+    async def _settle(self, entry: Entry) -> None:
+        """Re-run a provisional entry before it is first fuzzed, so its flickering features drop out.
+
+        Up to ``stability_runs`` runs in all, and only while they disagree (AFL extends
+        calibration for variable inputs; runs that agree are stable enough).
+        """
+        runs: list[Coverage] = []
+        features = entry.features
+        while len(runs) < self.settings.stability_runs - 1:
+            self._check_time()
+            runs.append(self._coverage(entry.trace, await self._execute(entry.trace, "stability")))
+            if runs[-1].features == features:
+                break
+            features &= runs[-1].features
+        self.corpus.settle(entry.id, runs)
+        self._dirty.add(entry.id)
+
+    # --- cold probes (fuzzer.search.pacing) -----------------------------------------------------------
+
+    def _idle_cost_s(self) -> float:
+        """Wall seconds one idle period costs: none when the target keeps a virtual clock."""
+        return 0.0 if getattr(self.target, "idle", None) is not None else self.settings.policy.cold_idle_s
+
+    def _cold_probe_due(self) -> bool:
+        if not self.corpus.entries or self.settings.idle_share <= 0:
+            return False
+        return self.probes.due(self.rng, self._idle_cost_s(), elapsed_s=self._clock() - self._started,
+                               horizon_s=self.settings.duration_s, share=self.settings.idle_share)
+
+    async def _cold_probe(self) -> None:
+        """Leave the server idle until it may be cold, run a corpus trace, and examine that run."""
+        ids = sorted(self.corpus.entries)
+        entry = self.corpus.entries[self.rng.choice(ids)]
+        idle_s = self.settings.policy.cold_idle_s
+        previous, self._phase = self._phase, Phase.IDLE
+        self._emit()
+        await let_idle(self.target, idle_s, self._idle_sleep)
+        self._phase = previous
+        result = await self._execute(entry.trace, "cold-probe", idled_s=idle_s)
+        before = self._candidates
+        verdict = await self._examine(entry.trace, result, cold=True)
+        found = verdict is not None and verdict.is_finding and verdict.kind is FindingKind.COLD_START
+        self.probes.record(candidate=self._candidates > before, cold_start_found=found)
+        self._checkpoint(force=True)
+
+    async def _idle_sleep(self, seconds: float) -> None:
+        """Sleep on purpose (a probe, a confirmation's cold arm), counting the wall time it takes."""
+        start = self._clock()
+        try:
+            await self._sleep(seconds)
+        finally:
+            self.probes.idle_spent_s += max(0.0, self._clock() - start)
+
+    def _keep(self, trace: Trace, runs: list[ExecutionResult], *, parent: int | None,
+              operators: tuple[str, ...], force: bool = False) -> bool:
+        """Keep ``trace`` provisionally on its first run (:meth:`_settle` re-runs it when first fuzzed)."""
+        coverages = [self._coverage(trace, r) for r in runs]
+        entry = self.corpus.add(trace, coverages, parent=parent, operators=operators, found_at_exec=self.executions,
+                                provisional=True)
+        if entry is None and force and not self.corpus.contains(trace):
+            # Seeds are kept even when they add nothing new (AFL keeps every input of -i).
+            entry = self.corpus.add_forced(trace, coverages, operators=operators, found_at_exec=self.executions,
+                                           provisional=True)
+        if entry is None:
+            return False
+        self._dirty.add(entry.id)
+        if parent is not None:
+            self._dirty.add(parent)
+        for f in entry.features:
+            self._new_features.setdefault(f, entry.id)
+        self._checkpoint(force=True)
+        return True
+
+    def _out_of_time(self) -> bool:
+        """Past ``--duration``, or asked to stop (a cap on executions lets a confirmation finish)."""
+        return self._should_stop() in (ExitReason.DURATION, ExitReason.INTERRUPTED)
+
+    def _check_time(self) -> None:
+        if self._out_of_time():
+            raise OutOfTime
+
+    async def _wait_for_server(self) -> None:
+        """After a crash: wait with backoff until a one-token request is answered again."""
+        previous = self._phase
+        self._phase, self._server = Phase.RECOVER, "down"
+        self._emit()
+        probe = Trace(requests=(Request(id="health", at_ms=0, prompt_tokens=8, max_tokens=1),), name="health-probe")
+        waits = backoff()
+        while self._should_stop() is None:
+            try:
+                result = await self.target.execute(probe)
+                if not result.failures:
+                    break
+            except FuzzError:
+                pass
+            await self._sleep(next(waits))
+        self._phase, self._server = previous, "up"
+
+    # --- state -------------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        elapsed = max(1e-9, self._clock() - self._started)
+        done = self.executions
+        return Stats(
+            campaign_id=self.campaign_id, phase=str(self._phase), executions=done,
+            execs_per_min=60.0 * (done - self._executions_at_start) / elapsed,
+            corpus=len(self.corpus), favoured=len(self.corpus.favoured), features=len(self.corpus.seen),
+            stability=self.corpus.stability, findings=len(self.store.list_findings(campaign_id=self.campaign_id)),
+            candidates=self._candidates, confirmations=self._confirmations, elapsed_s=elapsed,
+            since_last_find_s=None if self._last_find is None else self._clock() - self._last_find,
+            server=self._server,
+        )
+
+    def _emit(self) -> None:
+        self._on_stats(self.stats())
+
+    def _checkpoint(self, *, status: str = "running", force: bool = False) -> None:
+        if not force and self._since_checkpoint < CHECKPOINT_EVERY:
+            return
+        data = self.corpus.to_dict()
+        state = {
+            "rng": _list_state(self.rng.getstate()),
+            "corpus": {k: v for k, v in data.items() if k != "entries"},
+            "operators": self.mutator.stats.to_dict(),
+            "rejected": self._rejected,
+            "seeded": self._seeded,
+            "cold_probes": self.probes.to_dict(),
+            "server_time": self.server_time.to_dict(),
+            "pending": [{**candidate_to_dict(c), "trace_hash": t.content_hash(), "key": k} for t, c, k in self._pending],
+            "stats": self.stats().to_dict(),
+        }
+        rows = [
+            {**row, "favoured": row["id"] in self.corpus.favoured}
+            for row in data["entries"] if row["id"] in self._dirty
+        ]
+        self.store.save_campaign(self.campaign_id, state=state, status=status, corpus_rows=rows,
+                                 new_features=self._new_features)
+        self._dirty.clear()
+        self._new_features = {}
+        self._since_checkpoint = 0
+
+
+class _Stopped(Exception):
+    """Asked to stop while waiting for a server that is down."""
+
+
+def _work(trace: Trace) -> int:
+    return sum(r.prompt_tokens + r.max_tokens * r.n for r in trace.requests)
+
+
+def _list_state(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _tuple_state(state: list) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+

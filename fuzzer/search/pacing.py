@@ -1,0 +1,116 @@
+"""How a campaign spends its time: idling on purpose (cold probes) and the seeding share.
+
+Cold probes. A server that sat idle for a while can be slow on its first requests
+(vLLM #16858, #31602, the 37308 repro's run 1), but a campaign runs executions back
+to back, so after its first execution it never meets a cold server. A *cold probe*
+lets the server sit idle for the oracle's ``cold_idle_s`` before one execution of a
+corpus trace, so that the oracle sees a cold run (and its confirmation then re-runs
+the trace warm and after idle periods, as for any cold-start candidate).
+
+* The first probe comes as soon as the corpus has an entry (a deterministic stage,
+  like AFL's before havoc); later ones come with a probability per fuzz iteration
+  that follows their success, as the operator bandit does: probes whose execution
+  gave the oracle a candidate raise it, empty ones lower it, and once a cold-start
+  finding is confirmed it drops to a floor (more probes would find the same bug on
+  other traces).
+* Idling costs nothing on virtual time (the target advances its clock) but real
+  wall time over HTTP, so the wall seconds slept on purpose (probes and the cold arms
+  of confirmation) may take at most ``idle_share`` of the campaign's wall time, counted
+  against its planned duration when it has one.
+
+Seeding share. Every seed is executed once and kept provisionally (its stability
+runs come when it is first fuzzed, see :meth:`fuzzer.search.corpus.Corpus.settle`). Seeds run
+cheapest first, and once the corpus has an entry, seeding may take at most
+``seed_share`` of the server time spent so far: on a server where one seed takes a
+minute, mutation starts after the first seed and seeding continues between fuzz
+iterations instead of eating a short campaign.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+#: Chance per fuzz iteration of a cold probe, before any feedback.
+COLD_PROBE_RATE = 0.05
+#: ... never below this (a server can turn cold-sensitive after a restart or a reload).
+COLD_PROBE_FLOOR = 0.01
+#: At most this share of the campaign's wall time is spent idling on purpose.
+IDLE_SHARE = 0.1
+#: Once the corpus has an entry, seeding may take at most this share of the server time.
+SEED_SHARE = 0.5
+
+
+@dataclass
+class ColdProbes:
+    """The cold-probe schedule and what it has cost and found (checkpointed with the campaign)."""
+
+    probes: int = 0
+    #: Probes whose cold execution gave the oracle a candidate to confirm.
+    candidates: int = 0
+    #: Whether a cold-start finding has been confirmed in this campaign.
+    found: bool = False
+    #: Wall seconds slept on purpose: probes and confirmation's cold arms (0 on virtual time).
+    idle_spent_s: float = 0.0
+
+    def rate(self) -> float:
+        """The chance of a probe per fuzz iteration (after the first probe)."""
+        if self.found:
+            return COLD_PROBE_FLOOR
+        learned = COLD_PROBE_RATE * 2.0 * (self.candidates + 1) / (self.probes + 2)
+        return max(COLD_PROBE_FLOOR, min(0.5, learned))
+
+    def affordable(self, idle_cost_s: float, *, elapsed_s: float, horizon_s: float | None,
+                   share: float = IDLE_SHARE) -> bool:
+        """Whether idling ``idle_cost_s`` more wall seconds keeps within ``share`` of the campaign."""
+        if idle_cost_s <= 0:
+            return True
+        span = max(elapsed_s + idle_cost_s, horizon_s or 0.0)
+        return self.idle_spent_s + idle_cost_s <= share * span
+
+    def due(self, rng: random.Random, idle_cost_s: float, *, elapsed_s: float, horizon_s: float | None,
+            share: float = IDLE_SHARE) -> bool:
+        """Whether the next fuzz iteration should be a cold probe."""
+        if share <= 0 or not self.affordable(idle_cost_s, elapsed_s=elapsed_s, horizon_s=horizon_s, share=share):
+            return False
+        return self.probes == 0 or rng.random() < self.rate()
+
+    def record(self, *, candidate: bool, cold_start_found: bool) -> None:
+        self.probes += 1
+        self.candidates += int(candidate)
+        self.found = self.found or cold_start_found
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping | None) -> "ColdProbes":
+        data = data or {}
+        return cls(probes=int(data.get("probes", 0)), candidates=int(data.get("candidates", 0)),
+                   found=bool(data.get("found", False)), idle_spent_s=float(data.get("idle_spent_s", 0.0)))
+
+
+@dataclass
+class ServerTime:
+    """Server seconds (execution durations) spent seeding and in all, for the seeding share."""
+
+    seed_s: float = 0.0
+    total_s: float = 0.0
+
+    def record(self, purpose: str, duration_s: float) -> None:
+        self.total_s += duration_s
+        if purpose == "seed":
+            self.seed_s += duration_s
+
+    def seed_due(self, corpus_size: int, share: float = SEED_SHARE) -> bool:
+        """Seed next (rather than fuzz)? Always while the corpus is empty, then within ``share``."""
+        return corpus_size == 0 or share >= 1.0 or self.seed_s <= share * self.total_s
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping | None) -> "ServerTime":
+        data = data or {}
+        return cls(seed_s=float(data.get("seed_s", 0.0)), total_s=float(data.get("total_s", 0.0)))

@@ -1,0 +1,93 @@
+"""The campaign's value types: its settings, phases, exit reasons and status snapshots.
+
+:mod:`fuzzer.search.campaign` runs the loop; these are what goes in (``Settings``) and what
+comes out (``Stats`` for the live status and ``fuzz status``, ``Summary`` at the end).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+from fuzzer.oracle.judge import OraclePolicy
+from fuzzer.search.mutators import Limits
+from fuzzer.search.pacing import IDLE_SHARE, SEED_SHARE
+
+# AFL calibrates a new queue entry with 3-7 runs (CAL_CYCLES); our runs cost seconds, so at
+# most 3 (the first run and up to 2 re-runs, fewer when they agree), done when it is first fuzzed.
+STABILITY_RUNS = 3
+
+
+class Phase(enum.StrEnum):
+    CALIBRATE = "calibrate"
+    SEED = "seed"
+    FUZZ = "fuzz"
+    CONFIRM = "confirm"
+    #: Letting the server go idle before a cold probe (fuzzer.search.pacing).
+    IDLE = "idle"
+    RECOVER = "recover"
+    DONE = "done"
+
+
+class ExitReason(enum.StrEnum):
+    DURATION = "duration"
+    MAX_EXECS = "max-execs"
+    INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True)
+class Settings:
+    duration_s: float | None = None
+    max_execs: int | None = None
+    seed: int = 0
+    #: "guided" (coverage-guided mutation) or "null" (random generation, the baseline).
+    mutator: str = "guided"
+    stability_runs: int = STABILITY_RUNS
+    recalibrate_after_s: float = 3600.0
+    limits: Limits = field(default_factory=Limits)
+    policy: OraclePolicy = field(default_factory=OraclePolicy)
+    #: Share of wall time the campaign may spend idling on purpose to meet a cold server
+    #: (cold probes, fuzzer.search.pacing); 0 turns cold probes off. Free on virtual time.
+    idle_share: float = IDLE_SHARE
+    #: Once the corpus has an entry, seeding may take at most this share of the server time.
+    seed_share: float = SEED_SHARE
+
+    def to_dict(self) -> dict:
+        return {
+            "duration_s": self.duration_s, "max_execs": self.max_execs, "seed": self.seed,
+            "mutator": self.mutator, "stability_runs": self.stability_runs,
+            "idle_share": self.idle_share, "seed_share": self.seed_share,
+        }
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot for the live status and `fuzz status` (AFL's fuzzer_stats)."""
+
+    campaign_id: int
+    phase: str
+    executions: int
+    execs_per_min: float
+    corpus: int
+    favoured: int
+    features: int
+    stability: float
+    findings: int
+    candidates: int
+    confirmations: int
+    elapsed_s: float
+    since_last_find_s: float | None
+    server: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Summary:
+    campaign_id: int
+    reason: ExitReason
+    stats: Stats
+    #: Findings recorded in this run (id, kind).
+    new_findings: tuple[tuple[int, str], ...]
+    resumed: bool

@@ -1,0 +1,203 @@
+"""Minimizing a stored finding against a live target (ARCHITECTURE.md, "Shrink and report").
+
+:mod:`fuzzer.shrink.engine` shrinks over any noisy predicate; this module makes that
+predicate out of the oracle, for one finding: "does one execution of this trace
+show a candidate of the finding's kind?" While shrinking, the candidate factor is
+raised by :data:`HYSTERESIS` (Hypothesis' 1.25x deadline trick), so the result does
+not sit on the border; the final 10-run confirmation uses the report threshold.
+
+The minimization's state is checkpointed in the store after every test, so an
+interrupted ``fuzz minimize`` resumes; other problems met on the way are confirmed
+with the oracle afterwards and saved as findings of their own.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from fuzzer.execute.recovery import DEFAULT_PATIENCE_S, PatientTarget
+from fuzzer.execution import FAILURE_KIND, ExecutionResult, Target
+from fuzzer.oracle import judge as oracle
+from fuzzer.oracle.calibrate import Calibration
+from fuzzer.oracle.confirm import confirm, let_idle
+from fuzzer.oracle.judge import DEFAULT_POLICY, Candidate, OraclePolicy
+from fuzzer.oracle.kinds import FindingKind, Metric
+from fuzzer.oracle.signature import signature
+from fuzzer.oracle.verdict import Verdict
+from fuzzer.shrink.engine import Check, Minimizer, MinimizeResult, Progress
+from fuzzer.store import Store, StoredFinding
+from fuzzer.trace import Trace
+
+#: Shrinking demands this much more than the report threshold (Hypothesis: deadline x 1.25).
+HYSTERESIS = 1.25
+#: Other problems met while shrinking that are confirmed and saved at the end, at most.
+MAX_OTHERS = 3
+
+
+@dataclass(frozen=True)
+class Reduction:
+    finding_id: int
+    result: MinimizeResult
+    #: Ids of findings saved from other problems met on the way.
+    others: tuple[int, ...]
+
+
+def shows(kind: FindingKind, metric: Metric | None, victim: str | None, trace: Trace, result: ExecutionResult,
+          calibration: Calibration, policy: OraclePolicy) -> tuple[bool, Candidate | None]:
+    """Does the finding's victim (any request when it has none) exceed its bound on ``metric``?
+
+    Keeping the victim keeps the finding the same finding: its repro script judges that
+    request. Also returns a failure of another kind seen on the way, if any, as a candidate.
+    """
+    found, other, _ = _looks(kind, metric, victim, trace, result, calibration, policy)
+    return found, other
+
+
+def _looks(kind: FindingKind, metric: Metric | None, victim: str | None, trace: Trace, result: ExecutionResult,
+           calibration: Calibration, policy: OraclePolicy) -> tuple[bool, Candidate | None, float | None]:
+    """:func:`shows`, plus the victim's effect (observed / FCFS bound; the largest when it has no victim)."""
+    found = False
+    other = None
+    effect = None
+    for rep in oracle.observe(trace, result, calibration, policy):
+        mine = victim is None or rep.request_id == victim
+        observed = rep.observations.get(metric) if metric and mine else None
+        if observed is not None:
+            effect = observed.ratio if effect is None else max(effect, observed.ratio)
+            found = found or observed.candidate
+        if other is None and rep.failure is not None and rep.failure is not kind:
+            other = Candidate(rep.failure, rep.request_id, detail=rep.outcome.value)
+    return found, other, effect
+
+
+def make_check(
+    target: Target,
+    kind: FindingKind,
+    metric: Metric | None,
+    victim: str | None,
+    calibration: Calibration,
+    *,
+    policy: OraclePolicy = DEFAULT_POLICY,
+    sleep: Callable[[float], Awaitable[None]],
+    record: Callable[[Trace, ExecutionResult], None] = lambda t, r: None,
+    others: dict[str, Candidate] | None = None,
+) -> Callable[[Trace, bool], Awaitable[Check]]:
+    """The noisy predicate of one finding, for :class:`fuzzer.shrink.engine.Minimizer`."""
+    shrinking = replace(policy, factor=policy.factor * HYSTERESIS)
+
+    async def check(trace: Trace, strict: bool) -> Check:
+        if kind is FindingKind.COLD_START:
+            await let_idle(target, policy.cold_idle_s, sleep)
+        result = await target.execute(trace)
+        record(trace, result)
+        if kind is FindingKind.CRASH:
+            return Check(oracle.crashed(result))
+        if kind is FindingKind.LEAK:
+            return Check(result.idle_after is False)
+        if kind.value in set(FAILURE_KIND.values()):
+            return Check(any(FAILURE_KIND.get(r.outcome) == kind.value and victim in (None, r.request_id)
+                             for r in result.requests))
+        ok, other, effect = _looks(kind, metric, victim, trace, result, calibration, shrinking if strict else policy)
+        sig = None
+        if other is not None:
+            sig = signature(other.kind, trace, other.request_id, outcome=other.detail)
+            if others is not None:
+                others.setdefault(sig, other)
+        # The effect in shrinking thresholds: 1.0 is just reproduced while shrinking.
+        strength = effect / shrinking.factor if effect is not None and math.isfinite(effect) and strict else None
+        return Check(ok, sig, strength)
+
+    return check
+
+
+async def minimize_finding(
+    store: Store,
+    finding: StoredFinding,
+    target: Target,
+    calibration: Calibration,
+    *,
+    policy: OraclePolicy = DEFAULT_POLICY,
+    sleep: Callable[[float], Awaitable[None]],
+    seed: int = 0,
+    on_progress: Callable[[Progress], None] | None = None,
+    repro: Callable[[StoredFinding, Trace], str | None] = lambda f, t: None,
+    max_executions: int | None = None,
+    patience_s: float = DEFAULT_PATIENCE_S,
+    on_down: Callable[[str], None] = lambda reason: None,
+) -> Reduction:
+    """Shrink ``finding``'s trace on ``target``, store the result and its repro script.
+
+    When the server goes down on the way (a crash finding takes it down by definition),
+    every execution waits for it with backoff for up to ``patience_s``, then gives up with
+    a TargetError; the state saved after every test lets the same call resume.
+    """
+    target = PatientTarget(target, sleep=sleep, patience_s=patience_s, on_down=on_down)
+    kind = FindingKind(finding.kind)
+    metric = Metric(finding.verdict["metric"]) if finding.verdict.get("metric") else None
+    trace = store.get_trace(finding.trace_hash)
+    others: list[tuple[Trace, str]] = []
+    met: dict[str, Candidate] = {}
+
+    def record(t: Trace, result: ExecutionResult) -> None:
+        store.record_execution(result, t, target_id=finding.target_id, purpose="minimize")
+
+    def on_other(t: Trace, sig: str) -> None:
+        if len(others) < MAX_OTHERS and sig not in {s for _, s in others}:
+            others.append((t, sig))
+
+    kwargs = {} if max_executions is None else {"max_executions": max_executions}
+    victim = finding.verdict.get("request_id")
+    minimizer = Minimizer(
+        make_check(target, kind, metric, victim, calibration, policy=policy, sleep=sleep, record=record, others=met),
+        keep=frozenset({victim} if victim and victim in {r.id for r in trace.requests} else ()),
+        state=store.minimization_state(finding.id),
+        on_state=lambda state: store.save_minimization(finding.id, state, status="running"),
+        on_progress=on_progress,
+        on_other=on_other,
+        **kwargs,
+    )
+    result = await minimizer.run(trace)
+    details = {
+        "minimized": {
+            "reproduced": result.reproduction,
+            "executions": result.executions,
+            "tests": result.tests,
+            "stop": str(result.stop),
+            "requests_before": len(trace.requests),
+            "requests_after": len(result.minimized.requests),
+        }
+    }
+    store.save_minimization(finding.id, minimizer.state(), status="done")
+    store.set_minimized(finding.id, result.minimized, details=details)
+    updated = store.get_finding(finding.id)
+    script = repro(updated, result.minimized)
+    if script is not None:
+        store.set_minimized(finding.id, result.minimized, repro_script=script)
+    saved = await _save_others(store, finding, target, calibration, others, met, policy=policy, sleep=sleep, seed=seed)
+    return Reduction(finding.id, result, tuple(saved))
+
+
+async def _save_others(store: Store, finding: StoredFinding, target: Target, calibration: Calibration,
+                       others: list[tuple[Trace, str]], met: dict[str, Candidate], *, policy: OraclePolicy,
+                       sleep: Callable[[float], Awaitable[None]], seed: int) -> list[int]:
+    saved = []
+    rng = np.random.default_rng(random.Random(seed).getrandbits(64))
+    for trace, sig in others:
+        verdict: Verdict = await confirm(target, trace, met[sig], calibration, rng=rng,
+                                         policy=policy, sleep=sleep)
+        if verdict.is_finding:
+            fid, created = store.add_finding(
+                kind=str(verdict.kind), signature=verdict.signature or sig, trace=trace, verdict=verdict.to_dict(),
+                slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=finding.campaign_id,
+                target_id=finding.target_id, details={"request_id": verdict.request_id,
+                                                      "met_while_minimizing": finding.id},
+            )
+            if created:
+                saved.append(fid)
+    return saved
+
