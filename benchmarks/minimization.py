@@ -34,7 +34,7 @@ import numpy as np
 from fuzzer import trace as tf
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.confirm import examine, let_idle
-from fuzzer.oracle.judge import COLD_IDLE_S
+from fuzzer.oracle.policy import COLD_IDLE_S
 from fuzzer.shrink.finding import minimize_finding
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P

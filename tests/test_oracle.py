@@ -15,7 +15,6 @@ from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.confirm import confirm, examine
 from fuzzer.oracle.judge import (
     Candidate,
-    OraclePolicy,
     after_idle,
     candidates,
     crashed,
@@ -23,6 +22,7 @@ from fuzzer.oracle.judge import (
     observe,
 )
 from fuzzer.oracle.kinds import Decision, FindingKind, Metric
+from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.mutators import generate
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as sim_pathologies

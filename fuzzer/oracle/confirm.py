@@ -17,12 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Target
-from fuzzer.oracle.calibrate import Calibration
+from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.judge import (
-    DEFAULT_POLICY,
-    MIN_RUNS,
     Candidate,
-    OraclePolicy,
     RequestReport,
     after_idle,
     count_verdict,
@@ -32,6 +29,7 @@ from fuzzer.oracle.judge import (
     observe,
 )
 from fuzzer.oracle.kinds import Decision, FindingKind
+from fuzzer.oracle.policy import DEFAULT_POLICY, MIN_RUNS, OraclePolicy
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.trace import Trace

@@ -30,66 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult
-from fuzzer.oracle.calibrate import Calibration
+from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions
 from fuzzer.oracle.kinds import METRIC_KIND, Decision, FindingKind, Metric
+from fuzzer.oracle.policy import CANDIDATE_FACTOR, DEFAULT_POLICY, FAILURE_QUORUM, OraclePolicy
 from fuzzer.oracle.signature import signature
-from fuzzer.oracle.statistics import ALPHA, SAME_P, Comparison, compare
+from fuzzer.oracle.statistics import Comparison, compare
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.trace import Trace
-
-# --- tunables ---------------------------------------------------------------------------
-
-#: A request is a candidate when it is this many times slower than its FCFS bound. The
-#: bound is a model, not the server: 2x leaves room for what the model does not know
-#: (KV-pressure stalls, detokenization, a busier GPU) while the reports that matter are
-#: 10-150x (vLLM 37308, 37343). It is also the effect a confirmed finding must reach.
-CANDIDATE_FACTOR = 2.0
-#: ... and at least this much slower in absolute terms: below ~20 ms an HTTP client on a
-#: busy host cannot tell scheduling from its own jitter.
-MIN_MARGIN_S = 0.020
-#: ... and more than this many measured noise widths (1.4826 x MAD of the calibration
-#: residuals) above the bound, so a noisy target needs a bigger excess.
-NOISE_MARGINS = 6.0
-#: ... and more than this many times the worst stall of the client's own event loop in that
-#: execution (``ExecutionResult.client_lag_s``): a busy or descheduled client stamps events
-#: late, and a stall it cannot tell from server latency is never blamed on the server.
-#: Twice, since a max ITL or an E2E can take in two stalls.
-CLIENT_LAG_MARGINS = 2.0
-#: Confirmation starts with this many re-executions: three samples against a ~40-value
-#: baseline can already reach p <= 0.01 with MWU/KS.
-MIN_RUNS = 3
-#: Added per round while the test says UNKNOWN ...
-STEP_RUNS = 2
-#: ... up to this many runs (the minimizer's final k/10 confirmation uses the same cap).
-MAX_RUNS = 10
-#: A run is "after idle" when the server had been idle at least this long before it:
-#: GPU clocks drop and caches go cold after seconds of idleness (the 37308 repro shows
-#: a cold first run after a pause of this order). Idle periods of confirmation's cold
-#: arm last this long too.
-COLD_IDLE_S = 10.0
-#: A failure (error, hang, protocol, leak, crash) is confirmed when it recurs in at
-#: least half of the re-executions: a one-off reset is noise, a recurring one is a bug.
-FAILURE_QUORUM = 0.5
-#: Without a KV capacity (a server that does not report one) the FCFS bound assumes KV
-#: never runs out. When the server reports a few preemptions during an execution,
-#: recompute-preemption by design (vLLM preempts the newest request, which then waits
-#: until blocks free up) stalls a stream by up to several times its bound; the candidate
-#: factor is multiplied by this for that execution.
-KV_PRESSURE_FACTOR = 5.0
-#: ... unless the preemptions outnumber the requests: each request preempted more than
-#: once on average is thrash, itself the pathology, and gets no allowance.
-THRASH_PREEMPTIONS_PER_REQUEST = 1.0
-#: With a KV capacity the bound models by-design preemption itself (fuzzer.oracle.paper) and
-#: there is no allowance; but preemptions beyond those the KV-aware schedule makes, by
-#: more than this per request, are thrash the model does not explain: the execution is
-#: then held against the KV-unaware bound. On the simulator (seeds 0-2) a clean server
-#: preempted KV-overflowing bursts of 16-30 requests 3 fewer to 5 more times than the
-#: model (at most 0.17 per request), the thrash pathology 24-1381 more.
-THRASH_EXCESS_PER_REQUEST = 0.25
-#: Confirm at most this many distinct candidates per examined trace: each costs up to
-#: MAX_RUNS executions, twice for cold-start.
-MAX_CONFIRMATIONS = 4
 
 #: Which latency symptom names a finding when several are above their bounds: the first
 #: one a user meets.
@@ -97,35 +45,6 @@ _SYMPTOM_ORDER = (Metric.TTFT, Metric.MAX_ITL, Metric.E2E)
 
 _METHOD = "min(Mann-Whitney U, Kolmogorov-Smirnov) of observed/FCFS-bound ratios vs the calibration baseline"
 _FAILURE_METHOD = "reproduction count over re-executions"
-
-
-@dataclass(frozen=True)
-class OraclePolicy:
-    """The oracle's thresholds; every field defaults to the named constant above."""
-
-    factor: float = CANDIDATE_FACTOR
-    min_margin_s: float = MIN_MARGIN_S
-    noise_margins: float = NOISE_MARGINS
-    client_lag_margins: float = CLIENT_LAG_MARGINS
-    alpha: float = ALPHA
-    same_p: float = SAME_P
-    min_runs: int = MIN_RUNS
-    step_runs: int = STEP_RUNS
-    max_runs: int = MAX_RUNS
-    cold_idle_s: float = COLD_IDLE_S
-    failure_quorum: float = FAILURE_QUORUM
-    max_confirmations: int = MAX_CONFIRMATIONS
-    kv_pressure_factor: float = KV_PRESSURE_FACTOR
-    thrash_preemptions_per_request: float = THRASH_PREEMPTIONS_PER_REQUEST
-    thrash_excess_per_request: float = THRASH_EXCESS_PER_REQUEST
-
-    def margin_s(self, calibration: Calibration, metric: Metric, client_lag_s: float | None = None) -> float:
-        """How far above its bound a latency must be, in seconds, to be a candidate."""
-        return max(self.min_margin_s, self.noise_margins * calibration.noise_s.get(metric, 0.0),
-                   self.client_lag_margins * (client_lag_s or 0.0))
-
-
-DEFAULT_POLICY = OraclePolicy()
 
 
 # --- observation of one execution --------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass, field
 
-from fuzzer.oracle.judge import OraclePolicy
+from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.mutators import Limits
 from fuzzer.search.pacing import IDLE_SHARE, SEED_SHARE
 

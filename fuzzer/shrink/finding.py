@@ -23,10 +23,11 @@ import numpy as np
 from fuzzer.execute.recovery import DEFAULT_PATIENCE_S, PatientTarget
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Target
 from fuzzer.oracle import judge as oracle
-from fuzzer.oracle.calibrate import Calibration
+from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm, let_idle
-from fuzzer.oracle.judge import DEFAULT_POLICY, Candidate, OraclePolicy
+from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind, Metric
+from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.shrink.engine import Check, Minimizer, MinimizeResult, Progress

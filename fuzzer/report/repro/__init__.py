@@ -34,7 +34,7 @@ from fuzzer import trace as trace_format
 from fuzzer.errors import ConfigError
 from fuzzer.execute.http import DEFAULT_IDLE_AFTER_TIMEOUT_S
 from fuzzer.execute.prompts import WORDS
-from fuzzer.oracle.judge import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S
+from fuzzer.oracle.policy import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S
 from fuzzer.trace import Trace
 
 __all__ = ["DATA_FORMAT", "Criterion", "criterion_from_verdict", "script_source"]
