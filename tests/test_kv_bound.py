@@ -159,8 +159,9 @@ def test_the_preemption_thrash_trigger_is_still_confirmed():
     trigger = TRIGGERS[P.PREEMPTION_THRASH]
     target = VirtualTarget(seed=1, pathologies=(P.PREEMPTION_THRASH,))
     result = target.run(trigger.trace)
-    assert thrash(trigger.trace, result, cal)  # far more preemptions than the KV-aware schedule makes
-    assert bounds(trigger.trace, result, cal)[0] == expect(trigger.trace, cal.model, cal.assumption, result, kv=False)
+    thrashed = thrash(trigger.trace, result, cal)
+    assert thrashed  # far more preemptions than the KV-aware schedule makes
+    assert bounds(trigger.trace, result, cal, thrashed)[0] == expect(trigger.trace, cal.model, cal.assumption, result, kv=False)
     exam = asyncio.run(examine(target, trigger.trace, cal, runs=3, rng=np.random.default_rng(0)))
     truth = set(result.ground_truth)
     assert exam.findings and all(P.PREEMPTION_THRASH in result.ground_truth.get(f.request_id, ()) for f in exam.findings), (

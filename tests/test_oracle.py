@@ -20,8 +20,9 @@ from fuzzer.oracle.judge import (
     crashed,
     judge,
     observe,
+    shows_failure,
 )
-from fuzzer.oracle.kinds import Decision, FindingKind, Metric
+from fuzzer.oracle.kinds import FAILURE_KINDS, Decision, FindingKind, Metric
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.mutators import generate
 from fuzzer.sim import VirtualTarget
@@ -217,6 +218,17 @@ def test_a_server_that_went_down_is_a_crash():
     result = _warm(fail={"big0": Outcome.CONNECTION_ERROR}).run(BURST)
     assert not crashed(result)
     assert [c.kind for c in candidates(BURST, result, _calibration())] == [FindingKind.ERROR]
+
+
+def test_what_one_execution_shows_of_each_failure_kind():
+    result = _warm(fail={"small": Outcome.TIMEOUT}).run(BURST)
+    assert shows_failure(FindingKind.HANG, result) and shows_failure(FindingKind.HANG, result, "small")
+    assert not shows_failure(FindingKind.HANG, result, "big0")  # another request's hang is not this one's
+    assert {k for k in FAILURE_KINDS if shows_failure(k, result)} == {FindingKind.HANG}
+    down = _warm(fail={"big2": Outcome.CONNECTION_ERROR, "small": Outcome.CONNECTION_ERROR}).run(BURST)
+    assert shows_failure(FindingKind.CRASH, down) and shows_failure(FindingKind.CRASH, down, "big0")  # the server's
+    assert shows_failure(FindingKind.LEAK, _warm(leak=True).run(BURST))
+    assert not any(shows_failure(k, _warm().run(BURST)) for k in FindingKind)  # a latency kind: never by itself
 
 
 def test_no_baseline_means_insufficient_data():

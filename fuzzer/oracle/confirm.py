@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fuzzer.execution import FAILURE_KIND, ExecutionResult, Target
+from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.judge import (
     Candidate,
     RequestReport,
     after_idle,
     count_verdict,
-    crashed,
     judge,
     latency_verdict,
     observe,
+    shows_failure,
 )
 from fuzzer.oracle.kinds import Decision, FindingKind
 from fuzzer.oracle.policy import DEFAULT_POLICY, MIN_RUNS, OraclePolicy
@@ -116,15 +116,7 @@ def _reports(
 
 async def _confirm_failure(target: Target, trace: Trace, candidate: Candidate, policy: OraclePolicy) -> Verdict:
     results = [await target.execute(trace) for _ in range(policy.min_runs)]
-    if candidate.kind is FindingKind.CRASH:
-        hits = [crashed(r) for r in results]
-    elif candidate.kind is FindingKind.LEAK:
-        hits = [r.idle_after is False for r in results]
-    else:
-        hits = [
-            any(FAILURE_KIND.get(q.outcome) == candidate.kind.value for q in r.requests if q.request_id == candidate.request_id)
-            for r in results
-        ]
+    hits = [shows_failure(candidate.kind, r, candidate.request_id) for r in results]
     extra = {"outcome": candidate.detail} if candidate.request_id else {}
     sig = signature(candidate.kind, trace, candidate.request_id, **extra)
     return count_verdict(candidate.kind, candidate.request_id, sum(hits), len(hits), sig,

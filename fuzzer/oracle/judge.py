@@ -1,13 +1,16 @@
 """The oracle: what is a finding (ARCHITECTURE.md, "Oracle").
 
-Three steps, each a function (the third lives in :mod:`fuzzer.oracle.confirm`):
+Read top-down, as one execution goes through it. The thresholds are the policy's
+(:mod:`fuzzer.oracle.policy`). Three steps, each a function (the third lives in
+:mod:`fuzzer.oracle.confirm`):
 
 - :func:`observe` holds every request of one execution against its expectations
   (:mod:`fuzzer.oracle.expectation`): slowdown versus idle, excess over the FCFS bound, and
   whether it is a *candidate*: a TTFT, max ITL or E2E above ``factor x bound`` and
   more than a margin above the measured noise. Queueing that FCFS explains is not a
   candidate, however slow. Failed requests, a server that never returned to idle
-  (leak) and a server that went away (crash) are candidates of their own kinds.
+  (leak) and a server that went away (crash) are candidates of their own kinds
+  (:func:`shows_failure`); :func:`candidates` lists them, worst first.
 - :func:`judge` gives one :class:`~fuzzer.oracle.verdict.Verdict` per request (and per
   execution-level problem) from one or more executions of a trace, testing the
   request's ratios observed/bound against the calibration baseline. Runs that came
@@ -38,13 +41,6 @@ from fuzzer.oracle.signature import signature
 from fuzzer.oracle.statistics import Comparison, compare
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.trace import Trace
-
-#: Which latency symptom names a finding when several are above their bounds: the first
-#: one a user meets.
-_SYMPTOM_ORDER = (Metric.TTFT, Metric.MAX_ITL, Metric.E2E)
-
-_METHOD = "min(Mann-Whitney U, Kolmogorov-Smirnov) of observed/FCFS-bound ratios vs the calibration baseline"
-_FAILURE_METHOD = "reproduction count over re-executions"
 
 
 # --- observation of one execution --------------------------------------------------------
@@ -97,36 +93,12 @@ class RequestReport:
         return max(self.observations.values(), key=lambda o: o.ratio, default=None)
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """Something worth re-executing: a slow metric, a failure, a leak or a crash."""
-
-    kind: FindingKind
-    request_id: str | None = None
-    metric: Metric | None = None
-    #: Observed / FCFS bound when the candidate is a latency.
-    ratio: float | None = None
-    #: Whether the execution it was seen in came right after an idle period.
-    after_idle: bool = False
-    detail: str = ""
-
-
-def after_idle(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
-    """Could this execution have met a cold server?
-
-    True when the server had been idle for at least a cold start's time before it, and
-    when that is unknown (``idle_before_s`` None: a freshly started server, or one that
-    does not say): such a run is never taken as proof of a warm-server slowdown.
-    """
-    return result.idle_before_s is None or result.idle_before_s >= policy.cold_idle_s
-
-
 def observe(
     trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
 ) -> tuple[RequestReport, ...]:
     """Hold every request of ``result`` against its idle expectation and its FCFS bound."""
-    expectations, factor = bounds(trace, result, calibration, policy)
     thrashed = thrash(trace, result, calibration, policy)
+    expectations, factor = bounds(trace, result, calibration, thrashed, policy)
     reports = []
     for r in result.requests:
         e = expectations[r.request_id]
@@ -139,21 +111,8 @@ def observe(
                 margin = policy.margin_s(calibration, metric, result.client_lag_s)
                 slow = value >= factor * bound and value - bound >= margin
                 observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed)
-        failure = FindingKind(FAILURE_KIND[r.outcome]) if r.outcome in FAILURE_KIND else None
-        reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))
+        reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure_kind(r.outcome)))
     return tuple(reports)
-
-
-def preemptions(result: ExecutionResult) -> int:
-    """Preemptions the server reported during the execution (0 when it reports none)."""
-    counts = [s.values["preemptions"] for s in result.samples if "preemptions" in s.values]
-    return int(max(counts) - counts[0]) if len(counts) >= 2 else 0
-
-
-def kv_pressure(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
-    """By-design KV pressure: some preemptions, but not more than thrash allows."""
-    count = preemptions(result)
-    return 0 < count <= policy.thrash_preemptions_per_request * len(result.requests)
 
 
 def thrash(
@@ -168,24 +127,62 @@ def thrash(
 
 
 def bounds(
-    trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
+    trace: Trace, result: ExecutionResult, calibration: Calibration, thrashed: bool,
+    policy: OraclePolicy = DEFAULT_POLICY,
 ) -> tuple[dict[str, Expectation], float]:
     """The expectations ``result`` is held against, and the candidate factor over them.
 
     With the server's KV capacity known, the KV-aware bound (by-design preemption is inside
-    it) and the plain factor; when the execution thrashes (:func:`thrash`) the KV-unaware
-    bound, no allowance. Without a capacity, the KV-unaware bound and, under by-design KV
-    pressure (:func:`kv_pressure`), a factor KV_PRESSURE_FACTOR times larger.
+    it) and the plain factor; when the execution thrashed (``thrashed``: :func:`thrash` of
+    it, computed once per execution by the caller) the KV-unaware bound, no allowance.
+    Without a capacity, the KV-unaware bound and, under by-design KV pressure
+    (:func:`kv_pressure`), a factor KV_PRESSURE_FACTOR times larger.
     """
     model, a = calibration.model, calibration.assumption
     if a.kv_blocks is not None:
-        return expect(trace, model, a, result, kv=not thrash(trace, result, calibration, policy)), policy.factor
+        return expect(trace, model, a, result, kv=not thrashed), policy.factor
     factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
     return expect(trace, model, a, result), factor
 
 
+def kv_pressure(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
+    """By-design KV pressure: some preemptions, but not more than thrash allows."""
+    count = preemptions(result)
+    return 0 < count <= policy.thrash_preemptions_per_request * len(result.requests)
+
+
+def preemptions(result: ExecutionResult) -> int:
+    """Preemptions the server reported during the execution (0 when it reports none)."""
+    counts = [s.values["preemptions"] for s in result.samples if "preemptions" in s.values]
+    return int(max(counts) - counts[0]) if len(counts) >= 2 else 0
+
+
 def _measured(r: RequestResult) -> dict[Metric, float | None]:
     return {Metric.TTFT: r.ttft_s, Metric.MAX_ITL: r.max_itl_s, Metric.E2E: r.e2e_s}
+
+
+def failure_kind(outcome: Outcome) -> FindingKind | None:
+    """The finding kind a request that ended with ``outcome`` is evidence of (error, hang, protocol); None if none."""
+    kind = FAILURE_KIND.get(outcome)
+    return None if kind is None else FindingKind(kind)
+
+
+# --- what one execution shows -------------------------------------------------------------
+
+
+def shows_failure(kind: FindingKind, result: ExecutionResult, request_id: str | None = None) -> bool:
+    """Does this one execution show the failure ``kind`` (one of ``FAILURE_KINDS``)?
+
+    A crash (:func:`crashed`) or a leak (the server did not return to idle) is the whole
+    execution's; an error, hang or protocol failure is a request's: ``request_id``'s, any
+    request's when None. False for a latency kind: one execution shows a slow request only
+    against its bounds (:func:`observe`).
+    """
+    if kind is FindingKind.CRASH:
+        return crashed(result)
+    if kind is FindingKind.LEAK:
+        return result.idle_after is False
+    return any(failure_kind(r.outcome) is kind and request_id in (None, r.request_id) for r in result.requests)
 
 
 def crashed(result: ExecutionResult) -> bool:
@@ -202,16 +199,43 @@ def crashed(result: ExecutionResult) -> bool:
     return len(tail) >= 2 or (len(failed) == 1 and result.idle_after is None)
 
 
+def after_idle(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
+    """Could this execution have met a cold server?
+
+    True when the server had been idle for at least a cold start's time before it, and
+    when that is unknown (``idle_before_s`` None: a freshly started server, or one that
+    does not say): such a run is never taken as proof of a warm-server slowdown.
+    """
+    return result.idle_before_s is None or result.idle_before_s >= policy.cold_idle_s
+
+
+# --- candidates of one execution ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Something worth re-executing: a slow metric, a failure, a leak or a crash."""
+
+    kind: FindingKind
+    request_id: str | None = None
+    metric: Metric | None = None
+    #: Observed / FCFS bound when the candidate is a latency.
+    ratio: float | None = None
+    #: Whether the execution it was seen in came right after an idle period.
+    after_idle: bool = False
+    detail: str = ""
+
+
 def candidates(
     trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
 ) -> list[Candidate]:
     """What in one execution deserves confirmation, worst first."""
     cold = after_idle(result, policy)
     out: list[Candidate] = []
-    down = crashed(result)
+    down = shows_failure(FindingKind.CRASH, result)
     if down:
         out.append(Candidate(FindingKind.CRASH, detail="connection errors from some request on, none answered after"))
-    if result.idle_after is False:
+    if shows_failure(FindingKind.LEAK, result):
         out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"))
     latency = []
     for rep in observe(trace, result, calibration, policy):
@@ -260,11 +284,8 @@ def judge(
 
 def _execution_verdicts(trace: Trace, results: Sequence[ExecutionResult]) -> list[Verdict]:
     out = []
-    for kind, hit in (
-        (FindingKind.CRASH, [crashed(r) for r in results]),
-        (FindingKind.LEAK, [r.idle_after is False for r in results]),
-    ):
-        k = sum(hit)
+    for kind in (FindingKind.CRASH, FindingKind.LEAK):
+        k = sum(shows_failure(kind, r) for r in results)
         if k:
             out.append(count_verdict(kind, None, k, len(results), signature(kind, trace)))
     return out
@@ -278,22 +299,6 @@ def _failure_verdict(trace: Trace, request_id: str, per_run: Sequence[RequestRep
     outcome = next(rep.outcome for rep in per_run if rep.failure is kind)
     sig = signature(kind, trace, request_id, outcome=outcome.value)
     return count_verdict(kind, request_id, kinds.count(kind), len(per_run), sig, detail=outcome.value)
-
-
-def count_verdict(
-    kind: FindingKind, request_id: str | None, k: int, n: int, sig: str, *, detail: str = "",
-    quorum: float = FAILURE_QUORUM,
-) -> Verdict:
-    if n < 2:
-        decision = Decision.INSUFFICIENT_DATA
-    elif k >= 2 and k / n >= quorum:
-        decision = Decision.DIFFERENT
-    elif k == 0:
-        decision = Decision.SAME
-    else:
-        decision = Decision.UNSTABLE
-    return Verdict(kind=kind, decision=decision, method=_FAILURE_METHOD, request_id=request_id,
-                   reproduced=k, runs=n, n_sample=n, signature=sig, detail=detail)
 
 
 def latency_verdict(
@@ -356,6 +361,11 @@ def latency_verdict(
                          detail=detail)
 
 
+#: Which latency symptom names a finding when several are above their bounds: the first
+#: one a user meets.
+_SYMPTOM_ORDER = (Metric.TTFT, Metric.MAX_ITL, Metric.E2E)
+
+
 def _judged_metric(per_run: Sequence[RequestReport]) -> Metric | None:
     """The metric to judge a request on, or None when no run made it a candidate.
 
@@ -374,6 +384,28 @@ def _judged_metric(per_run: Sequence[RequestReport]) -> Metric | None:
         return steady[0]
     best = max(counts.values())
     return next((m for m in _SYMPTOM_ORDER if counts[m] == best), None) if best else None
+
+
+# --- verdict construction -------------------------------------------------------------------
+
+_METHOD = "min(Mann-Whitney U, Kolmogorov-Smirnov) of observed/FCFS-bound ratios vs the calibration baseline"
+_FAILURE_METHOD = "reproduction count over re-executions"
+
+
+def count_verdict(
+    kind: FindingKind, request_id: str | None, k: int, n: int, sig: str, *, detail: str = "",
+    quorum: float = FAILURE_QUORUM,
+) -> Verdict:
+    if n < 2:
+        decision = Decision.INSUFFICIENT_DATA
+    elif k >= 2 and k / n >= quorum:
+        decision = Decision.DIFFERENT
+    elif k == 0:
+        decision = Decision.SAME
+    else:
+        decision = Decision.UNSTABLE
+    return Verdict(kind=kind, decision=decision, method=_FAILURE_METHOD, request_id=request_id,
+                   reproduced=k, runs=n, n_sample=n, signature=sig, detail=detail)
 
 
 def _make_verdict(

@@ -53,3 +53,10 @@ METRIC_KIND: Mapping[Metric, FindingKind] = {
     Metric.MAX_ITL: FindingKind.ITL_STALL,
     Metric.E2E: FindingKind.E2E_OUTLIER,
 }
+
+#: The kinds of failure: one execution shows them or not by itself (fuzzer.oracle.judge.shows_failure),
+#: and a verdict counts the runs that show one. The other kinds are latencies, tested against
+#: the calibration baseline.
+FAILURE_KINDS: frozenset[FindingKind] = frozenset({
+    FindingKind.CRASH, FindingKind.LEAK, FindingKind.ERROR, FindingKind.HANG, FindingKind.PROTOCOL,
+})

@@ -21,12 +21,11 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from fuzzer.execute.recovery import DEFAULT_PATIENCE_S, PatientTarget
-from fuzzer.execution import FAILURE_KIND, ExecutionResult, Target
-from fuzzer.oracle import judge as oracle
+from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm, let_idle
-from fuzzer.oracle.judge import Candidate
-from fuzzer.oracle.kinds import FindingKind, Metric
+from fuzzer.oracle.judge import Candidate, observe, shows_failure
+from fuzzer.oracle.kinds import FAILURE_KINDS, FindingKind, Metric
 from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.verdict import Verdict
@@ -48,24 +47,18 @@ class Reduction:
     others: tuple[int, ...]
 
 
-def shows(kind: FindingKind, metric: Metric | None, victim: str | None, trace: Trace, result: ExecutionResult,
-          calibration: Calibration, policy: OraclePolicy) -> tuple[bool, Candidate | None]:
+def _shows_latency(kind: FindingKind, metric: Metric | None, victim: str | None, trace: Trace,
+                   result: ExecutionResult, calibration: Calibration, policy: OraclePolicy) -> tuple[bool, Candidate | None, float | None]:
     """Does the finding's victim (any request when it has none) exceed its bound on ``metric``?
 
     Keeping the victim keeps the finding the same finding: its repro script judges that
-    request. Also returns a failure of another kind seen on the way, if any, as a candidate.
+    request. Also returns a failure of another kind seen on the way, if any, as a candidate,
+    and the victim's effect (observed / FCFS bound; the largest when it has no victim).
     """
-    found, other, _ = _looks(kind, metric, victim, trace, result, calibration, policy)
-    return found, other
-
-
-def _looks(kind: FindingKind, metric: Metric | None, victim: str | None, trace: Trace, result: ExecutionResult,
-           calibration: Calibration, policy: OraclePolicy) -> tuple[bool, Candidate | None, float | None]:
-    """:func:`shows`, plus the victim's effect (observed / FCFS bound; the largest when it has no victim)."""
     found = False
     other = None
     effect = None
-    for rep in oracle.observe(trace, result, calibration, policy):
+    for rep in observe(trace, result, calibration, policy):
         mine = victim is None or rep.request_id == victim
         observed = rep.observations.get(metric) if metric and mine else None
         if observed is not None:
@@ -96,14 +89,10 @@ def make_check(
             await let_idle(target, policy.cold_idle_s, sleep)
         result = await target.execute(trace)
         record(trace, result)
-        if kind is FindingKind.CRASH:
-            return Check(oracle.crashed(result))
-        if kind is FindingKind.LEAK:
-            return Check(result.idle_after is False)
-        if kind.value in set(FAILURE_KIND.values()):
-            return Check(any(FAILURE_KIND.get(r.outcome) == kind.value and victim in (None, r.request_id)
-                             for r in result.requests))
-        ok, other, effect = _looks(kind, metric, victim, trace, result, calibration, shrinking if strict else policy)
+        if kind in FAILURE_KINDS:
+            return Check(shows_failure(kind, result, victim))
+        judged_by = shrinking if strict else policy
+        ok, other, effect = _shows_latency(kind, metric, victim, trace, result, calibration, judged_by)
         sig = None
         if other is not None:
             sig = signature(other.kind, trace, other.request_id, outcome=other.detail)
