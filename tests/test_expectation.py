@@ -47,6 +47,16 @@ def test_a_request_alone_takes_one_prefill_step_then_decode_steps():
     assert e.idle_e2e_s == pytest.approx(p.e2e_s)
 
 
+def test_scaling_a_model_scales_its_costs_and_keeps_the_rest():
+    model = StepModel(0.004, 30e-6, 50e-6, 1e-8, request_overhead_s=0.002, frontend_token_s=1e-6)
+    scaled = model.scaled(2.0)
+    assert (scaled.overhead_s, scaled.prefill_token_s, scaled.decode_seq_s, scaled.context_token_s,
+            scaled.frontend_token_s) == pytest.approx((0.008, 60e-6, 100e-6, 2e-8, 2e-6))
+    assert scaled.request_overhead_s == 0.002 and scaled.frontend_slack_s == 0.0
+    # The slack is an allowance, not a cost: scaling keeps it (it used to drop it; no calibrated model has one).
+    assert model.with_frontend_slack().scaled(2.0).frontend_slack_s == model.with_frontend_slack().frontend_slack_s
+
+
 def test_the_fcfs_bound_is_an_envelope_over_scaled_models():
     trace = Trace(requests=(_req("a", 0, 1000, out=4), _req("b", 3, 64, out=4)))
     paper = paper_schedule(trace, MODEL, FCFS)

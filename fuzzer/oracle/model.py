@@ -66,15 +66,17 @@ class StepModel:
         """The same model with every engine and frontend cost multiplied by ``factor``.
 
         Scaling the frontend too reorders requests sent within a frontend-time of each
-        other: which of them the engine sees first is as uncertain as the fit.
+        other: which of them the engine sees first is as uncertain as the fit. The request
+        overhead (HTTP, not the engine) and the frontend slack (an allowance, not a cost)
+        are kept as they are; the envelope scales only calibrated models, which have no slack.
         """
-        return StepModel(
-            self.overhead_s * factor,
-            self.prefill_token_s * factor,
-            self.decode_seq_s * factor,
-            self.context_token_s * factor,
-            self.request_overhead_s,
-            self.frontend_token_s * factor,
+        return replace(
+            self,
+            overhead_s=self.overhead_s * factor,
+            prefill_token_s=self.prefill_token_s * factor,
+            decode_seq_s=self.decode_seq_s * factor,
+            context_token_s=self.context_token_s * factor,
+            frontend_token_s=self.frontend_token_s * factor,
         )
 
     def with_frontend_slack(self) -> StepModel:
