@@ -133,6 +133,14 @@ class Trace:
         )
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` in exact integer arithmetic: how many blocks of ``b`` tokens hold ``a`` tokens.
+
+    Plain operators only, so it also works elementwise on numpy integer arrays.
+    """
+    return -(-a // b)
+
+
 def canonical_json(data: Any) -> str:
     """Sorted keys, no whitespace: equal content gives equal text."""
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)

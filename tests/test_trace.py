@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import traces
 
 from fuzzer import trace as tf
@@ -185,3 +186,9 @@ def test_vllm_37308_seed_matches_the_public_report():
     assert trace.duration_ms() <= 40
     assert trace.prefixes == {"p0": 32}
     assert all(r.prefix == "p0" for r in trace.requests)
+
+
+@given(st.integers(min_value=0, max_value=1 << 40), st.integers(min_value=1, max_value=1 << 12))
+def test_ceil_div_is_exact_integer_ceiling(a, b):
+    q = tf.ceil_div(a, b)
+    assert (q - 1) * b < a <= q * b or a == q == 0

@@ -34,7 +34,7 @@ from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import ENVELOPE_SCALES, SchedulerAssumption, StepModel
 from fuzzer.oracle.paper import Job, PaperRequest, schedule, serve
-from fuzzer.trace import Request, Trace
+from fuzzer.trace import Request, Trace, ceil_div
 
 # Campaigns hold each execution against its expectations twice (coverage, then the oracle)
 # and confirmations re-run the same trace; results are kept for this many recent
@@ -203,7 +203,7 @@ def _fits(requests: tuple[Request, ...], a: SchedulerAssumption) -> bool:
     """Whether every request's prompt and output fit the KV cache at once, with admission headroom."""
     assert a.kv_blocks is not None
     b = a.block_size
-    need = sum(-(-(r.prompt_tokens + r.max_tokens) // b) + (r.n - 1) * -(-r.max_tokens // b) + 1 for r in requests)
+    need = sum(ceil_div(r.prompt_tokens + r.max_tokens, b) + (r.n - 1) * ceil_div(r.max_tokens, b) + 1 for r in requests)
     return need <= a.kv_blocks
 
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fuzzer.errors import ConfigError
-from fuzzer.trace import Request
+from fuzzer.trace import Request, ceil_div
 
 if TYPE_CHECKING:
     from fuzzer.oracle.model import SchedulerAssumption, StepModel
@@ -331,9 +331,9 @@ class _KV:
     def blocks(self, j: Job, tokens: int) -> int:
         """Blocks that hold ``tokens`` of the job's sequence (each further choice its own output)."""
         b = self.block
-        out = -(-tokens // b)
+        out = ceil_div(tokens, b)
         if j.n > 1:
-            out += (j.n - 1) * -(-max(0, tokens - j.prompt) // b)
+            out += (j.n - 1) * ceil_div(max(0, tokens - j.prompt), b)
         return out
 
     def hold(self, j: Job, tokens: int) -> None:
@@ -409,7 +409,7 @@ class _KV:
         held = np.array([j.held for j in decoding], dtype=np.int64)
 
         def need(s: int) -> int:  # blocks beyond those held that steps 0..s need
-            blocks = -(-(prompt + tokens + s) // b) + extra * -(-(tokens + s) // b)
+            blocks = ceil_div(prompt + tokens + s, b) + extra * ceil_div(tokens + s, b)  # elementwise
             return int(np.maximum(0, blocks - held).sum())
 
         if count <= 1 or need(count - 1) <= self.free:

@@ -36,6 +36,7 @@ from fuzzer.sim.config import SimConfig
 from fuzzer.sim.kv import KVCache, block_hashes
 from fuzzer.sim.request import GroundTruth, SimRequest, State
 from fuzzer.sim.steptime import StepLoad, StepTimer
+from fuzzer.trace import ceil_div
 
 #: Finished requests whose ground truth the engine keeps in memory (a day-long
 #: campaign sends ~10^5 requests; older records are only in the JSON-lines file).
@@ -136,7 +137,7 @@ class Engine:
         """The most tokens per choice a request can generate and still fit the KV cache alone."""
         cap = self.config.kv_capacity_tokens
         b = self.config.block_size
-        prompt_blocks = -(-prompt_len // b)
+        prompt_blocks = ceil_div(prompt_len, b)
         spare_blocks = self.config.num_kv_blocks - prompt_blocks
         if spare_blocks <= 0:
             return 0
@@ -457,9 +458,9 @@ class Engine:
     def _blocks_for(self, req: SimRequest, tokens: int) -> int:
         """Blocks a request needs to hold ``tokens`` of its sequence (each extra choice has its own output)."""
         b = self.config.block_size
-        blocks = -(-tokens // b)
+        blocks = ceil_div(tokens, b)
         if req.n > 1:
-            blocks += (req.n - 1) * -(-max(0, tokens - req.prompt_len) // b)
+            blocks += (req.n - 1) * ceil_div(max(0, tokens - req.prompt_len), b)
         return blocks
 
     def _commit_blocks(self, req: SimRequest) -> None:
