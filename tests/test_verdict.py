@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fuzzer.oracle.kinds import Decision, FindingKind, Metric
-from fuzzer.oracle.signature import request_shape, signature, size_class
+from fuzzer.oracle.signature import log2_class, request_shape, signature
 from fuzzer.oracle.statistics import ALPHA, Interval, compare
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.trace import Request, Trace
@@ -123,8 +123,8 @@ def _trace(*requests, prefixes=None):
     return Trace(requests=tuple(requests), prefixes=prefixes or {})
 
 
-def test_size_classes_are_log2_buckets():
-    assert [size_class(n) for n in (1, 2, 3, 128, 2000, 2048, 4095)] == [0, 1, 1, 7, 10, 11, 11]
+def test_token_counts_fall_in_log2_classes():
+    assert [log2_class(n) for n in (1, 2, 3, 128, 2000, 2048, 4095)] == [0, 1, 1, 7, 10, 11, 11]
 
 
 def test_signature_is_stable_under_small_changes_and_separates_shapes(seed_trace):
@@ -152,7 +152,7 @@ def test_request_shape_sees_what_precedes_the_victim():
     c = Request(id="c", at_ms=5, prompt_tokens=100, max_tokens=10)
     t = _trace(a, b, c, prefixes={"p": 50})
     shape = request_shape(t, t.request("b"))
-    assert shape["before"] == "1" and shape["before_max_prompt"] == size_class(4000)
+    assert shape["before"] == "1" and shape["before_max_prompt"] == log2_class(4000)
     assert shape["before_same_prefix"] is True
     assert request_shape(t, t.request("a"))["before"] == "0"
     assert request_shape(t, t.request("c"))["before"] == "2-3"

@@ -15,7 +15,7 @@ from fuzzer.trace import Request, Trace, canonical_json
 
 #: Request-shape classes are log2 buckets: a 2000- and a 2100-token prompt are the same
 #: shape, a 128- and a 2048-token prompt are not. Noise never moves a trace across them.
-def size_class(tokens: int) -> int:
+def log2_class(tokens: int) -> int:
     """log2 bucket of a token count (0 for 1 token, 11 for 2048-4095)."""
     return max(0, int(tokens).bit_length() - 1)
 
@@ -37,15 +37,15 @@ def request_shape(trace: Trace, request: Request) -> dict[str, Any]:
     position = next(i for i, r in enumerate(trace.requests) if r.id == request.id)
     before = trace.requests[:position]
     return {
-        "prompt": size_class(request.prompt_tokens),
-        "output": size_class(request.max_tokens),
+        "prompt": log2_class(request.prompt_tokens),
+        "output": log2_class(request.max_tokens),
         "stream": request.stream,
         "api": request.api,
         "fanout": request.n > 1 or request.logprobs is not None,
         "shared_prefix": request.prefix is not None,
         "cancel": request.cancel_after_tokens is not None,
         "before": _count_class(len(before)),
-        "before_max_prompt": size_class(max((r.prompt_tokens for r in before), default=0)) if before else None,
+        "before_max_prompt": log2_class(max((r.prompt_tokens for r in before), default=0)) if before else None,
         "before_same_prefix": any(r.prefix is not None and r.prefix == request.prefix for r in before),
     }
 
@@ -68,7 +68,7 @@ def signature(kind: FindingKind, trace: Trace, request_id: str | None = None, **
 def _trace_shape(trace: Trace) -> dict[str, Any]:
     return {
         "requests": _count_class(len(trace.requests)),
-        "max_prompt": size_class(max(r.prompt_tokens for r in trace.requests)),
+        "max_prompt": log2_class(max(r.prompt_tokens for r in trace.requests)),
         "cancel": any(r.cancel_after_tokens is not None for r in trace.requests),
         "fanout": any(r.n > 1 or r.logprobs is not None for r in trace.requests),
         "shared_prefix": any(r.prefix is not None for r in trace.requests),
