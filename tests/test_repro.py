@@ -67,7 +67,7 @@ def script(small_trace, tmp_path_factory):
     assert verdict["kind"] == "itl-stall" and verdict["metric"] == "max_itl"
     crit = criterion_from_verdict(verdict["kind"], verdict)
     data = script_data(finding={"id": 7, "kind": verdict["kind"], "signature": verdict["signature"],
-                                "reproduced": verdict["reproduced"]},
+                                "reproduced": verdict["reproduction"]},
                        criterion=crit, trace=small_trace, server={"kind": "vllm"})
     path = tmp_path_factory.mktemp("repro") / "repro.py"
     path.write_text(script_source(data))

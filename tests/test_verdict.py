@@ -11,7 +11,7 @@ import pytest
 from fuzzer.oracle.kinds import Decision, FindingKind, Metric
 from fuzzer.oracle.signature import log2_class, request_shape, signature
 from fuzzer.oracle.statistics import ALPHA, Interval, compare
-from fuzzer.oracle.verdict import Verdict
+from fuzzer.oracle.verdict import Verdict, reproduction_of
 from fuzzer.trace import Request, Trace
 
 
@@ -101,13 +101,21 @@ def test_verdict_round_trips_through_json():
         signature="ttft-outlier:0123456789ab",
     )
     data = json.loads(json.dumps(v.to_dict()))
-    assert data["reproduced"] == "5/5"
+    assert (data["reproduced"], data["runs"], data["reproduction"]) == (5, 5, "5/5")
     assert data["effect_ci"][1] is None  # infinity is not JSON
     assert data["slowdown"] == pytest.approx(70.0)
     assert data["excess_s"] == pytest.approx(0.61)
     back = Verdict.from_dict(data)
     assert back == v
     assert back.is_finding
+
+
+def test_a_verdict_stored_with_the_old_k_of_n_text_still_reads():
+    old = {"kind": "error", "decision": "different", "method": "m", "request_id": "r", "reproduced": "3/4"}
+    back = Verdict.from_dict(old)
+    assert (back.reproduced, back.runs, back.reproduction) == (3, 4, "3/4")
+    assert reproduction_of(old) == "3/4" == reproduction_of(back.to_dict())
+    assert reproduction_of({"reproduced": 2, "runs": 3}) == "2/3" and reproduction_of({}) is None
 
 
 def test_verdict_is_frozen_and_only_different_is_a_finding():

@@ -4,6 +4,11 @@ A verdict is a frozen value, never a bare bool. It says which finding kind the e
 points at, how it was tested (method, statistic, p-value; :mod:`fuzzer.oracle.statistics`),
 how big the effect is (with a bootstrap confidence interval), on how many samples, how often
 it reproduced (``k/n``) and which scheduler assumption the expectation used.
+
+Dict form history (:meth:`Verdict.to_dict`, stored in a finding's ``verdict`` JSON):
+    ``"reproduced": "k/n"`` text at first; now ``"reproduced": k`` and ``"runs": n`` as
+    numbers, with ``"reproduction": "k/n"`` for display. :meth:`Verdict.from_dict` and
+    :func:`reproduction_of` read both.
 """
 
 from __future__ import annotations
@@ -92,7 +97,9 @@ class Verdict:
             "threshold": self.threshold,
             "n_sample": self.n_sample,
             "n_baseline": self.n_baseline,
-            "reproduced": self.reproduction,
+            "reproduced": self.reproduced,
+            "runs": self.runs,
+            "reproduction": self.reproduction,
             "observed_s": _finite(self.observed_s),
             "expected_s": _finite(self.expected_s),
             "idle_s": _finite(self.idle_s),
@@ -106,7 +113,7 @@ class Verdict:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
         ci = data.get("effect_ci")
-        k, _, n = str(data.get("reproduced") or "0/0").partition("/")
+        k, n = _counts(data)
         return cls(
             kind=FindingKind(data["kind"]) if data.get("kind") else None,
             decision=Decision(data["decision"]),
@@ -120,8 +127,8 @@ class Verdict:
             threshold=data.get("threshold"),
             n_sample=data.get("n_sample", 0),
             n_baseline=data.get("n_baseline", 0),
-            reproduced=int(k or 0),
-            runs=int(n or 0),
+            reproduced=k,
+            runs=n,
             observed_s=data.get("observed_s"),
             expected_s=data.get("expected_s"),
             idle_s=data.get("idle_s"),
@@ -129,6 +136,25 @@ class Verdict:
             signature=data.get("signature"),
             detail=data.get("detail", ""),
         )
+
+
+def reproduction_of(data: Mapping[str, Any]) -> str | None:
+    """The ``k/n`` reproduction of a verdict's dict form, new or old shape; None when it has none."""
+    if "reproduction" in data:
+        return data["reproduction"]
+    reproduced = data.get("reproduced")
+    if reproduced is None or isinstance(reproduced, str):
+        return reproduced  # the old shape: already "k/n"
+    return f"{reproduced}/{data.get('runs', 0)}"
+
+
+def _counts(data: Mapping[str, Any]) -> tuple[int, int]:
+    """(k, n) of a verdict's dict form: numbers, or the old ``"k/n"`` text."""
+    reproduced = data.get("reproduced")
+    if isinstance(reproduced, str):
+        k, _, n = reproduced.partition("/")
+        return int(k or 0), int(n or 0)
+    return int(reproduced or 0), int(data.get("runs") or 0)
 
 
 def _finite(value: float | None) -> float | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from fuzzer import __version__
 from fuzzer.execution import ExecutionResult
+from fuzzer.oracle.verdict import reproduction_of
 from fuzzer.trace import Trace
 
 _METRIC_WORDS = {"ttft": "TTFT", "max_itl": "max inter-token latency", "e2e": "end-to-end latency"}
@@ -100,8 +101,8 @@ def title(x: Exhibit) -> str:
             what += f", {observed / idle:.0f}x idle"
         return f"{x.kind}: {what}, with {len(x.trace.requests)} requests"
     if rid:
-        return f"{x.kind}: request {rid} ends {v.get('detail') or x.kind} ({v.get('reproduced')} runs)"
-    return f"{x.kind}: {_KIND_WORDS.get(x.kind, x.kind)} ({v.get('reproduced')} runs)"
+        return f"{x.kind}: request {rid} ends {v.get('detail') or x.kind} ({reproduction_of(v)} runs)"
+    return f"{x.kind}: {_KIND_WORDS.get(x.kind, x.kind)} ({reproduction_of(v)} runs)"
 
 
 def _environment(target: Mapping[str, Any] | None) -> list[str]:
@@ -136,7 +137,7 @@ def _expected(x: Exhibit) -> list[str]:
     metric = v.get("metric")
     if not metric:
         return [f"Expected: every request answered and the server idle afterwards. Observed: {v.get('detail') or x.kind} "
-                f"in {v.get('reproduced')} runs."]
+                f"in {reproduction_of(v)} runs."]
     name = _METRIC_WORDS.get(metric, metric)
     rows = [f"| {name} of {v.get('request_id')} | ms |", "|---|---:|"]
     rows.append(f"| idle expectation (alone on a warm server) | {_ms(v.get('idle_s'))} |")
@@ -159,7 +160,7 @@ def _expected(x: Exhibit) -> list[str]:
 
 def _statistics(x: Exhibit) -> list[str]:
     v = x.verdict
-    out = [f"- Reproduction rate: **{v.get('reproduced')}** runs"]
+    out = [f"- Reproduction rate: **{reproduction_of(v)}** runs"]
     if x.minimized:
         out.append(f"- Minimized trace: reproduced **{x.minimized.get('reproduced')}** in the final confirmation "
                    f"({x.minimized.get('executions')} executions to minimize)")
