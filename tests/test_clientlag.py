@@ -29,23 +29,37 @@ class _FakeTime:
 async def test_the_worst_overshoot_is_the_lag():
     fake = _FakeTime([0.001, 0.250, 0.003, 0.0])
     monitor = LagMonitor(interval_s=0.005, clock=fake.clock, sleep=fake.sleep)
-    monitor.start()
-    while monitor.ticks < 4:
-        await asyncio.sleep(0)
-    assert await monitor.stop() == pytest.approx(0.250)
+    async with asyncio.TaskGroup() as tasks:
+        monitor.start(tasks)
+        while monitor.ticks < 4:
+            await asyncio.sleep(0)
+        assert await monitor.stop() == pytest.approx(0.250)
 
 
 async def test_a_blocked_loop_is_measured_and_stop_ends_the_task():
     monitor = LagMonitor()
-    monitor.start()
-    await asyncio.sleep(0.02)
-    time.sleep(0.15)  # the loop cannot run: every stamp taken now would be late
-    await asyncio.sleep(0.02)
-    lag = await monitor.stop()
+    async with asyncio.TaskGroup() as tasks:
+        monitor.start(tasks)
+        await asyncio.sleep(0.02)
+        time.sleep(0.15)  # the loop cannot run: every stamp taken now would be late
+        await asyncio.sleep(0.02)
+        lag = await monitor.stop()
     assert lag >= 0.14
     ticks = monitor.ticks
     await asyncio.sleep(0.02)
     assert monitor.ticks == ticks  # stopped
+
+
+async def test_the_ticker_ends_with_the_task_group_that_owns_it():
+    monitor = LagMonitor()
+    with pytest.raises(ExceptionGroup):
+        async with asyncio.TaskGroup() as tasks:
+            monitor.start(tasks)
+            await asyncio.sleep(0.01)
+            raise RuntimeError("the execution failed")
+    ticks = monitor.ticks
+    await asyncio.sleep(0.02)
+    assert monitor.ticks == ticks and ticks > 0
 
 
 async def test_stop_without_start_is_zero():

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+from pathlib import Path
 
 import pytest
 from misbehaving_server import CHAT_TEMPLATE_TOKENS, running
 from timing import holds_in_some_attempt
 
+import fuzzer
 from fuzzer import trace as tf
 from fuzzer.errors import ConfigError, TargetError
+from fuzzer.execute import metrics
 from fuzzer.execute.http import HttpTarget
 from fuzzer.execution import Outcome, Target
 
@@ -156,6 +159,88 @@ async def test_cancel_after_tokens_closes_the_connection_and_the_server_sees_an_
         await asyncio.sleep(0.01)
     assert state.by_request("ok_cancel").aborted
     assert result.idle_after is True
+
+
+def _executor_tasks() -> list[str]:
+    """Live tasks running the fuzzer's own code (the loopback server's tasks run the test's)."""
+    package = str(Path(fuzzer.__file__).parent)
+    code = (getattr(t.get_coro(), "cr_code", None) for t in asyncio.all_tasks())
+    return [c.co_qualname for c in code if c is not None and c.co_filename.startswith(package)]
+
+
+async def _all_aborted(state, ids) -> bool:
+    for _ in range(200):
+        if all(state.by_request(i).aborted for i in ids) and state.running == 0:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+# A trace still streaming (4 long streams) and still dispatching (one request due in 60 s).
+_LONG = [req(f"ok_long{i}", max_tokens=400) for i in range(4)] + [req("ok_later", at_ms=60_000)]
+
+
+async def test_a_cancelled_execution_leaves_no_task_and_closes_its_connections(target, server):
+    _, state = server
+    state.token_delay_s = 0.01
+    running = asyncio.create_task(target.execute(trace(*_LONG)))
+    for _ in range(500):
+        if state.running == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert state.running == 4
+    await asyncio.sleep(0.1)  # the sampler has scraped, the lag ticker ticked
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert _executor_tasks() == []  # at once: nothing was left to end later
+    assert await _all_aborted(state, [f"ok_long{i}" for i in range(4)])
+    assert not any(x.startswith("ok_later") for x in state.log)
+    state.token_delay_s = 0.002
+    again = await target.execute(trace(req("ok_after")))
+    assert again.requests[0].outcome is Outcome.OK
+
+
+def _scrape_fails_while_busy(original):
+    async def scrape(self):
+        values = await original(self)
+        if values.get("running"):
+            raise RuntimeError("a bug in the sampler")
+        return values
+
+    return scrape
+
+
+def _reading_fails_on_the_first_stream(original):
+    async def read_stream(self, resp, account, r):
+        if r.id == "ok_long0":
+            await asyncio.sleep(0.05)
+            raise RuntimeError("a bug in the stream reader")
+        return await original(self, resp, account, r)
+
+    return read_stream
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "bug"),
+    [
+        (metrics.Scraper, "__call__", _scrape_fails_while_busy),
+        (HttpTarget, "_read_stream", _reading_fails_on_the_first_stream),
+    ],
+    ids=["sampler", "request"],
+)
+async def test_a_bug_inside_an_execution_raises_and_leaves_no_task(target, server, monkeypatch, owner, name, bug):
+    _, state = server
+    state.token_delay_s = 0.01
+    monkeypatch.setattr(owner, name, bug(getattr(owner, name)))
+    with pytest.raises(RuntimeError, match="a bug in the"):
+        await target.execute(trace(*_LONG))
+    assert _executor_tasks() == []
+    assert await _all_aborted(state, [f"ok_long{i}" for i in range(4) if name == "__call__" or i])
+    monkeypatch.undo()
+    state.token_delay_s = 0.002
+    again = await target.execute(trace(req("ok_after")))
+    assert again.requests[0].outcome is Outcome.OK
 
 
 async def test_256_concurrent_streams_all_complete_on_schedule(target):

@@ -142,9 +142,10 @@ async def test_sampler_polls_on_an_absolute_schedule_and_counts_failures():
     t0 = asyncio.get_running_loop().time()
     import time
 
-    sampler.start(time.perf_counter())
-    await asyncio.sleep(0.21)
-    samples, failed = await sampler.stop()
+    async with asyncio.TaskGroup() as tasks:
+        sampler.start(tasks, time.perf_counter())
+        await asyncio.sleep(0.21)
+        samples, failed = await sampler.stop()
     assert failed == 1
     assert 8 <= len(samples) + failed <= 12  # about 0.21 / 0.02 ticks
     times = [s.t_s for s in samples]
@@ -165,10 +166,11 @@ async def test_sampler_skips_ticks_instead_of_bursting_after_a_slow_scrape():
         return {"running": 0.0}
 
     sampler = metrics.Sampler(scrape, interval_s=0.05, clock=clock, sleep=clock.sleep)
-    sampler.start(0.0)
-    for _ in range(10):
-        await asyncio.sleep(0)
-    await sampler.stop()
+    async with asyncio.TaskGroup() as tasks:
+        sampler.start(tasks, 0.0)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        await sampler.stop()
     gaps = [b - a for a, b in zip(calls, calls[1:])]
     assert gaps and all(g >= 0.05 - 1e-9 for g in gaps)
 

@@ -41,8 +41,9 @@ class LagMonitor(Periodic):
         self.worst_s = 0.0
         self.ticks = 0
 
-    def start(self) -> None:
-        self._launch()
+    def start(self, tasks: asyncio.TaskGroup) -> None:
+        """Start measuring, in a task of ``tasks``."""
+        self._launch(tasks)
 
     async def _run(self) -> None:
         while True:

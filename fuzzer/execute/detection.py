@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from fuzzer.errors import TargetError
+from fuzzer.execute import scope
 
 #: The GET endpoints whose answers identify an engine (see :func:`detect`).
 FINGERPRINT_PATHS = ("/metrics", "/v1/models", "/version", "/info", "/props", "/get_server_info")
@@ -172,7 +173,7 @@ async def fingerprint(session: aiohttp.ClientSession, base_url: str, *, headers:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return path, None
 
-    answers = await asyncio.gather(*(get(p) for p in FINGERPRINT_PATHS))
+    answers = await scope.run_all(*(get(p) for p in FINGERPRINT_PATHS))
     if all(a is None for _, a in answers):
         raise TargetError(f"cannot reach {base_url}: no answer on {', '.join(FINGERPRINT_PATHS)}")
     return Fingerprint({p: a for p, a in answers if a is not None})

@@ -14,7 +14,8 @@ detects the server kind, asks which features it accepts, picks a prompt counter
 5. after the last request, checks that the server returns to idle.
 
 Failures are data (:class:`fuzzer.execution.Outcome`); only a target that cannot
-be used at all raises :class:`fuzzer.errors.TargetError`.
+be used at all raises :class:`fuzzer.errors.TargetError`. Every task an execution
+starts ends before ``execute`` returns or raises (:mod:`fuzzer.execute.scope`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from fuzzer.errors import TargetError
-from fuzzer.execute import adapters, clientlag
+from fuzzer.execute import adapters, clientlag, scope
 from fuzzer.execute import prompts as prompt_builder
 from fuzzer.execute.adapters import Adapter, ServerInfo
 from fuzzer.execute.metrics import (
@@ -42,7 +43,7 @@ from fuzzer.execute.metrics import (
     wait_idle,
 )
 from fuzzer.execute.sse import StreamAccount, short, usage_counts
-from fuzzer.execution import ExecutionResult, Outcome, RequestResult
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
 from fuzzer.trace import MAX_REQUESTS, Request, Trace
 
 #: No byte from the server for this long is a hang (the request's outcome is TIMEOUT).
@@ -255,31 +256,40 @@ class HttpTarget:
             warnings.append(f"the server was not idle after {self._idle_timeout_s:g} s (last scrape: {dict(idle.last)})")
         await self._warm(len(plans))
 
-        sampler = None
-        t0 = self._clock() + _START_DELAY_S
-        started_at = self._wall_clock() + _START_DELAY_S
-        if self._scraper is not None:
-            sampler = Sampler(self._scraper, interval_s=self._metrics_interval_s, clock=self._clock, sleep=self._sleep)
-            sampler.start(t0)
-        lag = clientlag.LagMonitor(clock=self._clock, sleep=self._sleep)
-        lag.start()
-        try:
-            tasks: list[asyncio.Task[RequestResult]] = []
+        samples: tuple[MetricSample, ...] = ()
+        failed_scrapes = 0
+        # Every task of the execution belongs to this scope. When the execution raises or
+        # is cancelled, the requests still in flight are cancelled (their connections
+        # closed: the server sees an abort) and the sampler and the lag ticker stopped
+        # before the exception leaves execute(). A request's failure is its outcome, never
+        # an exception, so it does not cancel its siblings.
+        async with scope.task_scope() as tasks:
+            sampler = None
+            t0 = self._clock() + _START_DELAY_S
+            started_at = self._wall_clock() + _START_DELAY_S
+            if self._scraper is not None:
+                sampler = Sampler(
+                    self._scraper, interval_s=self._metrics_interval_s, clock=self._clock, sleep=self._sleep
+                )
+                sampler.start(tasks, t0)
+            lag = clientlag.LagMonitor(clock=self._clock, sleep=self._sleep)
+            lag.start(tasks)
+            sends: list[asyncio.Task[RequestResult]] = []
             for plan in plans:
                 await self._sleep_until(t0 + plan.scheduled_s)
-                tasks.append(asyncio.create_task(self._send(plan, t0)))
-            results = await asyncio.gather(*tasks)
+                sends.append(tasks.create_task(self._send(plan, t0)))
+            if sends:  # asyncio.wait refuses an empty set
+                await asyncio.wait(sends)
             duration_s = self._clock() - t0
-        finally:
             client_lag_s = await lag.stop()
-        idle_after = await settles_idle(
-            self._scraper, timeout_s=self._idle_after_timeout_s, clock=self._clock, sleep=self._sleep
-        )
-        samples = ()
-        if sampler is not None:
-            samples, failed = await sampler.stop()
-            if failed:
-                warnings.append(f"{failed} /metrics scrapes failed during the execution")
+            idle_after = await settles_idle(
+                self._scraper, timeout_s=self._idle_after_timeout_s, clock=self._clock, sleep=self._sleep
+            )
+            if sampler is not None:
+                samples, failed_scrapes = await sampler.stop()
+        results = [send.result() for send in sends]
+        if failed_scrapes:
+            warnings.append(f"{failed_scrapes} /metrics scrapes failed during the execution")
         warnings.extend(_result_warnings(trace, results))
         lag_warning = clientlag.warning(client_lag_s)
         if lag_warning:
@@ -350,7 +360,7 @@ class HttpTarget:
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
 
-        await asyncio.gather(*(touch() for _ in range(connections)))
+        await scope.run_all(*(touch() for _ in range(connections)))
 
     async def _sleep_until(self, due: float) -> None:
         while True:

@@ -261,10 +261,13 @@ class Sampler(Periodic):
         self._failures = 0
         self._t0 = 0.0
 
-    def start(self, t0: float) -> None:
-        """Poll from half an interval after ``t0``, so a scrape never competes with the first dispatch."""
+    def start(self, tasks: asyncio.TaskGroup, t0: float) -> None:
+        """Poll in a task of ``tasks``, from half an interval after ``t0``.
+
+        Half an interval: a scrape never competes with the first dispatch.
+        """
         self._t0 = t0
-        self._launch()
+        self._launch(tasks)
 
     async def stop(self) -> tuple[tuple[MetricSample, ...], int]:
         """Stop polling; returns (samples, failed scrapes)."""

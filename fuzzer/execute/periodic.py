@@ -8,7 +8,12 @@ from typing import Awaitable, Callable
 
 
 class Periodic:
-    """A task woken every ``interval_s`` between ``_launch`` and ``_cancel``; subclasses write ``_run``."""
+    """A task woken every ``interval_s`` between ``_launch`` and ``_cancel``; subclasses write ``_run``.
+
+    The task belongs to the :class:`asyncio.TaskGroup` it is launched in (the execution's
+    :func:`~fuzzer.execute.scope.task_scope`), so it never outlives the execution, even
+    one that raised or was cancelled before it could stop the task itself.
+    """
 
     def __init__(
         self,
@@ -27,15 +32,17 @@ class Periodic:
     async def _run(self) -> None:
         raise NotImplementedError
 
-    def _launch(self) -> None:
+    def _launch(self, tasks: asyncio.TaskGroup) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run())
+            self._task = tasks.create_task(self._run())
 
     async def _cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        """Cancel the task and wait until it has ended.
+
+        ``asyncio.wait`` neither raises the task's CancelledError nor swallows one meant
+        for the caller; an error of the task itself is the task group's to raise.
+        """
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])

@@ -23,6 +23,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol
 import aiohttp
 
 from fuzzer.errors import TargetError
+from fuzzer.execute import scope
 from fuzzer.execute.adapters import Adapter
 from fuzzer.trace import Request, Trace
 
@@ -216,7 +217,7 @@ async def build(trace: Trace, counter: TokenCounter, rng: random.Random) -> Prom
     }
     await fitter.estimate(rng)
     used = sorted({r.prefix for r in trace.requests if r.prefix})
-    fitted = await asyncio.gather(*(fitter.fit("", 0, group_words[g], trace.prefixes[g], chat=False) for g in used))
+    fitted = await scope.run_all(*(fitter.fit("", 0, group_words[g], trace.prefixes[g], chat=False) for g in used))
     prefix_text = {g: text for g, (text, _) in zip(used, fitted)}
     prefix_count = {g: count for g, (_, count) in zip(used, fitted)}
     warnings = [
@@ -233,7 +234,7 @@ async def build(trace: Trace, counter: TokenCounter, rng: random.Random) -> Prom
         text, count = await fitter.fit(head, head_tokens, private_words[r.id], r.prompt_tokens, chat=r.api == "chat")
         return Prompt(text, r.prompt_tokens, count, len(head))
 
-    built = await asyncio.gather(*(one(r) for r in trace.requests))
+    built = await scope.run_all(*(one(r) for r in trace.requests))
     for r, p in zip(trace.requests, built):
         if p.counted_tokens != p.target_tokens:
             warnings.append(f"{r.id}: built a {p.counted_tokens}-token prompt, not {p.target_tokens}")
