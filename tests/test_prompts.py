@@ -106,11 +106,11 @@ async def test_an_impossible_length_is_a_warning_never_a_silent_mismatch():
     assert built.warnings == (f"even: built a {p.counted_tokens}-token prompt, not 64",)
 
 
-async def test_calibration_fits_tokens_per_word_and_overheads():
+async def test_a_counter_fitted_from_usage_finds_tokens_per_word_and_overheads():
     async def measure(text, chat):
         return round(2 + 1.5 * len(text.split())) + (9 if chat else 0)
 
-    counter = await prompts.calibrate(measure, random.Random(7))
+    counter = await prompts.fit_counter(measure, random.Random(7))
     assert counter.per_word == pytest.approx(1.5) and counter.overhead == pytest.approx(2)
     assert counter.chat_overhead == 9 and not counter.exact
     assert await counter.count("a b c d", chat=True) == 2 + 6 + 9
@@ -118,12 +118,12 @@ async def test_calibration_fits_tokens_per_word_and_overheads():
     assert not built.exact
 
 
-async def test_calibration_without_usage_is_a_target_error():
+async def test_a_counter_fit_without_usage_is_a_target_error():
     async def measure(text, chat):
         return None
 
     with pytest.raises(TargetError, match="no usage.prompt_tokens"):
-        await prompts.calibrate(measure, random.Random(0))
+        await prompts.fit_counter(measure, random.Random(0))
 
 
 async def test_server_counter_uses_the_servers_tokenize_for_text_and_chat():

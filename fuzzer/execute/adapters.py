@@ -49,7 +49,7 @@ N_PROBES = tuple(n for n in N_VALUES if n > 2)
 
 
 @dataclass(frozen=True)
-class Metric:
+class MetricSource:
     """Where a common metric comes from: wire sample names in order of preference.
 
     The first name present in a scrape wins; samples of that name are summed over
@@ -66,7 +66,7 @@ class Adapter:
     """What the fuzzer needs to know about one kind of server."""
 
     kind: str
-    metrics: Mapping[str, Metric]
+    metrics: Mapping[str, MetricSource]
     #: Documented scheduler defaults of the engine (the oracle's assumptions).
     scheduler_defaults: Mapping[str, Any]
     health_path: str = "/health"
@@ -203,14 +203,14 @@ def _list_count(answer: Any) -> int:
 _VLLM = Adapter(
     kind="vllm",
     metrics={
-        "running": Metric(("vllm:num_requests_running",)),
-        "waiting": Metric(("vllm:num_requests_waiting",)),
-        "kv_usage": Metric(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), mean=True),
-        "preemptions": Metric(("vllm:num_preemptions_total",)),
-        "prefix_cache_hits": Metric(("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")),
-        "prefix_cache_queries": Metric(("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")),
-        "prompt_tokens": Metric(("vllm:prompt_tokens_total",)),
-        "generation_tokens": Metric(("vllm:generation_tokens_total",)),
+        "running": MetricSource(("vllm:num_requests_running",)),
+        "waiting": MetricSource(("vllm:num_requests_waiting",)),
+        "kv_usage": MetricSource(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), mean=True),
+        "preemptions": MetricSource(("vllm:num_preemptions_total",)),
+        "prefix_cache_hits": MetricSource(("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")),
+        "prefix_cache_queries": MetricSource(("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")),
+        "prompt_tokens": MetricSource(("vllm:prompt_tokens_total",)),
+        "generation_tokens": MetricSource(("vllm:generation_tokens_total",)),
     },
     # vllm/config/scheduler.py, engine/arg_utils.py (V1): the token budget is 2048 on the
     # API server for GPUs under 70 GiB or A100, 8192 above; 256 running sequences (1024 on
@@ -232,15 +232,15 @@ _VLLM = Adapter(
 _SGLANG = Adapter(
     kind="sglang",
     metrics={
-        "running": Metric(("sglang:num_running_reqs",)),
-        "waiting": Metric(("sglang:num_queue_reqs",)),
-        "kv_usage": Metric(("sglang:token_usage",), mean=True),
-        "preemptions": Metric(("sglang:num_retracted_requests_total",)),
+        "running": MetricSource(("sglang:num_running_reqs",)),
+        "waiting": MetricSource(("sglang:num_queue_reqs",)),
+        "kv_usage": MetricSource(("sglang:token_usage",), mean=True),
+        "preemptions": MetricSource(("sglang:num_retracted_requests_total",)),
         # SGLang counts prefix-cache hits in tokens as cached_tokens; every prompt token is a query.
-        "prefix_cache_hits": Metric(("sglang:cached_tokens_total",)),
-        "prefix_cache_queries": Metric(("sglang:prompt_tokens_total",)),
-        "prompt_tokens": Metric(("sglang:prompt_tokens_total",)),
-        "generation_tokens": Metric(("sglang:generation_tokens_total",)),
+        "prefix_cache_hits": MetricSource(("sglang:cached_tokens_total",)),
+        "prefix_cache_queries": MetricSource(("sglang:prompt_tokens_total",)),
+        "prompt_tokens": MetricSource(("sglang:prompt_tokens_total",)),
+        "generation_tokens": MetricSource(("sglang:generation_tokens_total",)),
     },
     # sglang server_args: chunked prefill 8192 typical (GPU dependent, 2048-16384),
     # max prefill 16384, radix cache with page size 1, FCFS, retraction when decode cannot fit.
@@ -261,10 +261,10 @@ _SGLANG = Adapter(
 _TGI = Adapter(
     kind="tgi",
     metrics={
-        "running": Metric(("tgi_batch_current_size",)),
-        "waiting": Metric(("tgi_queue_size",)),
-        "prompt_tokens": Metric(("tgi_request_input_length_sum",)),
-        "generation_tokens": Metric(("tgi_request_generated_tokens_sum",)),
+        "running": MetricSource(("tgi_batch_current_size",)),
+        "waiting": MetricSource(("tgi_queue_size",)),
+        "prompt_tokens": MetricSource(("tgi_request_input_length_sum",)),
+        "generation_tokens": MetricSource(("tgi_request_generated_tokens_sum",)),
     },
     # TGI launcher defaults: max_batch_prefill_tokens 4096, waiting_served_ratio 0.3,
     # max_waiting_tokens 20; the batch token budget is derived from free memory.
@@ -282,10 +282,10 @@ _TGI = Adapter(
 _LLAMACPP = Adapter(
     kind="llamacpp",
     metrics={
-        "running": Metric(("llamacpp:requests_processing",)),
-        "waiting": Metric(("llamacpp:requests_deferred",)),
-        "prompt_tokens": Metric(("llamacpp:prompt_tokens_total",)),
-        "generation_tokens": Metric(("llamacpp:tokens_predicted_total",)),
+        "running": MetricSource(("llamacpp:requests_processing",)),
+        "waiting": MetricSource(("llamacpp:requests_deferred",)),
+        "prompt_tokens": MetricSource(("llamacpp:prompt_tokens_total",)),
+        "generation_tokens": MetricSource(("llamacpp:tokens_predicted_total",)),
     },
     # llama-server (tools/server/README.md): n_batch 2048 tokens per llama_decode (decoding
     # slots first, then prompt chunks slot by slot), n_ubatch 512, continuous batching on,

@@ -209,7 +209,7 @@ class HttpTarget:
             self._counter = counter
             return
         try:
-            self._counter = await prompt_builder.calibrate(self._measure, rng)
+            self._counter = await prompt_builder.fit_counter(self._measure, rng)
             self._setup_warnings.append(
                 "the server has no /tokenize: prompt lengths come from a usage calibration and are checked against usage"
             )

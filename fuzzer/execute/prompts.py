@@ -162,7 +162,7 @@ class CalibratedCounter:
 Measure = Callable[[str, bool], Awaitable[int | None]]
 
 
-async def calibrate(measure: Measure, rng: random.Random) -> CalibratedCounter:
+async def fit_counter(measure: Measure, rng: random.Random) -> CalibratedCounter:
     """Fit tokens per word and the fixed overhead (BOS, template) from two usage answers."""
     small, large = (_words(rng, n) for n in _PROBE_WORDS)
     c_small = await measure(" ".join(small), False)
