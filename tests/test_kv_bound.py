@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fuzzer.execute import adapters
+from fuzzer.execute import adapters, detection
 from fuzzer.oracle.calibrate import (
     calibrate,
     reported_kv,
@@ -180,18 +180,18 @@ def test_a_clean_run_that_preempts_as_the_model_does_is_not_thrash():
 
 def test_the_capacity_is_read_from_vllms_cache_config_info():
     page = SimMetrics(VirtualTarget().engine).render().decode()
-    assert adapters.kv_cache_config(page) == {"num_gpu_blocks": 2560, "block_size": 16}
-    assert adapters.kv_cache_config("vllm:num_requests_running 1\n") == {}
+    assert detection.kv_cache_config(page) == {"num_gpu_blocks": 2560, "block_size": 16}
+    assert detection.kv_cache_config("vllm:num_requests_running 1\n") == {}
     line = 'vllm:cache_config_info{block_size="32",enable_prefix_caching="True",num_gpu_blocks="81920"} 1.0\n'
-    assert adapters.kv_cache_config(line) == {"num_gpu_blocks": 81920, "block_size": 32}
-    a = assumption_for("vllm", {**adapters.adapter("vllm").scheduler_defaults, **adapters.kv_cache_config(line)})
+    assert detection.kv_cache_config(line) == {"num_gpu_blocks": 81920, "block_size": 32}
+    a = assumption_for("vllm", {**adapters.adapter("vllm").scheduler_defaults, **detection.kv_cache_config(line)})
     assert (a.kv_blocks, a.block_size) == (81920, 32)
-    fp = adapters.Fingerprint({"/metrics": (200, page)})
-    assert adapters.reported_scheduler(fp, "vllm") == {"num_gpu_blocks": 2560, "block_size": 16}
+    fp = detection.Fingerprint({"/metrics": (200, page)})
+    assert detection.reported_scheduler(fp, "vllm") == {"num_gpu_blocks": 2560, "block_size": 16}
     info = adapters.ServerInfo(kind="vllm", version=None, model=None, max_model_len=None,
-                              scheduler=adapters.reported_scheduler(fp, "vllm"))
+                              scheduler=detection.reported_scheduler(fp, "vllm"))
     assert scheduler_assumption(info).kv_blocks == 2560
-    assert adapters.reported_scheduler(adapters.Fingerprint({"/metrics": (200, "vllm:num_preemptions_total 0\n")}),
+    assert detection.reported_scheduler(detection.Fingerprint({"/metrics": (200, "vllm:num_preemptions_total 0\n")}),
                                       "vllm") == {}
 
 

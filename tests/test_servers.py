@@ -1,4 +1,4 @@
-"""Server adapters: detection from recorded engine answers, metadata, capability probe."""
+"""Detection from recorded engine answers, server metadata, adapters, the capability probe."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from loopback import serving
 from misbehaving_server import running
 
 from fuzzer.errors import ConfigError, TargetError
-from fuzzer.execute import adapters
-from fuzzer.execute.adapters import Fingerprint
+from fuzzer.execute import adapters, detection
+from fuzzer.execute.detection import Fingerprint
 from fuzzer.oracle.calibrate import scheduler_assumption
 
 DATA = Path(__file__).parent / "data" / "servers"
@@ -39,26 +39,26 @@ def recorded(kind: str, *, without: tuple[str, ...] = ()) -> Fingerprint:
 
 @pytest.mark.parametrize("kind", adapters.KINDS)
 def test_each_engine_is_detected_from_its_recorded_answers(kind):
-    assert adapters.detect(recorded(kind)) == kind
+    assert detection.detect(recorded(kind)) == kind
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang", "tgi", "llamacpp"])
 def test_detection_without_metrics_falls_back_on_the_engine_endpoints(kind):
     # Metrics are opt-in on SGLang and llama.cpp: detection must not need them.
-    assert adapters.detect(recorded(kind, without=("/metrics",))) == kind
+    assert detection.detect(recorded(kind, without=("/metrics",))) == kind
 
 
 def test_nothing_recognisable_is_the_generic_openai_adapter():
-    assert adapters.detect(Fingerprint({"/v1/models": (200, "not json")})) == "openai"
-    assert adapters.detect(Fingerprint({})) == "openai"
+    assert detection.detect(Fingerprint({"/v1/models": (200, "not json")})) == "openai"
+    assert detection.detect(Fingerprint({})) == "openai"
 
 
 def test_describe_reads_version_model_and_context_length():
-    assert adapters.describe(recorded("vllm"), "vllm") == ("0.11.0", "Qwen/Qwen2.5-0.5B-Instruct", 32768)
-    assert adapters.describe(recorded("tgi"), "tgi") == ("3.3.6", "Qwen/Qwen2.5-0.5B-Instruct", 4096)
-    assert adapters.describe(recorded("llamacpp"), "llamacpp") == ("b6500-1a2b3c4", "qwen2.5-0.5b-instruct-q8_0.gguf", 8192)
-    assert adapters.describe(recorded("sglang"), "sglang") == ("0.5.4", "Qwen/Qwen3-0.6B", 40960)
-    assert adapters.describe(recorded("openai"), "openai") == (None, "gpt-4o-mini", None)
+    assert detection.describe(recorded("vllm"), "vllm") == ("0.11.0", "Qwen/Qwen2.5-0.5B-Instruct", 32768)
+    assert detection.describe(recorded("tgi"), "tgi") == ("3.3.6", "Qwen/Qwen2.5-0.5B-Instruct", 4096)
+    assert detection.describe(recorded("llamacpp"), "llamacpp") == ("b6500-1a2b3c4", "qwen2.5-0.5b-instruct-q8_0.gguf", 8192)
+    assert detection.describe(recorded("sglang"), "sglang") == ("0.5.4", "Qwen/Qwen3-0.6B", 40960)
+    assert detection.describe(recorded("openai"), "openai") == (None, "gpt-4o-mini", None)
 
 
 def test_unknown_kind_is_a_config_error():
@@ -94,14 +94,14 @@ def _recorded_app(kind: str) -> web.Application:
 @pytest.mark.parametrize("kind", adapters.KINDS)
 async def test_fingerprint_over_http_detects_each_engine(kind):
     async with serving(_recorded_app(kind)) as url, aiohttp.ClientSession() as session:
-        fp = await adapters.fingerprint(session, url, headers={})
-    assert adapters.detect(fp) == kind
+        fp = await detection.fingerprint(session, url, headers={})
+    assert detection.detect(fp) == kind
 
 
 async def test_fingerprint_of_an_unreachable_server_is_a_target_error(unused_tcp_port):
     async with aiohttp.ClientSession() as session:
         with pytest.raises(TargetError, match="cannot reach"):
-            await adapters.fingerprint(session, f"http://127.0.0.1:{unused_tcp_port}", headers={})
+            await detection.fingerprint(session, f"http://127.0.0.1:{unused_tcp_port}", headers={})
 
 
 async def test_probe_finds_every_feature_of_a_full_server():
@@ -147,7 +147,7 @@ _LIVE_FILES = {"/metrics": "metrics_idle.txt", "/v1/models": "v1_models.json", "
 
 def live_llamacpp(*, without: tuple[str, ...] = ()) -> Fingerprint:
     answers = {}
-    for path in adapters.FINGERPRINT_PATHS:
+    for path in detection.FINGERPRINT_PATHS:
         name = _LIVE_FILES.get(path)
         if name and path not in without:
             answers[path] = (200, (LIVE / name).read_text())
@@ -163,20 +163,20 @@ def live_llamacpp(*, without: tuple[str, ...] = ()) -> Fingerprint:
     "without", [(), ("/metrics",), ("/metrics", "/props"), ("/props", "/v1/models")], ids=str
 )
 def test_a_real_llama_server_is_detected_from_any_of_its_answers(without):
-    assert adapters.detect(live_llamacpp(without=without)) == "llamacpp"
+    assert detection.detect(live_llamacpp(without=without)) == "llamacpp"
 
 
 def test_describe_a_real_llama_server():
-    version, model, max_len = adapters.describe(live_llamacpp(), "llamacpp")
+    version, model, max_len = detection.describe(live_llamacpp(), "llamacpp")
     assert version == "b0-unknown"  # build_info of a build from the sdist (no git metadata)
     assert model is not None and model.endswith("random-llama.gguf")
     assert max_len == 4096  # the per-slot context (-c 16384 over -np 4), not the model's n_ctx_train
 
 
 def test_a_real_llama_server_reports_its_slots_as_max_num_seqs():
-    assert adapters.reported_scheduler(live_llamacpp(), "llamacpp") == {"max_num_seqs": 4}
-    assert adapters.reported_scheduler(live_llamacpp(without=("/props",)), "llamacpp") == {}
-    assert adapters.reported_scheduler(recorded("vllm"), "vllm") == {}
+    assert detection.reported_scheduler(live_llamacpp(), "llamacpp") == {"max_num_seqs": 4}
+    assert detection.reported_scheduler(live_llamacpp(without=("/props",)), "llamacpp") == {}
+    assert detection.reported_scheduler(recorded("vllm"), "vllm") == {}
 
 
 def test_llamacpp_assumption_is_a_2048_token_step_and_its_slots():

@@ -4,9 +4,9 @@ An :class:`Adapter` knows an engine's endpoints (health, tokenize, info), maps i
 Prometheus metric names onto the fuzzer's common names, and carries the engine's
 documented scheduler defaults, which the oracle reads as assumptions.
 
-Telling engines apart (``detect`` on a :class:`Fingerprint`, ``fingerprint`` to fetch
-one) is :mod:`fuzzer.execute.detection`, re-exported here; ``probe_capabilities`` asks the
-server which request features it accepts.
+Telling engines apart (``detect`` on a ``Fingerprint``, ``fingerprint`` to fetch one)
+is :mod:`fuzzer.execute.detection`; ``probe_capabilities`` asks the server which
+request features it accepts.
 
 Sources: each engine's public docs and sources, summarised in
 ARCHITECTURE.md, "Engines" (vLLM ``v1/metrics/loggers.py``, SGLang
@@ -24,16 +24,7 @@ from typing import Any, Callable, Mapping
 import aiohttp
 
 from fuzzer.errors import ConfigError, TargetError
-from fuzzer.execute.detection import (  # noqa: F401 (re-exported for importers of fuzzer.execute.adapters)
-    FINGERPRINT_PATHS,
-    PROBE_TIMEOUT_S,
-    Fingerprint,
-    describe,
-    detect,
-    fingerprint,
-    kv_cache_config,
-    reported_scheduler,
-)
+from fuzzer.execute.detection import PROBE_TIMEOUT_S
 from fuzzer.trace import N_VALUES
 
 KINDS = ("vllm", "sglang", "tgi", "llamacpp", "openai")

@@ -4,8 +4,7 @@ A :class:`Fingerprint` holds those answers; ``detect`` tells engines apart from 
 and ``describe``/``reported_scheduler`` read the version, model, context length and
 scheduler parameters the server reports about itself. All are pure functions,
 testable against recorded responses; only ``fingerprint`` talks to the server.
-:mod:`fuzzer.execute.adapters` holds what is known of each engine (its :class:`~fuzzer.execute.adapters.Adapter`)
-and re-exports these names.
+:mod:`fuzzer.execute.adapters` holds what is known of each engine (its :class:`~fuzzer.execute.adapters.Adapter`).
 
 Sources: each engine's public docs and sources, summarised in
 ARCHITECTURE.md, "Engines".

@@ -32,7 +32,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from fuzzer.errors import TargetError
-from fuzzer.execute import adapters, clientlag, scope
+from fuzzer.execute import adapters, clientlag, detection, scope
 from fuzzer.execute import prompts as prompt_builder
 from fuzzer.execute.adapters import Adapter, ServerInfo
 from fuzzer.execute.metrics import (
@@ -164,10 +164,10 @@ class HttpTarget:
             trust_env=False,
         )
         try:
-            fp = await adapters.fingerprint(self._session, self.base_url, headers=self._headers)
-            kind = adapters.detect(fp) if self._server == "auto" else self._server
+            fp = await detection.fingerprint(self._session, self.base_url, headers=self._headers)
+            kind = detection.detect(fp) if self._server == "auto" else self._server
             self._adapter = adapters.adapter(kind)
-            version, listed_model, max_len = adapters.describe(fp, kind)
+            version, listed_model, max_len = detection.describe(fp, kind)
             model = self._model or listed_model
             if self._given_capabilities is not None:
                 caps = self._given_capabilities
@@ -177,7 +177,7 @@ class HttpTarget:
                 )
             self.info = ServerInfo(
                 kind=kind, version=version, model=model, max_model_len=max_len, capabilities=caps,
-                scheduler=adapters.reported_scheduler(fp, kind),
+                scheduler=detection.reported_scheduler(fp, kind),
             )
             if self._adapter.has_metrics and fp.ok(self._adapter.metrics_path or "") is not None:
                 self._scraper = Scraper(self._session, self.base_url, self._adapter, headers=self._headers)

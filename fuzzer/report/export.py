@@ -22,7 +22,7 @@ from typing import Any
 from fuzzer import trace as trace_format
 from fuzzer.errors import FuzzError, NotFoundError, OutputError
 from fuzzer.execution import ExecutionResult
-from fuzzer.oracle.calibrate import Calibration, calibration_keys
+from fuzzer.oracle.calibration import Calibration, calibration_keys
 from fuzzer.oracle.judge import observe
 from fuzzer.oracle.kinds import Metric
 from fuzzer.report import markdown as bugreport
