@@ -3,13 +3,11 @@
 from fuzzer.errors import (
     ConfigError,
     FuzzError,
-    NotBuiltError,
     NotFoundError,
     OutputError,
     StoreError,
     TargetError,
     TraceError,
-    UnsupportedError,
 )
 from fuzzer.execution import (
     ExecutionResult,
@@ -28,7 +26,6 @@ __all__ = [
     "ExecutionResult",
     "FuzzError",
     "MetricSample",
-    "NotBuiltError",
     "NotFoundError",
     "Outcome",
     "OutputError",
@@ -39,6 +36,5 @@ __all__ = [
     "TargetError",
     "Trace",
     "TraceError",
-    "UnsupportedError",
     "__version__",
 ]

@@ -9,13 +9,16 @@ and never prints.
     ├── StoreError          the database cannot be opened, is too new, or is locked
     │   └── NotFoundError   an unknown finding, trace or execution id
     ├── TargetError         the target server is unreachable or misbehaves
-    │   └── UnsupportedError  the target rejects a feature the trace needs
     ├── OutputError         an output folder or file cannot be written
-    ├── ConfigError         a bad option value (unknown pathology, bad duration, ...)
-    └── NotBuiltError       a capability of the CLI that does not exist yet
+    └── ConfigError         a bad option value (unknown pathology, bad duration, ...)
+
+A request the target rejects is not an error but data: its outcome is
+``unsupported`` or ``rejected`` (:class:`fuzzer.execution.Outcome`).
 """
 
 from __future__ import annotations
+
+import json
 
 
 class FuzzError(Exception):
@@ -35,7 +38,7 @@ class TraceError(FuzzError):
         self.value = value
         self.source = source
         where = f"{source}: " if source else ""
-        shown = "" if value is _NO_VALUE else f", got {_show(value)}"
+        shown = "" if value is NO_VALUE else f", got {_show(value)}"
         super().__init__(f"{where}{path}: {rule}{shown}")
 
 
@@ -51,10 +54,6 @@ class TargetError(FuzzError):
     """The target server cannot be reached or does not behave like an inference server."""
 
 
-class UnsupportedError(TargetError):
-    """The target rejects a request feature (n > 1, logprobs, chat, ...)."""
-
-
 class OutputError(FuzzError):
     """An output path cannot be written."""
 
@@ -63,24 +62,17 @@ class ConfigError(FuzzError):
     """An option or setting has a value the fuzzer cannot use."""
 
 
-class NotBuiltError(FuzzError):
-    """A command whose capability is not built yet."""
-
-
 class _NoValue:
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return "<no value>"
 
 
 #: Marker for a TraceError that has no offending value to show (a missing field).
-_NO_VALUE = _NoValue()
-NO_VALUE = _NO_VALUE
+NO_VALUE = _NoValue()
 
 
 def _show(value: object) -> str:
     """A short, JSON-like rendering of a bad value for an error message."""
-    import json
-
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):

@@ -64,7 +64,6 @@ class Adapter:
     metrics_path: str | None = "/metrics"
     completions_path: str = "/v1/completions"
     chat_path: str = "/v1/chat/completions"
-    models_path: str = "/v1/models"
     #: POST endpoint that counts tokens, or None.
     tokenize_path: str | None = None
     #: Builds the tokenize body: (text, model, chat) -> JSON object, or None when it cannot template chat.

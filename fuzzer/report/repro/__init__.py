@@ -37,7 +37,7 @@ from fuzzer.execute.prompts import WORDS
 from fuzzer.oracle.policy import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S
 from fuzzer.trace import Trace
 
-__all__ = ["DATA_FORMAT", "Criterion", "criterion_from_verdict", "script_source"]
+__all__ = ["DATA_FORMAT", "Criterion", "criterion_from_verdict", "script_data", "script_source"]
 
 #: Version of the DATA object embedded in a script.
 #:     1 - finding, criterion, server, trace, words.
