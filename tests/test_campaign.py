@@ -8,7 +8,9 @@ import pytest
 from conftest import CORPUS
 
 from fuzzer import trace as tf
+from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.campaign import Campaign, ExitReason, Settings
+from fuzzer.search.mutators import Limits
 from fuzzer.sim import VirtualTarget
 from fuzzer.store import Store
 
@@ -87,3 +89,23 @@ async def test_every_child_is_recorded_with_its_purpose(seed_trace, mutator):
     # the guided campaign re-ran the seed before mutating it; the null baseline never reads the corpus
     assert (purposes.get("stability", 0) >= 1) == (mutator == "guided")
     assert sum(purposes.values()) == store.count_executions()
+
+
+async def test_the_stored_settings_say_which_thresholds_and_limits_the_campaign_ran_under(seed_trace):
+    store = Store.memory()
+    policy = OraclePolicy(factor=3.0, max_runs=8)
+    limits = Limits(max_model_len=4096, unsupported=frozenset({"n", "chat"}), max_n=4)
+    settings = Settings(seed=5, max_execs=2, policy=policy, limits=limits)
+    await Campaign(VirtualTarget(seed=1), store, settings, seeds=[seed_trace], target_key="sim:test").run()
+    stored = store.latest_campaign()["settings"]
+    assert stored["policy"]["factor"] == 3.0 and stored["limits"]["unsupported"] == ["chat", "n"]
+    assert Settings.from_dict(stored) == settings
+
+
+def test_settings_stored_before_the_policy_and_limits_were_read_with_the_defaults():
+    old = {"duration_s": 60.0, "max_execs": None, "seed": 7, "mutator": "null", "stability_runs": 3,
+           "idle_share": 0.0, "seed_share": 0.5}
+    settings = Settings.from_dict(old)
+    assert settings == Settings(duration_s=60.0, seed=7, mutator="null", idle_share=0.0, seed_share=0.5)
+    assert settings.policy == OraclePolicy() and settings.limits == Limits()
+    assert Settings.from_dict({**settings.to_dict(), "from_a_newer_fuzzer": 1}) == settings

@@ -53,6 +53,21 @@ class Limits:
     def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
         return prompt_tokens + max_tokens <= self.max_model_len
 
+    def to_dict(self) -> dict:
+        return {
+            "max_model_len": self.max_model_len, "block_size": self.block_size, "token_budget": self.token_budget,
+            "max_requests": self.max_requests, "max_output_tokens": self.max_output_tokens,
+            "unsupported": sorted(self.unsupported), "max_n": self.max_n,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Limits:
+        """Read what :meth:`to_dict` wrote; a field it lacks keeps its default."""
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if "unsupported" in known:
+            known["unsupported"] = frozenset(known["unsupported"])
+        return cls(**known)
+
 
 Operator = Callable[[Trace, random.Random, Limits], "Trace | None"]
 

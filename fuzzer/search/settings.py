@@ -7,8 +7,11 @@ comes out (``Stats`` for the live status and ``fuzz status``, ``Summary`` at the
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
+from fuzzer.oracle.calibration import REFRESH_AFTER_S
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.mutators import Limits
 from fuzzer.search.pacing import IDLE_SHARE, SEED_SHARE
@@ -43,7 +46,8 @@ class Settings:
     #: "guided" (coverage-guided mutation) or "null" (random generation, the baseline).
     mutator: str = "guided"
     stability_runs: int = STABILITY_RUNS
-    recalibrate_after_s: float = 3600.0
+    #: A calibration older than this is measured again (fuzzer.oracle.calibrate.reuse_or_calibrate).
+    recalibrate_after_s: float = REFRESH_AFTER_S
     limits: Limits = field(default_factory=Limits)
     policy: OraclePolicy = field(default_factory=OraclePolicy)
     #: Share of wall time the campaign may spend idling on purpose to meet a cold server
@@ -52,12 +56,29 @@ class Settings:
     #: Once the corpus has an entry, seeding may take at most this share of the server time.
     seed_share: float = SEED_SHARE
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """Stored with the campaign: the thresholds that confirmed its findings (the oracle
+        policy) and the limits its traces respected are part of it."""
         return {
             "duration_s": self.duration_s, "max_execs": self.max_execs, "seed": self.seed,
             "mutator": self.mutator, "stability_runs": self.stability_runs,
+            "recalibrate_after_s": self.recalibrate_after_s,
             "idle_share": self.idle_share, "seed_share": self.seed_share,
+            "limits": self.limits.to_dict(), "policy": asdict(self.policy),
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Settings:
+        """Read what :meth:`to_dict` wrote. A row stored before the policy and the limits were
+        (or without any other field) gets today's defaults for what it lacks."""
+        known = {f.name for f in fields(cls)} - {"limits", "policy"}
+        values: dict[str, Any] = {k: v for k, v in data.items() if k in known}
+        if "limits" in data:
+            values["limits"] = Limits.from_dict(data["limits"])
+        if "policy" in data:
+            policy_fields = {f.name for f in fields(OraclePolicy)}
+            values["policy"] = OraclePolicy(**{k: v for k, v in data["policy"].items() if k in policy_fields})
+        return cls(**values)
 
 
 @dataclass(frozen=True)
