@@ -14,6 +14,8 @@ fuzz iteration is a *cold probe*: the server is left idle long enough to go cold
 before a corpus trace runs, so that cold-start slowdowns can be found at all.
 ``--duration`` holds during stability runs and confirmations too: a confirmation cut
 short by the deadline (or Ctrl-C) is saved as pending and done first on resume.
+Choosing, confirming and recording candidates is the campaign's
+:class:`~fuzzer.search.confirming.Confirmer`'s.
 
 Every execution is written to the store before the next one starts, and the
 campaign checkpoints its state (RNG, corpus, counters) so that running it again
@@ -24,28 +26,23 @@ hands :class:`Stats` snapshots and events to callbacks, and the CLI renders them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute.recovery import backoff
 from fuzzer.execution import ExecutionResult, Target
-from fuzzer.oracle import judge as oracle
 from fuzzer.oracle.calibrate import Calibration, calibrate, with_target_kv
 from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.expectation import expect
 from fuzzer.oracle.kinds import FindingKind, Metric
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import (
-    OracleSteps,
-    OutOfTime,
-    candidate_from_dict,
-    candidate_to_dict,
-)
+from fuzzer.search.confirming import Confirmer, OutOfTime
 from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.coverage import Coverage, measure
 from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats
@@ -73,7 +70,7 @@ RECALIBRATE_RETRY_S = 600.0
 CHILDREN_PER_PICK = 4
 
 
-class Campaign(OracleSteps):
+class Campaign:
     """One campaign on one target, stored in one database."""
 
     def __init__(
@@ -113,12 +110,6 @@ class Campaign(OracleSteps):
         self.corpus = Corpus()
         self._dirty: set[int] = set()
         self._new_features: dict[str, int] = {}
-        self._rejected: dict[str, int] = {}
-        self._found: set[str] = {f.signature for f in store.list_findings()}
-        self._new_findings: list[tuple[int, str]] = []
-        self._candidates = 0
-        self._confirmations = 0
-        self._last_find: float | None = None
         self._since_checkpoint = 0
         self._seeded = 0
         self._server_errors = 0
@@ -126,8 +117,6 @@ class Campaign(OracleSteps):
         self._recalibrate_at: float | None = None
         self.probes = ColdProbes()
         self.server_time = ServerTime()
-        #: Candidates whose confirmation the deadline cut short: (trace, candidate, key).
-        self._pending: list[tuple[Trace, oracle.Candidate, str]] = []
 
     # --- setup and resume ---------------------------------------------------------------
 
@@ -141,6 +130,7 @@ class Campaign(OracleSteps):
             )
             self.rng = random.Random(self.settings.seed)
             op_stats = OperatorStats()
+            state = {}
         else:
             self.campaign_id = latest["id"]
             state = latest["state"]
@@ -151,13 +141,16 @@ class Campaign(OracleSteps):
             traces = {row["trace_hash"]: self.store.get_trace(row["trace_hash"]) for row in rows}
             self.corpus = Corpus.from_dict({**state.get("corpus", {}), "entries": rows}, traces)
             op_stats = OperatorStats.from_dict(state.get("operators", {}))
-            self._rejected = dict(state.get("rejected", {}))
             self._seeded = int(state.get("seeded", 0))
             self.probes = ColdProbes.from_dict(state.get("cold_probes"))
             self.server_time = ServerTime.from_dict(state.get("server_time"))
-            self._pending = [(self.store.get_trace(p["trace_hash"]), candidate_from_dict(p), p["key"])
-                             for p in state.get("pending", [])]
-        self.np_rng = np.random.default_rng(self.rng.getrandbits(64))
+        self.confirmer = Confirmer(
+            _CampaignTarget(self.target, self._confirmation_run), self.store, self.settings.policy,
+            campaign_id=self.campaign_id, target_id=self.target_id,
+            rng=np.random.default_rng(self.rng.getrandbits(64)), sleep=self._idle_sleep,
+            checkpoint=lambda: self._checkpoint(force=True), clock=self._clock, in_phase=self._in_phase,
+            recover=self._wait_for_server, on_finding=self._on_finding, state=state,
+        )
         if self.settings.mutator == "null":
             self.mutator = NullMutator(self.settings.limits)
         else:
@@ -174,8 +167,9 @@ class Campaign(OracleSteps):
         try:
             await self._ensure_calibration()
             while (reason := self._should_stop()) is None:
-                if self._pending:
-                    await self._confirm_pending()
+                if self.confirmer.pending:
+                    assert self.calibration is not None
+                    await self.confirmer.confirm_pending(self.calibration)
                 elif self._seeded < len(self.seeds) and self.server_time.seed_due(len(self.corpus), self.settings.seed_share):
                     self._phase = Phase.SEED
                     await self._seed(self.seeds[self._seeded])
@@ -196,7 +190,8 @@ class Campaign(OracleSteps):
             self._checkpoint(status="stopped", force=True)
         stats = self.stats()
         self._on_stats(stats)
-        return Summary(self.campaign_id, reason or ExitReason.INTERRUPTED, stats, tuple(self._new_findings), resumed)
+        return Summary(self.campaign_id, reason or ExitReason.INTERRUPTED, stats, tuple(self.confirmer.new_findings),
+                       resumed)
 
     def _should_stop(self) -> ExitReason | None:
         if self._stop.is_set():
@@ -281,6 +276,15 @@ class Campaign(OracleSteps):
                 if self._should_stop() is not None:
                     raise _Stopped from None
 
+    async def _confirmation_run(self, trace: Trace) -> ExecutionResult:
+        """One run of a confirmation: refused past the deadline, else stored as a campaign execution."""
+        self._check_time()
+        return await self._execute(trace, "confirm")
+
+    async def _examine(self, trace: Trace, result: ExecutionResult, *, cold: bool = False) -> Verdict | None:
+        assert self.calibration is not None
+        return await self.confirmer.examine(trace, result, self.calibration, cold=cold)
+
     def _coverage(self, trace: Trace, result: ExecutionResult) -> Coverage:
         assert self.calibration is not None
         expectations = expect(trace, self.calibration.model, self.calibration.assumption, result)
@@ -360,15 +364,13 @@ class Campaign(OracleSteps):
         ids = sorted(self.corpus.entries)
         entry = self.corpus.entries[self.rng.choice(ids)]
         idle_s = self.settings.policy.cold_idle_s
-        previous, self._phase = self._phase, Phase.IDLE
-        self._emit()
-        await let_idle(self.target, idle_s, self._idle_sleep)
-        self._phase = previous
+        with self._in_phase(Phase.IDLE):
+            await let_idle(self.target, idle_s, self._idle_sleep)
         result = await self._execute(entry.trace, "cold-probe", idled_s=idle_s)
-        before = self._candidates
+        before = self.confirmer.candidates
         verdict = await self._examine(entry.trace, result, cold=True)
         found = verdict is not None and verdict.is_finding and verdict.kind is FindingKind.COLD_START
-        self.probes.record(candidate=self._candidates > before, cold_start_found=found)
+        self.probes.record(candidate=self.confirmer.candidates > before, cold_start_found=found)
         self._checkpoint(force=True)
 
     async def _idle_sleep(self, seconds: float) -> None:
@@ -426,6 +428,16 @@ class Campaign(OracleSteps):
 
     # --- state -------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _in_phase(self, phase: Phase) -> Iterator[None]:
+        """Show ``phase`` in the status while the block runs, then the phase before it."""
+        previous, self._phase = self._phase, phase
+        self._emit()
+        try:
+            yield
+        finally:
+            self._phase = previous
+
     def stats(self) -> Stats:
         elapsed = max(1e-9, self._clock() - self._started)
         done = self.executions
@@ -434,8 +446,8 @@ class Campaign(OracleSteps):
             execs_per_min=60.0 * (done - self._executions_at_start) / elapsed,
             corpus=len(self.corpus), favoured=len(self.corpus.favoured), features=len(self.corpus.seen),
             stability=self.corpus.stability, findings=len(self.store.list_findings(campaign_id=self.campaign_id)),
-            candidates=self._candidates, confirmations=self._confirmations, elapsed_s=elapsed,
-            since_last_find_s=None if self._last_find is None else self._clock() - self._last_find,
+            candidates=self.confirmer.candidates, confirmations=self.confirmer.confirmations, elapsed_s=elapsed,
+            since_last_find_s=None if self.confirmer.last_find is None else self._clock() - self.confirmer.last_find,
             server=self._server,
         )
 
@@ -450,11 +462,10 @@ class Campaign(OracleSteps):
             "rng": _list_state(self.rng.getstate()),
             "corpus": {k: v for k, v in data.items() if k != "entries"},
             "operators": self.mutator.stats.to_dict(),
-            "rejected": self._rejected,
             "seeded": self._seeded,
             "cold_probes": self.probes.to_dict(),
             "server_time": self.server_time.to_dict(),
-            "pending": [{**candidate_to_dict(c), "trace_hash": t.content_hash(), "key": k} for t, c, k in self._pending],
+            **self.confirmer.to_state(),  # "rejected" and "pending"
             "stats": self.stats().to_dict(),
         }
         rows = [
@@ -466,6 +477,24 @@ class Campaign(OracleSteps):
         self._dirty.clear()
         self._new_features = {}
         self._since_checkpoint = 0
+
+
+class _CampaignTarget:
+    """The campaign's target as its confirmer sees it: every run goes through ``run`` (see
+    :meth:`Campaign._confirmation_run`); a virtual clock to idle on is passed through."""
+
+    def __init__(self, target: Target, run: Callable[[Trace], Awaitable[ExecutionResult]]):
+        self._run = run
+        self.name = target.name
+        idle = getattr(target, "idle", None)
+        if idle is not None:
+            self.idle = idle
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        return await self._run(trace)
+
+    async def aclose(self) -> None:  # the campaign owns the real target
+        return None
 
 
 class _Stopped(Exception):

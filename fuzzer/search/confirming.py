@@ -1,21 +1,33 @@
-"""The campaign's oracle steps: which candidates to confirm, confirming under the deadline, findings.
+"""The campaign's confirmations: which candidates to confirm, confirming under the deadline, findings.
 
-:class:`OracleSteps` is the part of :class:`fuzzer.search.campaign.Campaign` that talks to the
-oracle: of an execution's candidates it confirms the worst one not already found or
-recently rejected, counts every confirmation run as a campaign execution, records
-confirmed findings, and when the deadline (or Ctrl-C) cuts a confirmation short keeps
-the candidate as *pending* (checkpointed) so that the next run confirms it first.
+:class:`Confirmer` is the campaign's collaborator that talks to the oracle: of an
+execution's candidates it confirms the worst one not already found or recently rejected,
+records confirmed findings, and when the deadline (or Ctrl-C) cuts a confirmation short
+keeps the candidate as *pending* (checkpointed with the campaign) so that the next run
+confirms it first. It runs confirmations on the target it is given; the campaign gives it
+one whose every run is stored and counted as a campaign execution, and that raises
+:class:`OutOfTime` once the deadline has passed.
 """
 
 from __future__ import annotations
 
-from fuzzer.execution import ExecutionResult
-from fuzzer.oracle import judge as oracle
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+
+from fuzzer.execution import ExecutionResult, Target
+from fuzzer.oracle import judge
+from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
+from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind, Metric
+from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.settings import Phase
+from fuzzer.store import Store
 from fuzzer.trace import Trace
 
 # A candidate whose confirmation came back SAME is not confirmed again until it has been
@@ -27,102 +39,139 @@ class OutOfTime(Exception):
     """The deadline passed (or Ctrl-C) before a stability or confirmation run."""
 
 
-class OracleSteps:
-    """Mixed into Campaign: uses its calibration, store, settings, phase, rng and _execute."""
+class Confirmer:
+    """Confirms a campaign's candidates and records its findings; owns what it has learnt.
 
-    async def _examine(self, trace: Trace, result: ExecutionResult, *, cold: bool = False) -> Verdict | None:
+    ``target`` runs the confirmations (see the module doc); ``rng`` draws the statistical
+    tests' resamples; ``sleep`` idles for a cold arm; ``checkpoint`` saves the campaign (a
+    pending candidate must survive the process); ``clock`` stamps the last find;
+    ``in_phase`` shows the campaign confirming while it does; ``recover`` waits until a
+    server a confirmed crash took down answers again; ``on_finding`` hears of every new
+    finding. ``state`` is the campaign's checkpoint to take up (its ``rejected`` and
+    ``pending``, as :meth:`to_state` writes them).
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        store: Store,
+        policy: OraclePolicy,
+        *,
+        campaign_id: int,
+        target_id: int | None,
+        rng: np.random.Generator,
+        sleep: Callable[[float], Awaitable[None]],
+        checkpoint: Callable[[], None],
+        clock: Callable[[], float],
+        in_phase: Callable[[Phase], AbstractContextManager[None]],
+        recover: Callable[[], Awaitable[None]],
+        on_finding: Callable[[int, Verdict], None],
+        state: Mapping[str, Any] | None = None,
+    ):
+        self._target = target
+        self._store = store
+        self._policy = policy
+        self._campaign_id = campaign_id
+        self._target_id = target_id
+        self._rng = rng
+        self._sleep = sleep
+        self._checkpoint = checkpoint
+        self._clock = clock
+        self._in_phase = in_phase
+        self._recover = recover
+        self._on_finding = on_finding
+        state = state or {}
+        #: Signatures (and pre-signatures) already found: never confirmed again.
+        self.found: set[str] = {f.signature for f in store.list_findings()}
+        #: Pre-signatures whose confirmation came back SAME -> times seen since.
+        self.rejected: dict[str, int] = dict(state.get("rejected", {}))
+        #: Candidates whose confirmation the deadline cut short: (trace, candidate, key).
+        self.pending: list[tuple[Trace, Candidate, str]] = [
+            (store.get_trace(p["trace_hash"]), candidate_from_dict(p), p["key"]) for p in state.get("pending", [])
+        ]
+        self.candidates = 0
+        self.confirmations = 0
+        #: Findings recorded by this run (id, kind).
+        self.new_findings: list[tuple[int, str]] = []
+        self.last_find: float | None = None
+
+    async def examine(self, trace: Trace, result: ExecutionResult, calibration: Calibration, *,
+                      cold: bool = False) -> Verdict | None:
         """Confirm the worst new candidate of an execution; record it when confirmed.
 
         ``cold``: the execution was a cold probe; its latency candidates are deduplicated as
         the cold-start they may be (a warm rejection of the same request does not count).
         """
-        assert self.calibration is not None
-        for candidate in oracle.candidates(trace, result, self.calibration, self.settings.policy):
+        for candidate in judge.candidates(trace, result, calibration, self._policy):
             if cold and candidate.metric is not None and candidate.after_idle:
                 key = signature(FindingKind.COLD_START, trace)
             else:
                 key = signature(candidate.kind, trace, candidate.request_id)
-            if key in self._found:
+            if key in self.found:
                 continue
-            seen = self._rejected.get(key)
+            seen = self.rejected.get(key)
             if seen is not None and seen < RECONFIRM_AFTER:
-                self._rejected[key] = seen + 1
+                self.rejected[key] = seen + 1
                 continue
-            self._candidates += 1
-            return await self._confirm_candidate(trace, candidate, key)
+            self.candidates += 1
+            return await self._confirm_candidate(trace, candidate, key, calibration)
         return None  # one confirmation per execution keeps the fuzzing going
 
-    async def _confirm_candidate(self, trace: Trace, candidate: oracle.Candidate, key: str) -> Verdict | None:
+    async def confirm_pending(self, calibration: Calibration) -> Verdict | None:
+        """Confirm the first candidate a deadline left over (a resumed campaign starts here)."""
+        trace, candidate, key = self.pending.pop(0)
+        if key in self.found:
+            return None
+        verdict = await self._confirm_candidate(trace, candidate, key, calibration)
+        self._checkpoint()
+        return verdict
+
+    def to_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the confirmations (the campaign's ``rejected`` and ``pending``)."""
+        return {
+            "rejected": self.rejected,
+            "pending": [{**candidate_to_dict(c), "trace_hash": t.content_hash(), "key": k} for t, c, k in self.pending],
+        }
+
+    async def _confirm_candidate(self, trace: Trace, candidate: Candidate, key: str,
+                                 calibration: Calibration) -> Verdict:
         """Confirm; at the deadline (or Ctrl-C) save the candidate as pending and stop the run."""
-        previous, self._phase = self._phase, Phase.CONFIRM
-        self._emit()
-        try:
-            verdict = await self._confirm(trace, candidate)
-        except OutOfTime:
-            self._pending.append((trace, candidate, key))
-            self._checkpoint(force=True)
-            raise
-        finally:
-            self._phase = previous
+        with self._in_phase(Phase.CONFIRM):
+            try:
+                self.confirmations += 1
+                verdict = await confirm(self._target, trace, candidate, calibration, rng=self._rng,
+                                        policy=self._policy, sleep=self._sleep)
+            except OutOfTime:
+                self.pending.append((trace, candidate, key))
+                self._checkpoint()
+                raise
         if verdict.is_finding:
             self._record(trace, verdict, key)
             if candidate.kind is FindingKind.CRASH:
-                await self._wait_for_server()
+                await self._recover()
         else:
-            self._rejected[key] = 0
+            self.rejected[key] = 0
         return verdict
-
-    async def _confirm_pending(self) -> None:
-        """Confirm the first candidate a deadline left over (a resumed campaign starts here)."""
-        trace, candidate, key = self._pending.pop(0)
-        if key in self._found:
-            return
-        await self._confirm_candidate(trace, candidate, key)
-        self._checkpoint(force=True)
-
-    async def _confirm(self, trace: Trace, candidate: oracle.Candidate) -> Verdict:
-        self._confirmations += 1
-        counting = _CountingTarget(self)
-        return await confirm(counting, trace, candidate, self.calibration, rng=self.np_rng,
-                             policy=self.settings.policy, sleep=self._idle_sleep)
 
     def _record(self, trace: Trace, verdict: Verdict, key: str) -> None:
         sig = verdict.signature or key
-        finding_id, created = self.store.add_finding(
+        finding_id, created = self._store.add_finding(
             kind=str(verdict.kind), signature=sig, trace=trace, verdict=verdict.to_dict(),
-            slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=self.campaign_id,
-            target_id=self.target_id, details={"request_id": verdict.request_id, "pre_signature": key},
+            slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=self._campaign_id,
+            target_id=self._target_id, details={"request_id": verdict.request_id, "pre_signature": key},
         )
-        self._found.update({sig, key})
+        self.found.update({sig, key})
         if created:
-            self._new_findings.append((finding_id, str(verdict.kind)))
-            self._last_find = self._clock()
+            self.new_findings.append((finding_id, str(verdict.kind)))
+            self.last_find = self._clock()
             self._on_finding(finding_id, verdict)
 
 
-class _CountingTarget:
-    """The campaign's target seen by the oracle: every confirmation run is stored too."""
-
-    def __init__(self, campaign: "OracleSteps"):
-        self._campaign = campaign
-        self.name = campaign.target.name
-        idle = getattr(campaign.target, "idle", None)
-        if idle is not None:
-            self.idle = idle
-
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        self._campaign._check_time()
-        return await self._campaign._execute(trace, "confirm")
-
-    async def aclose(self) -> None:  # the campaign owns the real target
-        return None
-
-
-def candidate_to_dict(c: oracle.Candidate) -> dict:
+def candidate_to_dict(c: Candidate) -> dict:
     return {"kind": str(c.kind), "request_id": c.request_id, "metric": None if c.metric is None else str(c.metric),
             "ratio": c.ratio, "after_idle": c.after_idle, "detail": c.detail}
 
 
-def candidate_from_dict(d: dict) -> oracle.Candidate:
-    return oracle.Candidate(FindingKind(d["kind"]), d.get("request_id"), None if d.get("metric") is None else Metric(d["metric"]),
-                            d.get("ratio"), bool(d.get("after_idle")), d.get("detail", ""))
+def candidate_from_dict(d: Mapping[str, Any]) -> Candidate:
+    return Candidate(FindingKind(d["kind"]), d.get("request_id"), None if d.get("metric") is None else Metric(d["metric"]),
+                     d.get("ratio"), bool(d.get("after_idle")), d.get("detail", ""))
