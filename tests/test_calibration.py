@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,8 +11,10 @@ from paper_target import TRUE_MODEL, PaperTarget
 
 from fuzzer.errors import TargetError
 from fuzzer.execution import Outcome
-from fuzzer.oracle.calibrate import Calibration, calibrate, theil_sen
+from fuzzer.oracle.calibrate import calibrate, reuse_or_calibrate, theil_sen
+from fuzzer.oracle.calibration import REFRESH_AFTER_S, Calibration
 from fuzzer.oracle.kinds import Metric
+from fuzzer.oracle.model import SchedulerAssumption
 
 TRUE = TRUE_MODEL
 
@@ -55,6 +58,55 @@ async def test_a_failing_target_is_a_target_error():
 def test_stored_calibration_of_another_format_is_refused():
     with pytest.raises(TargetError, match="run `fuzz calibrate` again"):
         Calibration.from_dict({"format": 99})
+
+
+class _Draws:
+    """An ``rng`` for reuse_or_calibrate that counts how often it is drawn (only to measure)."""
+
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def __call__(self) -> random.Random:
+        self.drawn += 1
+        return random.Random(self.drawn)
+
+
+async def test_a_fresh_stored_calibration_is_reused_without_measuring_or_drawing():
+    stored = await calibrate(PaperTarget(), rng=random.Random(1), clock=lambda: 1000.0)
+    draws, saved = _Draws(), []
+    got = await reuse_or_calibrate(PaperTarget(), stored, rng=draws, save=saved.append,
+                                   clock=lambda: 1000.0 + REFRESH_AFTER_S)
+    assert got is stored and draws.drawn == 0 and saved == []
+
+
+async def test_a_stale_calibration_is_measured_again_under_its_assumption_and_saved():
+    override = replace(SchedulerAssumption(), token_budget=1024)  # as `fuzz calibrate --token-budget 1024` stores
+    stale = replace(await calibrate(PaperTarget(), rng=random.Random(1), clock=lambda: 0.0), assumption=override)
+    draws, saved, told = _Draws(), [], []
+    got = await reuse_or_calibrate(PaperTarget(), stale, rng=draws, save=saved.append,
+                                   clock=lambda: REFRESH_AFTER_S + 1.0, on_measure=told.append)
+    assert told == [stale] and draws.drawn == 1 and saved == [got]
+    assert got.created_at == REFRESH_AFTER_S + 1.0 and got.assumption.token_budget == 1024
+    # With nothing stored it measures under the target's defaults, and says there was nothing.
+    told.clear()
+    fresh = await reuse_or_calibrate(PaperTarget(), None, rng=draws, on_measure=told.append)
+    assert told == [None] and fresh.assumption == SchedulerAssumption()
+
+
+async def test_a_failed_refresh_keeps_the_stale_calibration_only_when_asked():
+    stale = await calibrate(PaperTarget(), rng=random.Random(1), clock=lambda: 0.0)
+    broken = PaperTarget(fail={f"s{i}": Outcome.HTTP_ERROR for i in range(200)})
+
+    def later() -> float:
+        return 2 * REFRESH_AFTER_S
+
+    with pytest.raises(TargetError):
+        await reuse_or_calibrate(broken, stale, rng=_Draws(), clock=later)
+    failures = []
+    assert await reuse_or_calibrate(broken, stale, rng=_Draws(), clock=later, on_refresh_failed=failures.append) is stale
+    assert len(failures) == 1 and isinstance(failures[0], TargetError)
+    with pytest.raises(TargetError):  # nothing to fall back on
+        await reuse_or_calibrate(broken, None, rng=_Draws(), on_refresh_failed=failures.append)
 
 
 def test_theil_sen_ignores_an_outlier_and_refuses_too_few_points():
@@ -101,7 +153,7 @@ def test_fuzz_calibrate_fits_stores_and_prints_the_model(tmp_path):
     assert "step model" in result.output and "per prefill token" in result.output
     assert "user override of token_budget" in result.output
     with Store.open(db) as store:
-        from fuzzer.oracle.calibrate import calibration_key
+        from fuzzer.oracle.calibration import calibration_key
 
         stored = store.latest_calibration(calibration_key(sim.url, "sim-qwen2.5-0.5b"))
     cal = Calibration.from_dict(stored)

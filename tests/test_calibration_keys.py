@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 
 from click.testing import CliRunner
 
 from fuzzer.cli import cli
 from fuzzer.cli._target import DEFAULT_SIM_PATHOLOGIES, sim_key
-from fuzzer.oracle.calibrate import (
+from fuzzer.oracle.calibration import (
     SIM_CALIBRATION_KEY,
     calibration_key,
     calibration_keys,
@@ -77,3 +78,23 @@ def test_fuzz_calibrate_then_replay_and_campaign_on_the_same_db_reuse_it(tmp_pat
     assert rows == [(key,)]  # measured once, by fuzz calibrate
     assert executions >= 2  # the replay's run and the campaign's
 
+
+
+async def test_replay_and_minimize_measure_again_a_stale_calibration_and_store_it_under_the_first_key(store, capsys):
+    from paper_target import PaperTarget
+
+    from fuzzer.cli._calibration import calibration_for
+    from fuzzer.oracle.calibrate import calibrate
+    from fuzzer.oracle.calibration import REFRESH_AFTER_S
+
+    keys = calibration_keys(URL, "qwen")
+    old = await calibrate(PaperTarget(), rng=random.Random(0), clock=lambda: 0.0)
+    store.save_calibration(URL, old.to_dict(), created_at=old.created_at)  # an older version's key
+    fresh_enough = await calibration_for(PaperTarget(), store, keys, seed=0, clock=lambda: REFRESH_AFTER_S)
+    assert fresh_enough == old and "calibrating" not in capsys.readouterr().err
+
+    later = 2 * REFRESH_AFTER_S
+    again = await calibration_for(PaperTarget(), store, keys, seed=0, clock=lambda: later)
+    assert again.created_at == later
+    assert f"calibrating {keys[0]} first (its stored one is 2.0 h old)" in capsys.readouterr().err
+    assert store.latest_calibration(keys[0]) == again.to_dict()

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from fuzzer import trace as trace_format
 from fuzzer.cli import _console
+from fuzzer.cli._calibration import stored_calibration
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._target import (
     DEFAULT_SIM_PATHOLOGIES,
@@ -23,10 +25,11 @@ from fuzzer.cli._target import (
     sim_key,
 )
 from fuzzer.errors import ConfigError
-from fuzzer.oracle.calibrate import REFRESH_AFTER_S, Calibration, calibration_keys
+from fuzzer.oracle.calibration import Calibration, calibration_keys
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.campaign import Campaign, ExitReason, Settings, Stats, Summary
+from fuzzer.search.campaign import Campaign
 from fuzzer.search.pacing import IDLE_SHARE
+from fuzzer.search.settings import ExitReason, Settings, Stats, Summary
 from fuzzer.store import CampaignLock, Store
 
 # AFL: stability "harmless when it stays over 90% or so".
@@ -147,7 +150,8 @@ def _load_seeds(folder: Path | None) -> list[trace_format.Trace]:
 
 
 async def _run(
-    url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator, idle_share
+    url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator, idle_share,
+    wall_clock: Callable[[], float] = time.time,
 ) -> Summary:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -163,8 +167,10 @@ async def _run(
     try:
         with Store.open(db_path) as store, CampaignLock(db_path):
             identity = url or sim_key(planted, sim, seed)
-            if sim.get("faults") and _reusable_calibration(store, calibration_keys(identity)) is None:
-                # The calibration's probes must meet a clean server (it stops at the first failure).
+            stored = stored_calibration(store, calibration_keys(identity))
+            if sim.get("faults") and (stored is None or stored.is_stale(wall_clock())):
+                # The campaign calibrates first (reuse_or_calibrate's rule): its probes must meet a
+                # clean server (it stops at the first failure).
                 from fuzzer.sim.faults import CALIBRATION_GRACE_REQUESTS  # noqa: PLC0415
 
                 sim = {**sim, "fault_grace": CALIBRATION_GRACE_REQUESTS}
@@ -181,12 +187,13 @@ async def _run(
                     mutator="null" if null_mutator else "guided", limits=limits_for(target), idle_share=idle_share,
                 )
                 # One key for every command (fuzz calibrate stores there); older keys still read.
+                # The campaign measures again when the stored calibration is stale.
                 keys = calibration_keys(identity, info.model if info else None)
-                calibration = _reusable_calibration(store, keys, settings.recalibrate_after_s)
                 with _StatusView() as view:
                     campaign = Campaign(
                         target, store, settings, seeds=seeds, target_key=identity, calibration_key=keys[0], target_id=target_id,
-                        calibration=calibration, on_stats=lambda s: view.update(s, campaign.calibration),
+                        calibration=stored_calibration(store, keys), wall_clock=wall_clock,
+                        on_stats=lambda s: view.update(s, campaign.calibration),
                         on_finding=view.finding, stop=stop,
                     )
                     return await campaign.run()
@@ -195,19 +202,11 @@ async def _run(
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-def _reusable_calibration(store: Store, keys: tuple[str, ...], max_age_s: float = REFRESH_AFTER_S) -> Calibration | None:
-    """The target's stored calibration under any of its keys, unless it is due for a refresh."""
-    stored = store.latest_calibration(*keys)
-    if stored is None:
-        return None
-    calibration = Calibration.from_dict(stored)
-    return None if calibration.is_stale(time.time(), max_age_s=max_age_s) else calibration
-
-
 class _StatusView:
     """The live status panel (a terminal) or a status line every half minute (a log)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._live: Live | None = None
         self._last_plain = 0.0
         self._last: Stats | None = None
@@ -230,8 +229,8 @@ class _StatusView:
             _console.warn_if_unreliable(calibration)
         if self._live is not None:
             self._live.update(_stats_table(stats))
-        elif time.monotonic() - self._last_plain >= PLAIN_STATUS_EVERY_S:
-            self._last_plain = time.monotonic()
+        elif self._clock() - self._last_plain >= PLAIN_STATUS_EVERY_S:
+            self._last_plain = self._clock()
             _console.out.print(
                 f"[{stats.elapsed_s:6.0f}s] {stats.phase:9} execs {stats.executions} ({stats.execs_per_min:.0f}/min) "
                 f"corpus {stats.corpus} features {stats.features} stability {stats.stability:.0%} "

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 import click
 
 from fuzzer.cli import _console
+from fuzzer.cli._calibration import calibration_for
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._render import trace_table
 from fuzzer.cli._target import SIM_PREFIX, open_target, parse_sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.execute.recovery import DEFAULT_PATIENCE_S
-from fuzzer.oracle.calibrate import (
-    Calibration,
-    calibrate,
-    calibration_keys,
-    with_target_kv,
-)
+from fuzzer.oracle.calibration import calibration_keys
 from fuzzer.report.export import repro_script, verdict_for
 from fuzzer.shrink.engine import Progress
 from fuzzer.shrink.finding import minimize_finding
@@ -97,14 +92,7 @@ async def _run(store, finding, identity, url, sim, server, model, max_execs, tim
         url, server=server, model=model, pathologies=planted, sim_options=options, seed=seed, timeout_s=timeout_s
     ) as target:
         keys = calibration_keys(identity, target.info.model if target.info else None)
-        stored = store.latest_calibration(*keys)
-        if stored is not None:
-            calibration = with_target_kv(Calibration.from_dict(stored), target)
-        else:
-            _console.err.print("calibrating the target first (no stored calibration for it)")
-            calibration = await calibrate(target, rng=random.Random(0))
-            store.save_calibration(keys[0], calibration.to_dict())
-        _console.warn_if_unreliable(calibration)
+        calibration = await calibration_for(target, store, keys, seed=0)
 
         def progress(p: Progress) -> None:
             _console.err.print(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -30,32 +32,7 @@ def command(db_path, as_json) -> None:
         fuzz status --db night.db
     """
     with Store.open(db_path, create=False) as store:
-        campaign = store.latest_campaign()
-        stats = {
-            "database": db_path,
-            "executions": store.count_executions(),
-            "findings": len(store.list_findings()),
-        }
-        if campaign is not None:
-            saved = campaign["state"].get("stats", {})
-            status = campaign["status"]
-            if status == "running" and time.time() - campaign["updated_at"] > STALE_AFTER_S:
-                status = "running? (no checkpoint for over 5 minutes: killed or stuck)"
-            stats.update(
-                {
-                    "campaign": campaign["id"],
-                    "status": status,
-                    "target": campaign["target"],
-                    "seed": campaign["seed"],
-                    "started": when(campaign["started_at"]),
-                    "last_update": when(campaign["updated_at"]),
-                    "by_purpose": store.purposes(campaign_id=campaign["id"]),
-                    "features_covered": store.count_features(campaign["id"]),
-                    **{k: saved[k] for k in ("execs_per_min", "corpus", "favoured", "stability", "phase") if k in saved},
-                }
-            )
-            if saved.get("since_last_find_s") is not None:
-                stats["last_find_s_before_update"] = round(saved["since_last_find_s"])
+        stats = _stats(store, db_path)
     if as_json:
         click.echo(json.dumps(stats, indent=1))
         return
@@ -65,3 +42,35 @@ def command(db_path, as_json) -> None:
         if isinstance(value, float):
             value = f"{value:.1%}" if key == "stability" else f"{value:.1f}"
         _console.out.print(f"{key:>26}: {value}")
+
+
+def _stats(store: Store, db_path: str, clock: Callable[[], float] = time.time) -> dict[str, Any]:
+    """What `fuzz status` shows; a running campaign silent for STALE_AFTER_S by ``clock`` is suspect."""
+    campaign = store.latest_campaign()
+    stats: dict[str, Any] = {
+        "database": db_path,
+        "executions": store.count_executions(),
+        "findings": len(store.list_findings()),
+    }
+    if campaign is None:
+        return stats
+    saved = campaign["state"].get("stats", {})
+    status = campaign["status"]
+    if status == "running" and clock() - campaign["updated_at"] > STALE_AFTER_S:
+        status = "running? (no checkpoint for over 5 minutes: killed or stuck)"
+    stats.update(
+        {
+            "campaign": campaign["id"],
+            "status": status,
+            "target": campaign["target"],
+            "seed": campaign["seed"],
+            "started": when(campaign["started_at"]),
+            "last_update": when(campaign["updated_at"]),
+            "by_purpose": store.purposes(campaign_id=campaign["id"]),
+            "features_covered": store.count_features(campaign["id"]),
+            **{k: saved[k] for k in ("execs_per_min", "corpus", "favoured", "stability", "phase") if k in saved},
+        }
+    )
+    if saved.get("since_last_find_s") is not None:
+        stats["last_find_s_before_update"] = round(saved["since_last_find_s"])
+    return stats

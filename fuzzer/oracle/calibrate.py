@@ -18,6 +18,8 @@ candidate's ratios against this baseline.
 
 This module measures and fits; what comes out, the :class:`Calibration` value type
 and the keys it is stored under, is :mod:`fuzzer.oracle.calibration` (re-exported here).
+:func:`reuse_or_calibrate` is the one rule every command follows to get a calibration:
+the stored one while it is fresh, else a new one measured now.
 """
 
 from __future__ import annotations
@@ -34,17 +36,6 @@ from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
 from fuzzer.execution import ExecutionResult, RequestResult, Target
 from fuzzer.oracle.calibration import (  # noqa: F401 (re-exported for importers of fuzzer.oracle.calibrate)
-    FORMAT_VERSION,
-    NOISY,
-    REFRESH_AFTER_S,
-    SIM_CALIBRATION_KEY,
-    UNRELIABLE_NOISE,
-    WARMUP_RUNS,
-    Calibration,
-    Fit,
-    calibration_key,
-    calibration_keys,
-)
 from fuzzer.oracle.expectation import idle_expectation
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, StepModel, assumption_for
@@ -247,6 +238,47 @@ async def calibrate(
         again = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes)
         cal = min((cal, again), key=lambda c: c.judged_noise()[1])
     return cal
+
+
+async def reuse_or_calibrate(
+    target: Target,
+    stored: Calibration | None,
+    *,
+    rng: Callable[[], random.Random],
+    save: Callable[[Calibration], object] = lambda calibration: None,
+    clock: Callable[[], float] = time.time,
+    max_age_s: float = REFRESH_AFTER_S,
+    on_measure: Callable[[Calibration | None], None] = lambda stale: None,
+    on_refresh_failed: Callable[[TargetError], None] | None = None,
+) -> Calibration:
+    """The calibration to judge ``target`` by: ``stored`` while it is fresh, else one measured now.
+
+    The one rule of every command (``fuzz campaign`` and its periodic refresh, ``replay``,
+    ``minimize``): a stored calibration, given the KV capacity the target reports when it
+    names none (:func:`with_target_kv`), is used while it is at most ``max_age_s`` old by
+    ``clock`` (:data:`~fuzzer.oracle.calibration.REFRESH_AFTER_S`: servers drift over hours).
+    Otherwise ``on_measure`` is told (with the stale calibration, or None when there was
+    none), the target is measured under the stale calibration's scheduler assumption (a
+    user's override from ``fuzz calibrate --token-budget`` outlives the refresh) and the new
+    calibration handed to ``save``. ``rng`` is called only to measure, so a campaign's
+    random stream does not move when a calibration is reused.
+
+    A measurement that fails raises TargetError, unless there is a stale calibration and
+    ``on_refresh_failed`` is given: it is told why, and the stale calibration is returned.
+    """
+    stale = None if stored is None else with_target_kv(stored, target)
+    if stale is not None and not stale.is_stale(clock(), max_age_s=max_age_s):
+        return stale
+    on_measure(stale)
+    try:
+        fresh = await calibrate(target, assumption=stale.assumption if stale else None, rng=rng(), clock=clock)
+    except TargetError as e:
+        if stale is None or on_refresh_failed is None:
+            raise
+        on_refresh_failed(e)
+        return stale
+    save(fresh)
+    return fresh
 
 
 def batch_sizes(assumption: SchedulerAssumption) -> tuple[int, ...]:

@@ -25,8 +25,10 @@ FORMAT_VERSION = 1
 #: than a warm one, and calibrating on it would excuse every later cold start.
 WARMUP_RUNS = 2
 
-#: A calibration older than this is refreshed by long campaigns: GPU clocks, memory
-#: fragmentation and co-tenants drift over hours (ARCHITECTURE.md, "Oracle").
+#: A calibration older than this is measured again before it judges anything (every command
+#: goes through fuzzer.oracle.calibrate.reuse_or_calibrate; a long campaign refreshes its own
+#: as it ages): GPU clocks, memory fragmentation and co-tenants drift over hours
+#: (ARCHITECTURE.md, "Oracle").
 REFRESH_AFTER_S = 3600.0
 #: Relative noise (TTFT or E2E) from which the numbers are not to be trusted yet
 #: (pyperf's advice: a spread of 10% or more); `fuzz calibrate` advises calibrating again.
@@ -90,6 +92,7 @@ class Calibration:
         return now - self.created_at
 
     def is_stale(self, now: float, *, max_age_s: float = REFRESH_AFTER_S) -> bool:
+        """Too old to judge by: measure again (``now`` and ``created_at`` are wall-clock seconds)."""
         return self.age_s(now) > max_age_s
 
     def judged_noise(self) -> tuple[Metric | None, float]:

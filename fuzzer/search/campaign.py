@@ -15,7 +15,8 @@ before a corpus trace runs, so that cold-start slowdowns can be found at all.
 ``--duration`` holds during stability runs and confirmations too: a confirmation cut
 short by the deadline (or Ctrl-C) is saved as pending and done first on resume.
 Choosing, confirming and recording candidates is the campaign's
-:class:`~fuzzer.search.confirming.Confirmer`'s.
+:class:`~fuzzer.search.confirming.Confirmer`'s; calibrating (at the start, and again as
+the calibration ages) follows :func:`fuzzer.oracle.calibrate.reuse_or_calibrate`.
 
 Every execution is written to the store before the next one starts, and the
 campaign checkpoints its state (RNG, corpus, counters) so that running it again
@@ -37,7 +38,8 @@ import numpy as np
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute.recovery import backoff
 from fuzzer.execution import ExecutionResult, Target
-from fuzzer.oracle.calibrate import Calibration, calibrate, with_target_kv
+from fuzzer.oracle.calibrate import reuse_or_calibrate
+from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.expectation import expect
 from fuzzer.oracle.kinds import FindingKind, Metric
@@ -71,7 +73,14 @@ CHILDREN_PER_PICK = 4
 
 
 class Campaign:
-    """One campaign on one target, stored in one database."""
+    """One campaign on one target, stored in one database.
+
+    ``clock`` measures durations (``--duration``, execs/min, idle time; a simulator's virtual
+    clock in tests); ``wall_clock`` dates calibrations, whose age decides when they are
+    measured again. ``calibration``: the target's stored calibration, if the caller has
+    read one (else the campaign reads its own under ``calibration_key``); a stale one is
+    measured again before the first execution.
+    """
 
     def __init__(
         self,
@@ -85,6 +94,7 @@ class Campaign:
         target_id: int | None = None,
         calibration: Calibration | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_stats: Callable[[Stats], None] | None = None,
         on_finding: Callable[[int, Verdict], None] | None = None,
@@ -99,8 +109,9 @@ class Campaign:
         #: Where calibrations are stored and read (one key for every command); the target's name by default.
         self.calibration_key = calibration_key or self.target_key
         self.target_id = target_id
-        self.calibration = with_target_kv(calibration, target) if calibration is not None else None
+        self.calibration = calibration
         self._clock = clock
+        self._wall_clock = wall_clock
         self._sleep = sleep
         self._on_stats = on_stats or (lambda s: None)
         self._on_finding = on_finding or (lambda i, v: None)
@@ -180,7 +191,7 @@ class Campaign:
                     else:
                         await self._fuzz_one()
                 if not self._out_of_time() and self._recalibration_due():
-                    await self._ensure_calibration(force=True)
+                    await self._ensure_calibration()
         except asyncio.CancelledError:
             reason = ExitReason.INTERRUPTED
         except (_Stopped, OutOfTime):
@@ -207,39 +218,43 @@ class Campaign:
     def executions(self) -> int:
         return self.store.count_executions(campaign_id=self.campaign_id)
 
-    async def _ensure_calibration(self, force: bool = False) -> None:
-        if self.calibration is not None and not force:
-            return
-        if not force:
+    async def _ensure_calibration(self) -> None:
+        """The calibration to judge by: the current (or stored) one while fresh, else measured again.
+
+        Without a calibration to fall back on, a failed measurement raises TargetError (the
+        CLI says why in one line); a failed refresh keeps the previous calibration.
+        """
+        current = self.calibration
+        if current is None:
             stored = self.store.latest_calibration(self.calibration_key)
-            if stored is not None:
-                self.calibration = with_target_kv(Calibration.from_dict(stored), self.target)
-                if not self.calibration.is_stale(time.time(), max_age_s=self.settings.recalibrate_after_s):
-                    return
+            current = None if stored is None else Calibration.from_dict(stored)
         previous = self._phase
-        self._phase = Phase.CALIBRATE
-        self._emit()
-        assumption = self.calibration.assumption if self.calibration else None
+
+        def measuring(stale: Calibration | None) -> None:
+            self._phase = Phase.CALIBRATE
+            self._emit()
+
         try:
-            self.calibration = await calibrate(
-                self.target, assumption=assumption, rng=random.Random(self.rng.getrandbits(64))
+            self.calibration = await reuse_or_calibrate(
+                self.target, current, rng=lambda: random.Random(self.rng.getrandbits(64)),
+                save=lambda fresh: self.store.save_calibration(self.calibration_key, fresh.to_dict()),
+                clock=self._wall_clock, max_age_s=self.settings.recalibrate_after_s,
+                on_measure=measuring, on_refresh_failed=self._refresh_failed,
             )
-        except TargetError as e:
-            if self.calibration is None:
-                raise  # no calibration to fall back on: the CLI says why in one line
-            self._server_errors += 1
-            self._last_server_error = f"recalibration failed, the previous calibration stays: {e}"
-            self._recalibrate_at = self._clock() + RECALIBRATE_RETRY_S
-        else:
-            self.store.save_calibration(self.calibration_key, self.calibration.to_dict())
-        self._phase = previous
+        finally:
+            self._phase = previous
+
+    def _refresh_failed(self, error: TargetError) -> None:
+        self._server_errors += 1
+        self._last_server_error = f"recalibration failed, the previous calibration stays: {error}"
+        self._recalibrate_at = self._clock() + RECALIBRATE_RETRY_S
 
     def _recalibration_due(self) -> bool:
         if self.calibration is None:
             return False
         if self._recalibrate_at is not None and self._clock() < self._recalibrate_at:
             return False
-        return self.calibration.is_stale(time.time(), max_age_s=self.settings.recalibrate_after_s)
+        return self.calibration.is_stale(self._wall_clock(), max_age_s=self.settings.recalibrate_after_s)
 
     # --- executing ---------------------------------------------------------------------
 
