@@ -177,3 +177,28 @@ def test_a_planted_pathology_makes_replay_exit_1(db):
     )
     assert result.exit_code == 1, result.output
     assert "FINDING" in result.output
+
+
+def test_an_interrupted_replay_keeps_the_executions_made_so_far(server, trace_file, db, monkeypatch):
+    """Each execution is stored as it is made: Ctrl-C in the third leaves the first two (exit 130, not 1)."""
+    from fuzzer.execute.http import HttpTarget
+
+    url, _ = server
+    real = HttpTarget.execute
+    made = []
+
+    async def execute(self, trace):
+        if len(made) == 2:
+            raise KeyboardInterrupt  # what Ctrl-C raises out of asyncio.run
+        made.append(await real(self, trace))
+        return made[-1]
+
+    monkeypatch.setattr(HttpTarget, "execute", execute)
+    result = CliRunner().invoke(cli, ["replay", str(trace_file), "--target", url, "--runs", "5", "--db", str(db)])
+    assert result.exit_code == 130, result.output
+    assert f"interrupted; the executions made so far are stored in {db}" in result.stderr
+    with Store.open(db) as store:
+        ids = store.execution_ids()
+        assert len(ids) == 2
+        assert [store.get_execution(i).started_at for i in ids] == [r.started_at for r in made]
+        assert store.get_target(1)["url"] == url

@@ -29,19 +29,23 @@ async def open_target(
     model: str | None = None,
     pathologies: Sequence[str] = (),
     seed: int = 0,
+    prompt_seed: int | None = None,
     sim_options: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
+    api_key_env: str = API_KEY_ENV,
 ) -> AsyncIterator:
     """Yield a started HttpTarget on ``url``, or on a simulator child process when ``url`` is None.
 
-    ``sim_options``: more SimProcess arguments for the built-in simulator (speed, faults,
-    fault_rate, fault_grace). ``timeout_s``: the client's read timeout (a hang is declared
-    after it); the executor's default when None.
+    ``seed``: the simulator's (its noise and faults) and, unless ``prompt_seed`` is given, the
+    prompt text's. ``sim_options``: more SimProcess arguments for the built-in simulator
+    (speed, faults, fault_rate, fault_grace). ``timeout_s``: the client's read timeout (a
+    hang is declared after it); the executor's default when None. ``api_key_env``: the
+    environment variable holding the API key.
     """
     from fuzzer.execute.http import HttpTarget  # noqa: PLC0415 - aiohttp import only for commands that run traces
 
-    api_key = os.environ.get(API_KEY_ENV) or None
-    rng = random.Random(seed)
+    api_key = os.environ.get(api_key_env) or None
+    rng = random.Random(seed if prompt_seed is None else prompt_seed)
     extra: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}
     if url is None:
         from fuzzer.sim.process import SimProcess  # noqa: PLC0415

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import random
-from collections.abc import AsyncIterator
 
 import click
 from rich.table import Table
@@ -20,18 +17,10 @@ from fuzzer.cli._options import (
     server_option,
     target_option,
 )
-from fuzzer.oracle.calibrate import (
-    NOISY,
-    Calibration,
-    Fit,
-    calibrate,
-    calibration_key,
-    scheduler_assumption,
-)
+from fuzzer.cli._target import API_KEY_ENV, open_target
+from fuzzer.oracle.calibrate import calibrate, scheduler_assumption
+from fuzzer.oracle.calibration import NOISY, Calibration, Fit, calibration_key
 from fuzzer.oracle.kinds import Metric
-
-#: Where the API key comes from by default: the variable OpenAI clients read.
-DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 
 
 @click.command("calibrate")
@@ -49,7 +38,7 @@ DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 @click.option("--repeats", type=click.IntRange(min=1, max=20), default=4, show_default=True,
               help="Repetitions of every probe (more: a tighter fit and a larger noise baseline).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the probe order and prompt text.")
-@click.option("--api-key-env", default=DEFAULT_API_KEY_ENV, show_default=True, metavar="VAR",
+@click.option("--api-key-env", default=API_KEY_ENV, show_default=True, metavar="VAR",
               help="Environment variable holding the API key (never stored or printed).")
 @json_option
 def command(target, db_path, server, model, token_budget, max_num_seqs, block_size, repeats, seed, api_key_env,
@@ -65,9 +54,8 @@ def command(target, db_path, server, model, token_budget, max_num_seqs, block_si
         fuzz calibrate --target http://127.0.0.1:8000 --db night.db
         fuzz calibrate --token-budget 8192 --json
     """
-    api_key = os.environ.get(api_key_env) or None
     overrides = {"token_budget": token_budget, "max_num_seqs": max_num_seqs, "block_size": block_size}
-    key, cal = asyncio.run(_calibrate(target, server, model, api_key, overrides, repeats, seed))
+    key, cal = asyncio.run(_calibrate(target, server, model, api_key_env, overrides, repeats, seed))
     from fuzzer.store import Store
 
     with Store.open(db_path) as store:
@@ -87,32 +75,16 @@ def command(target, db_path, server, model, token_budget, max_num_seqs, block_si
 
 
 async def _calibrate(
-    target: str | None, server: str, model: str | None, api_key: str | None, overrides: dict, repeats: int, seed: int
+    target: str | None, server: str, model: str | None, api_key_env: str, overrides: dict, repeats: int, seed: int
 ) -> tuple[str, Calibration]:
-    from fuzzer.execute.http import HttpTarget
-
-    async with contextlib.AsyncExitStack() as stack:
-        url = await stack.enter_async_context(_base_url(target))
-        http = await stack.enter_async_context(
-            HttpTarget(url, server=server, model=model, api_key=api_key, rng=random.Random(seed))
-        )
+    # The simulator keeps its default seed (its noise); --seed orders the probes and seeds the prompt text.
+    async with open_target(target, server=server, model=model, prompt_seed=seed, api_key_env=api_key_env) as http:
         info = http.info
         assert info is not None
         assumption = scheduler_assumption(info, **overrides)
         cal = await calibrate(http, assumption=assumption, rng=random.Random(seed), repeats=repeats,
                               max_model_len=info.max_model_len)
         return calibration_key(target, info.model), cal
-
-
-@contextlib.asynccontextmanager
-async def _base_url(target: str | None) -> AsyncIterator[str]:
-    if target is not None:
-        yield target
-        return
-    from fuzzer.sim.process import SimProcess
-
-    async with SimProcess() as sim:
-        yield sim.url
 
 
 def _line(fit: Fit, unit: str) -> str:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import statistics
-from typing import Any, AsyncIterator
+from typing import Any
 
 import click
 import numpy as np
@@ -16,24 +15,20 @@ from rich.table import Table
 
 from fuzzer import trace as trace_format
 from fuzzer.cli import EXIT_FINDING
-from fuzzer.cli._console import err, out, warn_if_unreliable
+from fuzzer.cli._calibration import calibration_for
+from fuzzer.cli._console import err, out
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
-from fuzzer.cli._target import sim_key
+from fuzzer.cli._target import API_KEY_ENV, open_target, sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.execute.adapters import ServerInfo
-from fuzzer.execute.http import HttpTarget
-from fuzzer.execution import ExecutionResult, RequestResult
-from fuzzer.oracle.calibrate import (
-    Calibration,
-    calibrate,
-    calibration_keys,
-    with_target_kv,
-)
+from fuzzer.execution import ExecutionResult, RequestResult, Target
+from fuzzer.oracle.calibration import calibration_keys
 from fuzzer.oracle.confirm import Examination, examine
+from fuzzer.store import Store
 from fuzzer.trace import Trace
 
-#: Where the API key comes from by default: the variable OpenAI clients read.
-DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+#: Exit status of a replay stopped by Ctrl-C (128 + SIGINT, as `fuzz minimize`'s): not 1, a finding.
+EXIT_INTERRUPTED = 130
 
 
 @click.command("replay")
@@ -45,7 +40,7 @@ DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
 @model_option
 @click.option(
     "--api-key-env",
-    default=DEFAULT_API_KEY_ENV,
+    default=API_KEY_ENV,
     show_default=True,
     metavar="VAR",
     help="Environment variable holding the API key (never stored or printed).",
@@ -60,8 +55,10 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
 
     Requests are sent open-loop at their at_ms offsets. Without --target the
     built-in simulator is started in its own process. The oracle needs the
-    target's calibration: it is taken from --db when stored there, else measured
-    first (about a minute) and stored when --db is given.
+    target's calibration: it is taken from --db when stored there (and under an
+    hour old), else measured first (about a minute) and stored when --db is given.
+    With --db every execution is stored as soon as it is made, so Ctrl-C (exit
+    130) keeps what ran.
 
     \b
     Example:
@@ -79,12 +76,15 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
         planted = parse(pathologies)
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 32)
-    api_key = os.environ.get(api_key_env) or None
-    info, exam, results = asyncio.run(
-        _replay(trace, target, runs, server, model, api_key, seed, timeout_s, db_path, planted)
-    )
-    if db_path is not None:
-        _store(db_path, trace, info, results)
+    try:
+        with Store.open(db_path) if db_path is not None else contextlib.nullcontext() as store:
+            info, exam, results = asyncio.run(
+                _replay(trace, target, runs, server, model, api_key_env, seed, timeout_s, store, planted)
+            )
+    except KeyboardInterrupt:
+        kept = f"; the executions made so far are stored in {db_path}" if db_path is not None else ""
+        err.print(f"interrupted{kept}")
+        raise SystemExit(EXIT_INTERRUPTED) from None
     if as_json:
         data = _as_json(trace, info, results, seed)
         data["verdicts"] = [v.to_dict() for v in exam.verdicts]
@@ -111,58 +111,48 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
 
 
 async def _replay(
-    trace: Trace, target: str | None, runs: int, server: str, model: str | None, api_key: str | None,
-    seed: int, timeout_s: float, db_path: str | None, planted: tuple[str, ...],
+    trace: Trace, target: str | None, runs: int, server: str, model: str | None, api_key_env: str,
+    seed: int, timeout_s: float, store: Store | None, planted: tuple[str, ...],
 ) -> tuple[ServerInfo, Examination, list[ExecutionResult]]:
-    async with _base_url(target, planted) as url:
-        async with HttpTarget(
-            url, server=server, model=model, api_key=api_key, rng=random.Random(seed), timeout_s=timeout_s
-        ) as http:
-            assert http.info is not None
-            keys = calibration_keys(target or sim_key(planted), http.info.model)
-            calibration = _stored_calibration(db_path, keys)
-            if calibration is not None:
-                calibration = with_target_kv(calibration, http)
-            else:
-                hint = "" if db_path else "; pass --db to keep it for the next replay"
-                err.print(f"calibrating {keys[0]} first (the oracle needs its idle latencies{hint})")
-                calibration = await calibrate(http, rng=random.Random(seed))
-                if db_path is not None:
-                    from fuzzer.store import Store  # noqa: PLC0415 - only with --db
-
-                    with Store.open(db_path) as store:
-                        store.save_calibration(keys[0], calibration.to_dict())
-            warn_if_unreliable(calibration)
-            recorder = _Recorder(http)
-            exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
-            return http.info, exam, recorder.results
+    identity = target or sim_key(planted)
+    # The simulator keeps its default seed (its noise); --seed is the prompt text's.
+    async with open_target(
+        target, server=server, model=model, pathologies=planted, prompt_seed=seed, timeout_s=timeout_s,
+        api_key_env=api_key_env,
+    ) as http:
+        info = http.info
+        assert info is not None
+        keys = calibration_keys(identity, info.model)
+        hint = "" if store is not None else "; pass --db to keep it for the next replay"
+        calibration = await calibration_for(http, store, keys, seed=seed, hint=hint)
+        target_id = None
+        if store is not None:
+            target_id = store.upsert_target(identity, info.kind, info.model, info.version, dict(info.capabilities))
+        recorder = _Recorder(http, store, target_id)
+        exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
+        return info, exam, recorder.results
 
 
 class _Recorder:
-    """The target as the oracle sees it: every execution, confirmation runs included, is kept."""
+    """The target as the oracle sees it: every execution, confirmation runs included, is kept,
+    and stored in ``store`` (when there is one) before the next one starts."""
 
-    def __init__(self, target: HttpTarget):
+    def __init__(self, target: Target, store: Store | None, target_id: int | None):
         self._target = target
+        self._store = store
+        self._target_id = target_id
         self.name = target.name
         self.results: list[ExecutionResult] = []
 
     async def execute(self, trace: Trace) -> ExecutionResult:
         result = await self._target.execute(trace)
         self.results.append(result)
+        if self._store is not None:
+            self._store.record_execution(result, trace, target_id=self._target_id)
         return result
 
     async def aclose(self) -> None:
         return None
-
-
-def _stored_calibration(db_path: str | None, keys: tuple[str, ...]) -> Calibration | None:
-    if db_path is None or not os.path.exists(db_path):
-        return None
-    from fuzzer.store import Store  # noqa: PLC0415 - only with --db
-
-    with Store.open(db_path) as store:
-        data = store.latest_calibration(*keys)
-    return None if data is None else Calibration.from_dict(data)
 
 
 def _p(value: float | None) -> str:
@@ -181,28 +171,6 @@ def _verdict_table(verdicts) -> Table:
             "-" if v.effect is None else f"{v.effect:.2f}x", _p(v.p_value), v.reproduction,
         )
     return table
-
-
-@contextlib.asynccontextmanager
-async def _base_url(target: str | None, planted: tuple[str, ...]) -> AsyncIterator[str]:
-    if target is not None:
-        yield target
-        return
-    from fuzzer.sim.process import SimProcess  # noqa: PLC0415 - only without --target
-
-    async with SimProcess(pathologies=planted) as sim:
-        yield sim.url
-
-
-def _store(db_path: str, trace: Trace, info: ServerInfo, results: list[ExecutionResult]) -> None:
-    from fuzzer.store import Store  # noqa: PLC0415 - only with --db
-
-    with Store.open(db_path) as store:
-        target_id = store.upsert_target(
-            results[0].target, info.kind, info.model, info.version, dict(info.capabilities)
-        )
-        for result in results:
-            store.record_execution(result, trace, target_id=target_id)
 
 
 def _ms(seconds: float | None) -> str:
