@@ -39,7 +39,8 @@ from fuzzer import trace as tf
 from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.campaign import Campaign, Settings
+from fuzzer.search.campaign import Campaign
+from fuzzer.search.settings import Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.store import Store

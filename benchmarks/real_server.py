@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from fuzzer.cli._target import parse_duration
 from fuzzer.execute.http import HttpTarget
-from fuzzer.oracle.calibrate import calibrate, calibration_key, scheduler_assumption
+from fuzzer.oracle.calibrate import calibrate, scheduler_assumption
+from fuzzer.oracle.calibration import calibration_key
 from fuzzer.store import Store
 from tests.llamacpp.conftest import (
     find_llama_server,

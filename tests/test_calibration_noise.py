@@ -9,7 +9,8 @@ import random
 
 import numpy as np
 
-from fuzzer.oracle.calibrate import UNRELIABLE_NOISE, calibrate
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.calibration import UNRELIABLE_NOISE
 from fuzzer.oracle.confirm import examine
 from fuzzer.oracle.kinds import Metric
 from fuzzer.sim import VirtualTarget
@@ -103,7 +104,7 @@ def test_replay_and_campaign_warn_in_one_line_when_the_stored_calibration_is_unr
     from click.testing import CliRunner
 
     from fuzzer.cli import cli
-    from fuzzer.oracle.calibrate import calibration_key
+    from fuzzer.oracle.calibration import calibration_key
     from fuzzer.sim.process import SimProcess
     from fuzzer.store import Store
 

@@ -9,8 +9,9 @@ from conftest import CORPUS
 
 from fuzzer import trace as tf
 from fuzzer.oracle.policy import OraclePolicy
-from fuzzer.search.campaign import Campaign, ExitReason, Settings
+from fuzzer.search.campaign import Campaign
 from fuzzer.search.mutators import Limits
+from fuzzer.search.settings import ExitReason, Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.store import Store
 

@@ -22,7 +22,8 @@ import pytest
 from ground_truth import GroundTruth, seeds_without
 
 from fuzzer.oracle.calibrate import calibrate
-from fuzzer.search.campaign import Campaign, Settings
+from fuzzer.search.campaign import Campaign
+from fuzzer.search.settings import Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.store import Store

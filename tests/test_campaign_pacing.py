@@ -17,10 +17,11 @@ from conftest import CORPUS
 from fuzzer import trace as tf
 from fuzzer.cli import cli
 from fuzzer.oracle.calibrate import calibrate
-from fuzzer.search.campaign import Campaign, ExitReason, Settings
+from fuzzer.search.campaign import Campaign
 from fuzzer.search.corpus import Corpus
 from fuzzer.search.coverage import Coverage
 from fuzzer.search.pacing import ColdProbes, ServerTime
+from fuzzer.search.settings import ExitReason, Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.store import Store

@@ -13,7 +13,8 @@ from conftest import CORPUS
 from fuzzer import trace as tf
 from fuzzer.cli import cli
 from fuzzer.report import html as report
-from fuzzer.search.campaign import Campaign, Settings
+from fuzzer.search.campaign import Campaign
+from fuzzer.search.settings import Settings
 from fuzzer.sim import VirtualTarget
 from fuzzer.store import Store
 

@@ -17,7 +17,7 @@ observed / expected that an unremarkable request shows. Confirmation tests a
 candidate's ratios against this baseline.
 
 This module measures and fits; what comes out, the :class:`Calibration` value type
-and the keys it is stored under, is :mod:`fuzzer.oracle.calibration` (re-exported here).
+and the keys it is stored under, is :mod:`fuzzer.oracle.calibration`.
 :func:`reuse_or_calibrate` is the one rule every command follows to get a calibration:
 the stored one while it is fresh, else a new one measured now.
 """
@@ -35,7 +35,7 @@ from scipy import stats
 from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
 from fuzzer.execution import ExecutionResult, RequestResult, Target
-from fuzzer.oracle.calibration import (  # noqa: F401 (re-exported for importers of fuzzer.oracle.calibrate)
+from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration, Fit
 from fuzzer.oracle.expectation import idle_expectation
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, StepModel, assumption_for

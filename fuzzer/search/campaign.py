@@ -49,18 +49,9 @@ from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.coverage import Coverage, measure
 from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats
 from fuzzer.search.pacing import ColdProbes, ServerTime
-from fuzzer.search.settings import (
-    STABILITY_RUNS,
-    ExitReason,
-    Phase,
-    Settings,
-    Stats,
-    Summary,
-)
+from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
-
-__all__ = ["Campaign", "ExitReason", "Phase", "Settings", "Stats", "Summary", "STABILITY_RUNS"]
 
 # Checkpoint the campaign state at least every this many executions even when nothing changed,
 # so a resumed campaign repeats little.
