@@ -383,7 +383,8 @@ class Store:
                     },
                     pk=("campaign_id", "entry_id"),
                 )
-            for feature, entry_id in (new_features or {}).items():
+            # Sorted: the rows' order must not follow a set's (hash-seeded) iteration order.
+            for feature, entry_id in sorted((new_features or {}).items()):
                 self._db.execute(
                     "insert into coverage_features (campaign_id, feature, first_entry, entries) values (?, ?, ?, 1) "
                     "on conflict (campaign_id, feature) do update set entries = entries + 1",
