@@ -15,7 +15,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-# Words of the test model's vocabulary (tests/vllm/make_model.py), one token each.
+# Words of the test model's vocabulary (tests/vllm_cpu/make_model.py), one token each.
 WORDS = tuple(
     "the of and to in is was for that with as on by at from his her are were this which be or have had not "
     "but they you all one an their there been has when who will more no if out so said what up its about".split()

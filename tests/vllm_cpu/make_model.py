@@ -16,7 +16,7 @@ N + 1 tokens and /tokenize counts exactly. The chat template is ChatML
 This runs with the python of the vLLM venv (it needs torch and transformers, which the
 project's own venv does not have):
 
-    ~/.cache/fuzzer/vllm/<version>-py3.11/venv/bin/python tests/vllm/make_model.py /tmp/tiny --seed 0
+    ~/.cache/fuzzer/vllm/<version>-py3.11/venv/bin/python tests/vllm_cpu/make_model.py /tmp/tiny --seed 0
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ simulator's pathologies (``fuzzer/sim/pathologies.py``).
 
 Select one by its qualified name; the module must be importable by the server process, e.g.
 
-    PYTHONPATH=tests/vllm python -m vllm.entrypoints.openai.api_server --model DIR \\
+    PYTHONPATH=tests/vllm_cpu python -m vllm.entrypoints.openai.api_server --model DIR \\
         --scheduler-cls planted.HolLongestFirst ...
 
 (vLLM resolves ``--scheduler-cls`` with ``resolve_obj_by_qualname`` in the engine-core process,

@@ -1,6 +1,6 @@
 """The fuzzer against a real vLLM server (CPU build): detection, exact prompts, metrics, KV capacity, calibration, replay.
 
-The session's stock server (tests/vllm/conftest.py, random-weight Llama) is driven through the
+The session's stock server (tests/vllm_cpu/conftest.py, random-weight Llama) is driven through the
 CLI in subprocesses (`python -m fuzzer ...`), as a user would; results are read from the CLI's
 --json output and from the campaign database (plain SQLite). Only that the target works end to
 end is checked here, not what the oracle concludes about it.
