@@ -55,6 +55,10 @@ class Verdict:
     assumption: str = ""
     signature: str | None = None
     detail: str = ""
+    #: What decided the bound the request was held against: the FCFS model over the
+    #: calibrated costs, or the order the executions themselves show (see ARCHITECTURE.md,
+    #: "Oracle"), in words; empty for verdicts that hold nothing against a bound.
+    evidence: str = ""
 
     @property
     def is_finding(self) -> bool:
@@ -108,6 +112,7 @@ class Verdict:
             "assumption": self.assumption,
             "signature": self.signature,
             "detail": self.detail,
+            "evidence": self.evidence,
         }
 
     @classmethod
@@ -135,6 +140,7 @@ class Verdict:
             assumption=data.get("assumption", ""),
             signature=data.get("signature"),
             detail=data.get("detail", ""),
+            evidence=data.get("evidence", ""),
         )
 
 

@@ -153,6 +153,8 @@ def _expected(x: Exhibit) -> list[str]:
                    f"**{v['observed_s'] / v['expected_s']:.1f}x**; a finding needs {v.get('threshold') or '?'}x.")
     if v.get("assumption"):
         out += ["", f"Scheduler assumption of the bound: {v['assumption']}."]
+    if v.get("evidence"):
+        out += ["", f"Evidence that set the bound: {v['evidence']}."]
     if v.get("detail"):
         out += ["", f"Note: {v['detail']}."]
     return out
