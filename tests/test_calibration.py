@@ -171,3 +171,28 @@ def test_fuzz_calibrate_on_an_unreachable_target_is_one_clear_error(tmp_path):
     result = CliRunner().invoke(cli, ["calibrate", "--target", "http://127.0.0.1:9", "--db", str(tmp_path / "c.db")])
     assert result.exit_code == 2
     assert result.output.startswith("error: ") and "Traceback" not in result.output
+
+
+class _TokenizingPaperTarget(PaperTarget):
+    """A paper target whose server tokenizes on request at ``tokenize_s`` per token."""
+
+    def __init__(self, tokenize_s: float, **kw):
+        super().__init__(**kw)
+        self.tokenize_s = tokenize_s
+
+    async def tokenize_seconds(self, tokens: int) -> float:
+        return 0.002 + self.tokenize_s * tokens
+
+
+async def test_the_servers_own_tokenizer_caps_the_frontend_share():
+    # Cached prompt tokens cost 10 us each beyond the prefill they skip; the server tokenizes at
+    # 1 us per token: most of that time is the engine's, and the frontend gets at most 2 us.
+    model = replace(TRUE_MODEL, frontend_token_s=10e-6)
+    free = await calibrate(PaperTarget(model, noise=0.0), rng=random.Random(1), clock=lambda: 0.0)
+    capped = await calibrate(_TokenizingPaperTarget(1e-6, model=model, noise=0.0), rng=random.Random(1),
+                             clock=lambda: 0.0)
+    assert free.model.frontend_token_s == pytest.approx(10e-6, rel=0.1)  # without a tokenizer to time
+    assert capped.model.frontend_token_s == pytest.approx(2e-6, rel=0.05)
+    # The per-token total is kept: what leaves the frontend goes to the prefill.
+    total = lambda m: m.frontend_token_s + m.prefill_token_s  # noqa: E731
+    assert total(capped.model) == pytest.approx(total(free.model), rel=0.02)

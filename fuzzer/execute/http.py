@@ -217,6 +217,19 @@ class HttpTarget:
             self._counter = prompt_builder.CalibratedCounter()
             self._setup_warnings.append(f"prompt lengths are estimates (1 token per word): {e}")
 
+    async def tokenize_seconds(self, tokens: int) -> float | None:
+        """Wall time of one /tokenize of a ``tokens``-word prompt, or None without an exact counter.
+
+        The calibration bounds the frontend's per-token time with it: the server's own
+        tokenizer, timed directly, is what a prompt costs before the engine sees it.
+        """
+        if not isinstance(self._counter, prompt_builder.ServerCounter):
+            return None
+        text = " ".join(prompt_builder.WORDS[i % len(prompt_builder.WORDS)] for i in range(max(1, tokens)))
+        start = self._clock()
+        await self._counter.count(text)
+        return self._clock() - start
+
     async def _measure(self, text: str, chat: bool) -> int | None:
         """usage.prompt_tokens of a one-token completion of ``text``."""
         assert self._session is not None and self._adapter is not None and self.info is not None

@@ -71,6 +71,16 @@ MIN_SPACING_S = 0.05
 MAD_SCALE = 1.4826
 #: Fewer usable probes than this in a fit means the target misbehaved; refuse to fit.
 MIN_FIT_POINTS = 4
+#: The frontend's per-token time is read off cached prompts (a cached token skips the prefill,
+#: not the tokenizer), but on a real engine a cached prefix also costs the suffix's attention
+#: over it: vLLM's CPU build put 8.8 us per prompt token in the frontend that way, which let a
+#: short prompt overtake a 3000-token one on its way to the engine on paper (vLLM does not).
+#: Where the server tokenizes on request (/tokenize), its measured per-token time, times this
+#: allowance for templates and request parsing, caps the frontend's share.
+TOKENIZE_ALLOWANCE = 2.0
+#: Prompt lengths of the tokenize timing, each timed this often (the fastest counts).
+TOKENIZE_PROBE_TOKENS = (16, 4096)
+TOKENIZE_REPEATS = 3
 
 
 # --- fitting (the model from the probes: fit, below) -----------------------------------------
@@ -232,10 +242,12 @@ async def calibrate(
     spacing = {k: max(MIN_SPACING_S, SPACING_FACTOR * v) for k, v in slowest.items()}
 
     sizes = (lengths, prefixes, contexts)
-    cal = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes)
+    cap = await tokenize_token_s(target)
+    cal = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes, frontend_cap_s=cap)
     if remeasure and not cal.reliable:
         # A noisy round is often a burst of load on the host: measure once more, keep the quieter.
-        again = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes)
+        again = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes,
+                               frontend_cap_s=cap)
         cal = min((cal, again), key=lambda c: c.judged_noise()[1])
     return cal
 
@@ -281,6 +293,26 @@ async def reuse_or_calibrate(
     return fresh
 
 
+async def tokenize_token_s(target: Target) -> float | None:
+    """The most frontend time per prompt token the target's own tokenizer explains, or None.
+
+    Timed on targets that can (``tokenize_seconds``: the HTTP executor with a server that
+    tokenizes on request); the slope between a short and a long prompt, times
+    TOKENIZE_ALLOWANCE. None on targets that cannot say (the in-process simulator).
+    """
+    timer = getattr(target, "tokenize_seconds", None)
+    if timer is None:
+        return None
+    fastest = []
+    for n in TOKENIZE_PROBE_TOKENS:
+        times = [await timer(n) for _ in range(TOKENIZE_REPEATS)]
+        if any(t is None for t in times):
+            return None
+        fastest.append(min(times))
+    short, long = TOKENIZE_PROBE_TOKENS
+    return TOKENIZE_ALLOWANCE * max(0.0, (fastest[1] - fastest[0]) / (long - short))
+
+
 def batch_sizes(assumption: SchedulerAssumption) -> tuple[int, ...]:
     """The batched-decode probe sizes a server can run at once: a batch beyond its running
     sequences (llama.cpp's 4 slots) would queue, measuring queueing instead of decode steps."""
@@ -298,6 +330,8 @@ async def _measure(
     lengths: Sequence[int],
     prefixes: Sequence[int],
     contexts: Sequence[int],
+    *,
+    frontend_cap_s: float | None = None,
 ) -> Calibration:
     """One round of probes (uncached and cached TTFT, decode, batched decode) and its fit."""
 
@@ -342,6 +376,7 @@ async def _measure(
         single=single,
         batched=batched,
         warmup_runs=warmup_runs,
+        frontend_cap_s=frontend_cap_s,
     )
 
 
@@ -360,8 +395,14 @@ def fit(
     single: Sequence[_Probe],
     batched: Sequence[_Probe],
     warmup_runs: int = WARMUP_RUNS,
+    frontend_cap_s: float | None = None,
 ) -> Calibration:
-    """Fit the step model from probe measurements and measure the residual noise."""
+    """Fit the step model from probe measurements and measure the residual noise.
+
+    ``frontend_cap_s``: the most frontend time per prompt token the server's own tokenizer
+    explains (:func:`tokenize_token_s`); the rest of the cached prompts' extra time is the
+    engine's (attention over the cached prefix), not the frontend's.
+    """
     # Single-sequence decode: ITL = (overhead + one sequence) + context cost x context.
     pts = [(p.prompt + p.max_tokens / 2.0, _median_itl(p.result)) for p in single]
     pts = [(x, y) for x, y in pts if y is not None]
@@ -394,6 +435,8 @@ def fit(
         extra = [p.result.ttft_s - ttft_fit(p.prompt - p.cached) for p in cached]
         cached_fit = theil_sen([p.cached for p in cached], extra)
         frontend_token_s = min(max(0.0, cached_fit.slope), max(0.0, ttft_fit.slope))
+    if frontend_cap_s is not None:
+        frontend_token_s = min(frontend_token_s, frontend_cap_s)
     prefill_token_s = max(0.0, ttft_fit.slope - frontend_token_s)
 
     model = StepModel(
