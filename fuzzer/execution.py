@@ -135,6 +135,11 @@ class ExecutionResult:
     #: The worst stall of the client's own event loop while the requests ran (a busy or
     #: descheduled client stamps events late); None when not measured (virtual time).
     client_lag_s: float | None = None
+    #: The engine's speed right after the execution: the median inter-token gap of one short
+    #: request run alone once the server was idle again (the oracle scales its bounds by how
+    #: much slower than calibrated that is: a busier machine is not a scheduler pathology);
+    #: None when not measured (virtual time, or a server that did not return to idle).
+    speed_check_itl_s: float | None = None
     #: Simulator ground truth (request id -> pathologies that delayed it). Filled only by the
     #: in-process simulator, for tests and benchmarks; the oracle never reads it.
     ground_truth: Mapping[str, tuple[str, ...]] = field(default_factory=dict)

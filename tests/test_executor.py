@@ -408,3 +408,18 @@ async def test_a_cancelled_stream_is_an_abort_on_the_simulator(sim):
         await asyncio.sleep(0.05)
     g = truth[result.request("c1").x_request_id]
     assert g["finish_reason"] == "abort" and g["completion_tokens"] < 200
+
+
+async def test_a_speed_check_follows_an_execution_that_left_the_server_idle(server):
+    url, state = server
+    t = trace(req("a", prompt=32, max_tokens=4))
+    async with HttpTarget(url, rng=random.Random(0), timeout_s=1.0, idle_timeout_s=1.0, idle_after_timeout_s=0.5) as on:
+        checked = await on.execute(t)
+    async with HttpTarget(url, rng=random.Random(0), timeout_s=1.0, idle_timeout_s=1.0, idle_after_timeout_s=0.5,
+                          speed_check=False) as off:
+        unchecked = await off.execute(t)
+    assert checked.idle_after is True and checked.speed_check_itl_s is not None and checked.speed_check_itl_s > 0
+    assert unchecked.speed_check_itl_s is None
+    # The check is one request of its own, after the trace's, never one of the trace's results.
+    assert [r.request_id for r in checked.requests] == ["a"]
+    assert any(xid.startswith("speed-check") for xid in state.log)

@@ -90,3 +90,20 @@ def test_a_full_house_of_slots_makes_a_request_wait_for_the_first_end():
     unbounded = order_bounds(trace, result, StepModel(0.004, 30e-6, 20e-6, 1e-8), SchedulerAssumption(),
                              {f"r{i}": 0.01 for i in range(3)})
     assert unbounded["r2"].ttft_s < 0.1  # 256 slots: nothing to wait for but r0/r1's first tokens
+
+
+def test_a_slower_engine_in_the_speed_check_scales_the_bounds():
+    # Every cost 4x the calibrated model (a busy host): the bigs' own first tokens look slow
+    # against the calibrated bound, but not against one scaled by the speed check after the run.
+    slow = replace(TRUE_MODEL, overhead_s=TRUE_MODEL.overhead_s * 4, prefill_token_s=TRUE_MODEL.prefill_token_s * 4,
+                   decode_seq_s=TRUE_MODEL.decode_seq_s * 4, context_token_s=TRUE_MODEL.context_token_s * 4)
+    result = _warm(PaperTarget(slow, noise=0.0)).run(BURST)
+    unchecked = {r.request_id: r for r in observe(BURST, result, _calibration())}["big0"].observations[Metric.TTFT]
+    assert unchecked.candidate and unchecked.load == 1.0
+    check = slow.step_s(0, 1, 16 + 4)  # what the engine's speed check measured after the run
+    checked_result = replace(result, speed_check_itl_s=check)
+    big0 = {r.request_id: r for r in observe(BURST, checked_result, _calibration())}["big0"].observations[Metric.TTFT]
+    assert not big0.candidate and 3.5 < big0.load < 4.5
+    # Within the check's own noise the calibrated model stands.
+    near = replace(result, speed_check_itl_s=TRUE_MODEL.step_s(0, 1, 20) * 1.1)
+    assert {r.request_id: r for r in observe(BURST, near, _calibration())}["big0"].observations[Metric.TTFT].load == 1.0

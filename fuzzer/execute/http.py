@@ -74,6 +74,11 @@ LATENESS_WARN_S = 0.005
 # closing fails ("Can not write request body"), measured against llama-server. Connections
 # are warmed right before each execution, so nothing longer is needed.
 _KEEPALIVE_S = 4.0
+#: The speed check after an execution: one short streaming request, run alone once the server
+#: is idle again. Its median inter-token gap is one decode step of one sequence: how fast the
+#: engine is now, next to how fast it was when calibrated (a few decode steps, ~1-3% of an
+#: execution's server time).
+SPEED_CHECK = Trace(requests=(Request(id="speed-check", at_ms=0, prompt_tokens=16, max_tokens=8),))
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class HttpTarget:
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        speed_check: bool = True,
     ):
         if server != "auto":
             adapters.adapter(server)  # raises ConfigError for an unknown kind
@@ -125,6 +131,7 @@ class HttpTarget:
         self._clock = clock
         self._wall_clock = wall_clock
         self._sleep = sleep
+        self._speed_check = speed_check
         self._session: aiohttp.ClientSession | None = None
         self._adapter: Adapter | None = None
         self._scraper: Scraper | None = None
@@ -307,6 +314,7 @@ class HttpTarget:
         lag_warning = clientlag.warning(client_lag_s)
         if lag_warning:
             warnings.append(lag_warning)
+        speed_itl_s = await self._check_speed(info) if self._speed_check and idle_after else None
         return ExecutionResult(
             trace_hash=trace.content_hash(),
             target=self.base_url,
@@ -318,7 +326,18 @@ class HttpTarget:
             idle_after=idle_after,
             warnings=tuple(warnings),
             client_lag_s=client_lag_s,
+            speed_check_itl_s=speed_itl_s,
         )
+
+    async def _check_speed(self, info: ServerInfo) -> float | None:
+        """The median inter-token gap of SPEED_CHECK run now (the server is idle), or None."""
+        prompt_set = await prompt_builder.build(SPEED_CHECK, self._counter, self._rng)
+        plans, _ = self._plan(SPEED_CHECK, prompt_set, info)
+        result = await self._send(plans[0], self._clock())
+        gaps = sorted(result.itl_s)
+        if result.outcome is not Outcome.OK or len(gaps) < 3:
+            return None
+        return gaps[len(gaps) // 2]
 
     def _plan(
         self, trace: Trace, prompt_set: prompt_builder.PromptSet, info: ServerInfo

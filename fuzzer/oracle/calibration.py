@@ -10,7 +10,7 @@ is stale or too noisy to judge, round-trips through the store as a dict (version
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fuzzer.errors import TargetError
@@ -115,6 +115,10 @@ class Calibration:
             return None
         return (f"the calibration's {metric.value} noise is {noise * 100:.0f} % (over {UNRELIABLE_NOISE * 100:.0f} %): "
                 "a 2x slowdown cannot be told from noise reliably; calibrate again on a quiet server")
+
+    def with_model(self, model: StepModel) -> Calibration:
+        """The same calibration over another step model (the bounds of a slower engine)."""
+        return replace(self, model=model)
 
     def with_assumption(self, assumption: SchedulerAssumption) -> Calibration:
         """The same measurements under another scheduler assumption (a user override).

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fuzzer.execute.http import SPEED_CHECK
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions
@@ -66,6 +67,9 @@ class Observation:
     #: which reached the engine before it).
     evidence: str = MODEL
     waited_for: str | None = None
+    #: How much slower than calibrated the engine was right after the execution (its speed
+    #: check); the bounds were scaled by it (1.0: as calibrated, or not measured).
+    load: float = 1.0
 
     @property
     def ratio(self) -> float:
@@ -103,6 +107,9 @@ def observe(
     trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
 ) -> tuple[RequestReport, ...]:
     """Hold every request of ``result`` against its idle expectation and its FCFS bound."""
+    load = slower_engine(result, calibration, policy)
+    if load > 1.0:
+        calibration = calibration.with_model(calibration.model.scaled(load))
     thrashed = thrash(trace, result, calibration, policy)
     expectations, factor = bounds(trace, result, calibration, thrashed, policy)
     order = order_bounds(trace, result, calibration.model, calibration.assumption,
@@ -120,7 +127,7 @@ def observe(
                 margin = policy.margin_s(calibration, metric, result.client_lag_s)
                 slow = value >= factor * bound and value - bound >= margin
                 observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed,
-                                                   evidence, waited_for)
+                                                   evidence, waited_for, load)
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure_kind(r.outcome)))
     return tuple(reports)
 
@@ -141,6 +148,23 @@ def _with_order(
     if metric is Metric.E2E:
         return bound + (order.ttft_s - e.ttft_s), ORDER, order.waited_for
     return bound, MODEL, None
+
+
+def slower_engine(result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY) -> float:
+    """How much slower than calibrated the engine was right after ``result`` (1.0 when not).
+
+    The speed check's median inter-token gap is one decode step of one short sequence; the
+    calibrated model says what that step cost then. A ratio within the check's noise
+    (below ``slower_engine_min``) counts as 1; it is capped at ``slower_engine_max``.
+    """
+    if result.speed_check_itl_s is None:
+        return 1.0
+    (check,) = SPEED_CHECK.requests
+    expected = calibration.model.step_s(0, 1, check.prompt_tokens + check.max_tokens // 2)
+    if expected <= 0:
+        return 1.0
+    ratio = result.speed_check_itl_s / expected
+    return min(ratio, policy.slower_engine_max) if ratio >= policy.slower_engine_min else 1.0
 
 
 def thrash(
@@ -475,11 +499,17 @@ def _make_verdict(
 
 
 def _evidence(sample: Sequence[Observation]) -> str:
-    """Which evidence set the bounds of ``sample``, in words (the most frequent first)."""
+    """Which evidence set the bounds of ``sample``, in words."""
     by_order = [o for o in sample if o.evidence == ORDER]
     if not by_order:
-        return f"{MODEL}: the FCFS schedule of the trace over the calibrated step costs"
-    waited = sorted({o.waited_for for o in by_order if o.waited_for})
-    return (f"{ORDER} in {len(by_order)}/{len(sample)} run(s): the request reached the engine after "
-            f"{', '.join(waited) or 'others'} and is bounded by their observed first tokens; "
-            f"{MODEL} elsewhere")
+        text = f"{MODEL}: the FCFS schedule of the trace over the calibrated step costs"
+    else:
+        waited = sorted({o.waited_for for o in by_order if o.waited_for})
+        text = (f"{ORDER} in {len(by_order)}/{len(sample)} run(s): the request reached the engine after "
+                f"{', '.join(waited) or 'others'} and is bounded by their observed first tokens; "
+                f"{MODEL} elsewhere")
+    loads = [o.load for o in sample if o.load > 1.0]
+    if loads:
+        text += (f"; costs scaled by the engine's speed check after {len(loads)}/{len(sample)} run(s) "
+                 f"(up to {max(loads):.2g}x slower than calibrated)")
+    return text

@@ -45,6 +45,13 @@ COLD_IDLE_S = 10.0
 #: A failure (error, hang, protocol, leak, crash) is confirmed when it recurs in at
 #: least half of the re-executions: a one-off reset is noise, a recurring one is a bug.
 FAILURE_QUORUM = 0.5
+#: The bounds are scaled by how much slower than calibrated the engine's decode step was in
+#: the speed check right after an execution (``ExecutionResult.speed_check_itl_s``): a busy
+#: host or a throttled GPU slows every request, and that is not the scheduler's doing. Below
+#: this ratio it is the measurement's own noise and the calibrated model stands ...
+SLOWER_ENGINE_MIN = 1.25
+#: ... and beyond this one the check says more about the check than about the engine.
+SLOWER_ENGINE_MAX = 10.0
 #: Without a KV capacity (a server that does not report one) the FCFS bound assumes KV
 #: never runs out. When the server reports a few preemptions during an execution,
 #: recompute-preemption by design (vLLM preempts the newest request, which then waits
@@ -84,6 +91,8 @@ class OraclePolicy:
     kv_pressure_factor: float = KV_PRESSURE_FACTOR
     thrash_preemptions_per_request: float = THRASH_PREEMPTIONS_PER_REQUEST
     thrash_excess_per_request: float = THRASH_EXCESS_PER_REQUEST
+    slower_engine_min: float = SLOWER_ENGINE_MIN
+    slower_engine_max: float = SLOWER_ENGINE_MAX
 
     def margin_s(self, calibration: Calibration, metric: Metric, client_lag_s: float | None = None) -> float:
         """How far above its bound a latency must be, in seconds, to be a candidate."""

@@ -244,6 +244,7 @@ class Store:
                     "idle_after": None if result.idle_after is None else int(result.idle_after),
                     "warnings": to_json(list(result.warnings)),
                     "client_lag_s": result.client_lag_s,
+                    "speed_check_itl_s": result.speed_check_itl_s,
                     "ground_truth": to_json({k: list(v) for k, v in result.ground_truth.items()}),
                     "number": number,
                 }
@@ -289,6 +290,7 @@ class Store:
             idle_after=None if row["idle_after"] is None else bool(row["idle_after"]),
             warnings=tuple(json.loads(row["warnings"] or "[]")),
             client_lag_s=row.get("client_lag_s"),
+            speed_check_itl_s=row.get("speed_check_itl_s"),
             ground_truth={k: tuple(v) for k, v in json.loads(row["ground_truth"] or "{}").items()},
         )
 

@@ -153,9 +153,13 @@ def _m4_client_lag(db: sqlite_utils.Database) -> None:
     db["executions"].add_column("client_lag_s", float)
 
 
+def _m5_speed_check(db: sqlite_utils.Database) -> None:
+    db["executions"].add_column("speed_check_itl_s", float)
+
+
 #: Schema history: append, never edit a released step. Index i brings a database to version i + 1.
 MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (
-    _m1_initial, _m2_corpus, _m3_minimizations, _m4_client_lag,
+    _m1_initial, _m2_corpus, _m3_minimizations, _m4_client_lag, _m5_speed_check,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
