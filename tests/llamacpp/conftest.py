@@ -8,9 +8,7 @@ unless FUZZ_REQUIRE_LLAMA=1 (set by CI after building), where they fail instead.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from .make_model import ModelShape, write_model
+from real_server_http import HTTP_TIMEOUT_S, free_port, get_json, log_tail, post_json  # noqa: F401 (re-exported to the tests)
 
 __all__ = [
     "LlamaServer", "find_llama_server", "get_json", "post_json", "start_llama_server", "stop_llama_server",
@@ -38,7 +37,6 @@ READY_TIMEOUT_S = 60.0
 READY_POLL_S = 0.05
 # After SIGTERM llama-server finishes its current batch and exits; past this it is killed.
 STOP_TIMEOUT_S = 10.0
-HTTP_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -96,32 +94,6 @@ def find_llama_server() -> tuple[Path | None, str]:
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str, timeout_s: float = HTTP_TIMEOUT_S):
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return json.loads(response.read())
-
-
-def post_json(url: str, body: dict, timeout_s: float = HTTP_TIMEOUT_S):
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
-
-
-def _log_tail(log: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 def stop_llama_server(server: LlamaServer) -> None:
     """Stop the server by its PID: SIGTERM, then SIGKILL if it lingers."""
     _stop(server.process)
@@ -140,7 +112,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 def start_llama_server(binary: Path, model: Path, log: Path) -> LlamaServer:
     """Start `binary` on 127.0.0.1:<free port> with SERVER_ARGS; return once /health answers 200."""
-    port = _free_port()
+    port = free_port()
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
     started = time.perf_counter()
     with open(log, "wb") as sink:
@@ -151,7 +123,7 @@ def start_llama_server(binary: Path, model: Path, log: Path) -> LlamaServer:
     while True:
         if process.poll() is not None:
             raise RuntimeError(
-                f"llama-server exited with {process.returncode} before it was ready:\n{_log_tail(log)}"
+                f"llama-server exited with {process.returncode} before it was ready:\n{log_tail(log)}"
             )
         try:
             with urllib.request.urlopen(base_url + "/health", timeout=1.0) as response:
@@ -161,7 +133,7 @@ def start_llama_server(binary: Path, model: Path, log: Path) -> LlamaServer:
             pass  # not listening yet, or 503 while loading the model
         if time.perf_counter() > deadline:
             _stop(process)
-            raise RuntimeError(f"llama-server not ready after {READY_TIMEOUT_S} s:\n{_log_tail(log)}")
+            raise RuntimeError(f"llama-server not ready after {READY_TIMEOUT_S} s:\n{log_tail(log)}")
         time.sleep(READY_POLL_S)
     ready_s = time.perf_counter() - started
     return LlamaServer(base_url, port, process.pid, binary, model, log, ready_s, process)

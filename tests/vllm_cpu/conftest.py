@@ -15,10 +15,8 @@ own, so that stopping it kills the whole process group. A planted scheduler
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from real_server_http import HTTP_TIMEOUT_S, free_port, get_json, log_tail, post_json  # noqa: F401 (re-exported to the tests)
 
 __all__ = [
     "VllmServer", "find_vllm_python", "get_json", "post_json", "start_vllm_server", "stop_vllm_server",
@@ -52,7 +51,6 @@ READY_TIMEOUT_S = float(os.environ.get("FUZZ_VLLM_READY_TIMEOUT", "300"))
 READY_POLL_S = 0.2
 # After SIGTERM the API server shuts its engine down; past this the group is killed.
 STOP_TIMEOUT_S = 20.0
-HTTP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -127,32 +125,6 @@ def write_model(python: Path, out: Path, *, seed: int = MODEL_SEED) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str, timeout_s: float = HTTP_TIMEOUT_S):
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return json.loads(response.read())
-
-
-def post_json(url: str, body: dict, timeout_s: float = HTTP_TIMEOUT_S):
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        return json.loads(response.read())
-
-
-def _log_tail(log: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 def _server_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
@@ -223,7 +195,7 @@ def group_members(pgid: int) -> list[int]:
 def start_vllm_server(python: Path, model_dir: Path, log: Path, *, scheduler_cls: str | None = None,
                       extra_args: tuple[str, ...] = ()) -> VllmServer:
     """Start vLLM on 127.0.0.1:<free port>; return once /health is 200 and a completion is answered."""
-    port = _free_port()
+    port = free_port()
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS, *extra_args]
     if scheduler_cls:
@@ -237,7 +209,7 @@ def start_vllm_server(python: Path, model_dir: Path, log: Path, *, scheduler_cls
     try:
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {process.returncode} before it was ready:\n{_log_tail(log)}")
+                raise RuntimeError(f"vLLM exited with {process.returncode} before it was ready:\n{log_tail(log)}")
             try:
                 with urllib.request.urlopen(base_url + "/health", timeout=2.0) as response:
                     if response.status == 200:
@@ -245,7 +217,7 @@ def start_vllm_server(python: Path, model_dir: Path, log: Path, *, scheduler_cls
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass  # not listening yet
             if time.perf_counter() > deadline:
-                raise RuntimeError(f"vLLM not ready after {READY_TIMEOUT_S:.0f} s:\n{_log_tail(log)}")
+                raise RuntimeError(f"vLLM not ready after {READY_TIMEOUT_S:.0f} s:\n{log_tail(log)}")
             time.sleep(READY_POLL_S)
         answer = post_json(base_url + "/v1/completions",
                            {"model": SERVED_MODEL_NAME, "prompt": "the", "max_tokens": 1}, timeout_s=READY_TIMEOUT_S)
