@@ -37,7 +37,6 @@ from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResu
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions
 from fuzzer.oracle.kinds import METRIC_KIND, Decision, FindingKind, Metric
-from fuzzer.oracle.order import MODEL, ORDER, OrderBound, order_bounds
 from fuzzer.oracle.policy import CANDIDATE_FACTOR, DEFAULT_POLICY, FAILURE_QUORUM, OraclePolicy
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.statistics import Comparison, compare
@@ -62,11 +61,6 @@ class Observation:
     factor: float = CANDIDATE_FACTOR
     #: Judged against the KV-unaware bound because the execution thrashed (:func:`thrash`).
     thrashed: bool = False
-    #: What set the bound: the FCFS model (``fcfs-model``) or the order the execution itself
-    #: shows (``observed-order``: the request waited for the first token of ``waited_for``,
-    #: which reached the engine before it).
-    evidence: str = MODEL
-    waited_for: str | None = None
     #: How much slower than calibrated the engine was right after the execution (its speed
     #: check); the bounds were scaled by it (1.0: as calibrated, or not measured).
     load: float = 1.0
@@ -112,8 +106,6 @@ def observe(
         calibration = calibration.with_model(calibration.model.scaled(load))
     thrashed = thrash(trace, result, calibration, policy)
     expectations, factor = bounds(trace, result, calibration, thrashed, policy)
-    order = order_bounds(trace, result, calibration.model, calibration.assumption,
-                         {rid: e.idle_ttft_s for rid, e in expectations.items()})
     reports = []
     for r in result.requests:
         e = expectations[r.request_id]
@@ -123,31 +115,11 @@ def observe(
                 bound, idle = e.bound(metric), e.idle(metric)
                 if value is None or bound is None or idle is None:
                     continue
-                bound, evidence, waited_for = _with_order(metric, bound, e, order.get(r.request_id))
                 margin = policy.margin_s(calibration, metric, result.client_lag_s)
                 slow = value >= factor * bound and value - bound >= margin
-                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed,
-                                                   evidence, waited_for, load)
+                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed, load)
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure_kind(r.outcome)))
     return tuple(reports)
-
-
-def _with_order(
-    metric: Metric, bound: float, e: Expectation, order: OrderBound | None
-) -> tuple[float, str, str | None]:
-    """The bound raised to what the execution's own order shows, when that is later.
-
-    A first token that the requests ahead of it observably held back (:mod:`fuzzer.oracle.order`)
-    is bounded by their first tokens, not by what the model says they should have cost; the
-    end moves with it. Inter-token gaps are the model's alone.
-    """
-    if order is None or order.ttft_s <= e.ttft_s:
-        return bound, MODEL, None
-    if metric is Metric.TTFT:
-        return order.ttft_s, ORDER, order.waited_for
-    if metric is Metric.E2E:
-        return bound + (order.ttft_s - e.ttft_s), ORDER, order.waited_for
-    return bound, MODEL, None
 
 
 def slower_engine(result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY) -> float:
@@ -499,17 +471,10 @@ def _make_verdict(
 
 
 def _evidence(sample: Sequence[Observation]) -> str:
-    """Which evidence set the bounds of ``sample``, in words."""
-    by_order = [o for o in sample if o.evidence == ORDER]
-    if not by_order:
-        text = f"{MODEL}: the FCFS schedule of the trace over the calibrated step costs"
-    else:
-        waited = sorted({o.waited_for for o in by_order if o.waited_for})
-        text = (f"{ORDER} in {len(by_order)}/{len(sample)} run(s): the request reached the engine after "
-                f"{', '.join(waited) or 'others'} and is bounded by their observed first tokens; "
-                f"{MODEL} elsewhere")
+    """What the bounds of ``sample`` rest on, in words."""
+    text = "the FCFS schedule of the trace over the calibrated step costs"
     loads = [o.load for o in sample if o.load > 1.0]
     if loads:
-        text += (f"; costs scaled by the engine's speed check after {len(loads)}/{len(sample)} run(s) "
+        text += (f", scaled by the engine's speed check after {len(loads)}/{len(sample)} run(s) "
                  f"(up to {max(loads):.2g}x slower than calibrated)")
     return text
