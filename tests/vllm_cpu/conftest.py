@@ -98,26 +98,10 @@ def find_vllm_python() -> tuple[Path | None, str]:
     )
 
 
-def _fuzzer_words() -> list[str]:
-    """The words the fuzzer's prompt builder draws from, wherever its module lives now ([] if not found)."""
-    import importlib
-
-    for name in ("fuzzer.execute.prompts", "fuzzer.prompts"):
-        try:
-            words = getattr(importlib.import_module(name), "WORDS", None)
-        except ImportError:
-            continue
-        if words:
-            return [str(w) for w in words]
-    return []
-
-
 def write_model(python: Path, out: Path, *, seed: int = MODEL_SEED) -> Path:
     """Write the random-weight Llama into the folder `out` with `python` (the vLLM venv's)."""
-    extra = out.parent / f"{out.name}-extra-words.txt"
-    extra.write_text(" ".join(_fuzzer_words()) + "\n")
     done = subprocess.run(
-        [str(python), str(HERE / "make_model.py"), str(out), "--seed", str(seed), "--extra-words", str(extra)],
+        [str(python), str(HERE / "make_model.py"), str(out), "--seed", str(seed)],
         capture_output=True, text=True, timeout=300, check=False, env=_server_env(),
     )
     if done.returncode != 0:

@@ -8,8 +8,8 @@ downloaded (vLLM loads it with HF_HUB_OFFLINE=1).
 The tokenizer is word-level (a `tokenizers` WordLevel model with a whitespace/punctuation
 pre-tokenizer, saved through `PreTrainedTokenizerFast`): every word of the vocabulary is one
 token, anything else one `<unk>`, and `<s>` is put in front of every prompt, as Llama's
-tokenizer does. The vocabulary holds the words the fuzzer builds prompts from (a copy of
-`WORDS` of the fuzzer's prompt builder, plus any `--extra-words`), so a prompt of N words is
+tokenizer does. The vocabulary holds the words the fuzzer builds prompts from (`WORDS` of
+the fuzzer's prompt builder, read from its source, plus any `--extra-words`), so a prompt of N words is
 N + 1 tokens and /tokenize counts exactly. The chat template is ChatML
 (`<|im_start|>role\\n...<|im_end|>\\n`), its markers are special tokens.
 
@@ -22,6 +22,7 @@ project's own venv does not have):
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,30 +32,22 @@ __all__ = ["ModelShape", "build_vocab", "write_model"]
 SPECIAL = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 UNK, BOS, EOS, IM_START, IM_END = range(len(SPECIAL))
 
-# A copy of WORDS of the fuzzer's prompt builder (fuzzer/.../prompts.py; this script runs in
-# the vLLM venv, where the fuzzer is not importable): each is one token here. The conftest
-# passes the live list as --extra-words too, so a change there needs no change here.
-_FUZZER_WORDS = """the of and to in is was for that with as on by at from his her are were this which be or
-    have had not but they you all one an their there been has when who will more no if out so
-    said what up its about into than them can only other new some could time these two may then
-    do first any my now such like our over man me even most made after also did many before must
-    through back years where much your way well down should because each just those people how
-    too little state good very make world still own see men work long get here between both life
-    being under never day same another know while last might us great old year off come since
-    against go came right used take three states himself few house use during without again place
-    around however home small found thought went say part once general high upon school every
-    does got united left number course war until always away something fact though water less
-    public put think almost hand enough far took head yet government system better set told
-    nothing night end why called eyes find going look asked later knew point next program city
-    business give group toward young days let room president side social given present several
-    order national possible rather second face per among form important often things looking
-    early white case john become large big need four within felt along children saw best church
-    ever least power development light thing seemed family interest want members mind country
-    area others done turned although open god service certain kind problem began different door
-    thus help sense means whole matter perhaps itself york times law human line above name example
-    action company hands local show whether five history gave today either act feet across taken
-    past quite anything seen having death week experience body word half really field am car words
-    already themselves information tell together college shall money period held keep sure free""".split()
+# The fuzzer's prompt builder: every word it draws must be one token here. This script runs in
+# the vLLM venv, where the fuzzer is not importable, so the WORDS literal is read from its source.
+PROMPTS_SOURCE = Path(__file__).resolve().parents[2] / "fuzzer" / "execute" / "prompts.py"
+
+
+def fuzzer_words(source: Path = PROMPTS_SOURCE) -> list[str]:
+    """The words of the string literal assigned to ``WORDS`` in the fuzzer's prompt builder."""
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "WORDS" for t in node.targets):
+            text = next((n.value for n in ast.walk(node.value) if isinstance(n, ast.Constant)
+                         and isinstance(n.value, str)), None)
+            if text:
+                return text.split()
+    raise RuntimeError(f"no WORDS string literal in {source}")
+
+
 # Words of the chat roles and of the fuzzer's domain, then single letters, digits and punctuation.
 _MORE_WORDS = (
     "system user assistant tool prompt token tokens request requests server latency queue slot batch "
@@ -93,7 +86,7 @@ def build_vocab(extra_words: tuple[str, ...] = ()) -> list[str]:
     """
     vocab: list[str] = list(SPECIAL)
     seen = set(vocab)
-    for word in [*_FUZZER_WORDS, *_MORE_WORDS, *extra_words, *_CHARS]:
+    for word in [*fuzzer_words(), *_MORE_WORDS, *extra_words, *_CHARS]:
         if word and word not in seen:
             seen.add(word)
             vocab.append(word)
