@@ -137,6 +137,7 @@ class HttpTarget:
         self._scraper: Scraper | None = None
         self._counter: prompt_builder.TokenCounter | None = None
         self._setup_warnings: list[str] = []
+        self._speed_prompts: prompt_builder.PromptSet | None = None
         self._executions = 0
         self.info: ServerInfo | None = None
 
@@ -331,8 +332,10 @@ class HttpTarget:
 
     async def _check_speed(self, info: ServerInfo) -> float | None:
         """The median inter-token gap of SPEED_CHECK run now (the server is idle), or None."""
-        prompt_set = await prompt_builder.build(SPEED_CHECK, self._counter, self._rng)
-        plans, _ = self._plan(SPEED_CHECK, prompt_set, info)
+        # Built once: only the inter-token gaps count, so a prefix-cache hit on the prompt is harmless.
+        if self._speed_prompts is None:
+            self._speed_prompts = await prompt_builder.build(SPEED_CHECK, self._counter, self._rng)
+        plans, _ = self._plan(SPEED_CHECK, self._speed_prompts, info)
         result = await self._send(plans[0], self._clock())
         gaps = sorted(result.itl_s)
         if result.outcome is not Outcome.OK or len(gaps) < 3:
