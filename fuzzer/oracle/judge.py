@@ -37,6 +37,7 @@ from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResu
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions
 from fuzzer.oracle.kinds import METRIC_KIND, Decision, FindingKind, Metric
+from fuzzer.oracle.order import Inversion, inversions
 from fuzzer.oracle.policy import CANDIDATE_FACTOR, DEFAULT_POLICY, FAILURE_QUORUM, OraclePolicy
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.statistics import Comparison, compare
@@ -64,6 +65,14 @@ class Observation:
     #: How much slower than calibrated the engine was right after the execution (its speed
     #: check); the bounds were scaled by it (1.0: as calibrated, or not measured).
     load: float = 1.0
+    #: For a TTFT: the requests that overtook this one although FCFS serves it first
+    #: (fuzzer.oracle.order), whatever the bound says; None when none did.
+    order: Inversion | None = None
+
+    @property
+    def flagged(self) -> bool:
+        """Worth confirming: above its bound (``candidate``) or overtaken against FCFS order."""
+        return self.candidate or self.order is not None
 
     @property
     def ratio(self) -> float:
@@ -106,6 +115,7 @@ def observe(
         calibration = calibration.with_model(calibration.model.scaled(load))
     thrashed = thrash(trace, result, calibration, policy)
     expectations, factor = bounds(trace, result, calibration, thrashed, policy)
+    overtaken = inversions(trace, result, calibration, preemptions(result) > 0, policy)
     reports = []
     for r in result.requests:
         e = expectations[r.request_id]
@@ -117,7 +127,8 @@ def observe(
                     continue
                 margin = policy.margin_s(calibration, metric, result.client_lag_s)
                 slow = value >= factor * bound and value - bound >= margin
-                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed, load)
+                inverted = overtaken.get(r.request_id) if metric is Metric.TTFT else None
+                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed, load, inverted)
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure_kind(r.outcome)))
     return tuple(reports)
 
@@ -265,7 +276,7 @@ def candidates(
     for rep in observe(trace, result, calibration, policy):
         if rep.failure is not None and not (down and rep.outcome is Outcome.CONNECTION_ERROR):
             out.append(Candidate(rep.failure, rep.request_id, detail=rep.outcome.value))
-        slow = [o for o in rep.observations.values() if o.candidate]
+        slow = [o for o in rep.observations.values() if o.flagged]
         if slow:
             o = max(slow, key=lambda o: o.ratio)
             latency.append(Candidate(METRIC_KIND[o.metric], rep.request_id, o.metric, o.ratio, cold))
@@ -339,6 +350,27 @@ def latency_verdict(
     if not worst:
         return Verdict(kind=None, decision=Decision.INSUFFICIENT_DATA, method=_METHOD, request_id=request_id,
                        runs=len(per_run), assumption=assumption, detail="no latency measured in any run")
+    modelled = _model_verdict(trace, request_id, per_run, worst, cold, calibration, rng, policy, assumption)
+    ordered = order_verdict(trace, request_id, per_run, assumption, policy)
+    if ordered is None or modelled.is_finding:
+        return modelled
+    if ordered.is_finding or modelled.kind is None or modelled.decision is Decision.SAME:
+        return ordered  # decided by the order, or the bound saw nothing and the order is still in question
+    return modelled
+
+
+def _model_verdict(
+    trace: Trace,
+    request_id: str,
+    per_run: Sequence[RequestReport],
+    worst: Sequence[Observation],
+    cold: Sequence[bool],
+    calibration: Calibration,
+    rng: np.random.Generator,
+    policy: OraclePolicy,
+    assumption: str,
+) -> Verdict:
+    """The request judged against its FCFS bound over the calibrated step costs."""
     metric = _judged_metric(per_run) or max(worst, key=lambda o: o.ratio).metric
     obs = [rep.observations.get(metric) for rep in per_run]
     warm = [o for o, c in zip(obs, cold) if o is not None and not c]
@@ -385,6 +417,47 @@ def latency_verdict(
                          detail=detail)
 
 
+def order_verdict(
+    trace: Trace, request_id: str, per_run: Sequence[RequestReport], assumption: str, policy: OraclePolicy,
+) -> Verdict | None:
+    """The request judged by the order of first tokens alone (fuzzer.oracle.order); None
+    when no run shows it overtaken.
+
+    DIFFERENT when it was overtaken in at least ``order_min_runs`` runs and in at least
+    ``order_quorum`` of them; UNSTABLE at the run cap below that; UNKNOWN before. The
+    effect is the victim's TTFT over its TTFT had it been served no later than the latest
+    request that overtook it, a lower bound on what the inversion cost it.
+    """
+    obs = [o for rep in per_run if (o := rep.observations.get(Metric.TTFT)) is not None]
+    hit = [o for o in obs if o.order is not None]
+    if not hit:
+        return None
+    k, n = len(hit), len(obs)
+    if k >= policy.order_min_runs and k / n >= policy.order_quorum:
+        decision = Decision.DIFFERENT
+    elif n >= policy.max_runs:
+        decision = Decision.UNSTABLE
+    else:
+        decision = Decision.UNKNOWN
+    bounds = [o.order.bound_s for o in hit if o.order is not None]
+    observed = float(np.median([o.observed_s for o in hit]))
+    median = sorted(hit, key=lambda o: o.observed_s)[len(hit) // 2]
+    assert median.order is not None
+    effect = float(np.median([o.observed_s / b for o, b in zip(hit, bounds) if b > 0])) if any(b > 0 for b in bounds) else None
+    return Verdict(
+        kind=FindingKind.TTFT_OUTLIER, decision=decision, method=_ORDER_METHOD, request_id=request_id,
+        metric=Metric.TTFT, effect=effect, threshold=1.0, n_sample=n, reproduced=k, runs=n,
+        observed_s=observed, expected_s=float(np.median(bounds)),
+        idle_s=float(np.median([o.idle_s for o in hit])), assumption=assumption,
+        signature=signature(FindingKind.TTFT_OUTLIER, trace, request_id),
+        detail=(f"overtaken in {k}/{n} runs; in the median one its {median.order.describe()}; "
+                f"its TTFT was {median.ratio:.2f}x its FCFS bound over the calibrated step costs"),
+        evidence=("the order of first tokens in the executions themselves, no step model: FCFS serves a "
+                  "request that reached the engine first with no more work no later than one that came after it"),
+        overtakers=tuple(sorted({name for o in hit if o.order is not None for name in o.order.overtakers})),
+    )
+
+
 #: Which latency symptom names a finding when several are above their bounds: the first
 #: one a user meets.
 _SYMPTOM_ORDER = (Metric.TTFT, Metric.MAX_ITL, Metric.E2E)
@@ -401,7 +474,7 @@ def _judged_metric(per_run: Sequence[RequestReport]) -> Metric | None:
     symptom reaches half of the runs (a slowdown only after idle periods, say), the one
     that made a candidate most often, earliest first on a tie.
     """
-    counts = {m: sum(1 for rep in per_run if (o := rep.observations.get(m)) is not None and o.candidate)
+    counts = {m: sum(1 for rep in per_run if (o := rep.observations.get(m)) is not None and o.flagged)
               for m in _SYMPTOM_ORDER}
     steady = [m for m in _SYMPTOM_ORDER if counts[m] and 2 * counts[m] >= len(per_run)]
     if steady:
@@ -414,6 +487,7 @@ def _judged_metric(per_run: Sequence[RequestReport]) -> Metric | None:
 
 _METHOD = "min(Mann-Whitney U, Kolmogorov-Smirnov) of observed/FCFS-bound ratios vs the calibration baseline"
 _FAILURE_METHOD = "reproduction count over re-executions"
+_ORDER_METHOD = "reproduction count of an ordering inversion over re-executions (FCFS order of first tokens)"
 
 
 def count_verdict(

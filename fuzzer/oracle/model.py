@@ -115,6 +115,10 @@ class SchedulerAssumption:
     #: ``cache_config_info`` num_gpu_blocks); None when unknown: the bound assumes the KV
     #: cache never runs out, and the oracle allows for preemptions (fuzzer.oracle.judge).
     kv_blocks: int | None = None
+    #: The engine admits waiting requests in arrival order (its documented policy is FCFS),
+    #: so the order check holds it to that (fuzzer.oracle.order). False for engines whose
+    #: order depends on slots or batching (llama.cpp, TGI) or on another policy.
+    arrival_order: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
@@ -126,9 +130,11 @@ class SchedulerAssumption:
 
     def describe(self) -> str:
         kv = f", KV cache {self.kv_blocks} blocks (server-reported)" if self.kv_blocks is not None else ""
+        order = "admission in arrival order" if self.arrival_order else "admission order not assumed"
         return (
             f"max_num_batched_tokens={self.token_budget}, max_num_seqs={self.max_num_seqs}, "
-            f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv} ({self.source})"
+            f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv}, "
+            f"{order} ({self.source})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +145,7 @@ class SchedulerAssumption:
             "prefix_caching": self.prefix_caching,
             "source": self.source,
             "kv_blocks": self.kv_blocks,
+            "arrival_order": self.arrival_order,
         }
 
     @classmethod
@@ -192,4 +199,6 @@ def assumption_for(
     }
     if overrides:
         source += "; user override of " + ", ".join(sorted(overrides))
-    return SchedulerAssumption(**{**found, **overrides}, source=source)
+    # FCFS by arrival is documented for vLLM and SGLang ("fcfs"); for the others it is not assumed.
+    arrival_order = defaults.get("scheduling_policy") == "fcfs"
+    return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order)

@@ -68,6 +68,17 @@ THRASH_PREEMPTIONS_PER_REQUEST = 1.0
 #: preempted KV-overflowing bursts of 16-30 requests 3 fewer to 5 more times than the
 #: model (at most 0.17 per request), the thrash pathology 24-1381 more.
 THRASH_EXCESS_PER_REQUEST = 0.25
+#: The order check (fuzzer.oracle.order): a request sent this long before another surely
+#: reached the engine first when it has no more tokens to tokenize. vLLM's API server
+#: tokenizes in one process; over HTTP a 1024-token prompt sent 0.2 ms before a 1-token one
+#: reached the simulator's engine first (FRONTEND_SLACK_S), so 20 ms is four times that slack.
+ORDER_REACH_S = 0.020
+#: An ordering inversion is confirmed when it recurs in at least this share of the runs,
+#: and in at least ORDER_MIN_RUNS of them: FCFS never gives one, so a recurring one is a
+#: scheduler decision, while a one-off is a race the check could not see (say, a stall of
+#: the server's frontend between two sends).
+ORDER_QUORUM = 0.6
+ORDER_MIN_RUNS = 3
 #: Confirm at most this many distinct candidates per examined trace: each costs up to
 #: MAX_RUNS executions, twice for cold-start.
 MAX_CONFIRMATIONS = 4
@@ -93,6 +104,9 @@ class OraclePolicy:
     thrash_excess_per_request: float = THRASH_EXCESS_PER_REQUEST
     slower_engine_min: float = SLOWER_ENGINE_MIN
     slower_engine_max: float = SLOWER_ENGINE_MAX
+    order_reach_s: float = ORDER_REACH_S
+    order_quorum: float = ORDER_QUORUM
+    order_min_runs: int = ORDER_MIN_RUNS
 
     def margin_s(self, calibration: Calibration, metric: Metric, client_lag_s: float | None = None) -> float:
         """How far above its bound a latency must be, in seconds, to be a candidate."""

@@ -59,6 +59,9 @@ class Verdict:
     #: calibrated costs, or the order the executions themselves show (see ARCHITECTURE.md,
     #: "Oracle"), in words; empty for verdicts that hold nothing against a bound.
     evidence: str = ""
+    #: For a verdict decided by the order of first tokens: the requests that overtook the
+    #: victim in the runs that showed it (fuzzer.oracle.order).
+    overtakers: tuple[str, ...] = ()
 
     @property
     def is_finding(self) -> bool:
@@ -113,6 +116,7 @@ class Verdict:
             "signature": self.signature,
             "detail": self.detail,
             "evidence": self.evidence,
+            "overtakers": list(self.overtakers),
         }
 
     @classmethod
@@ -141,6 +145,7 @@ class Verdict:
             signature=data.get("signature"),
             detail=data.get("detail", ""),
             evidence=data.get("evidence", ""),
+            overtakers=tuple(data.get("overtakers") or ()),
         )
 
 

@@ -148,6 +148,16 @@ def verdict_for(
             for report in observe(trace, result, calibration):
                 if report.request_id == victim and Metric(metric) in report.observations:
                     observations.append(report.observations[Metric(metric)])
+        if verdict.get("overtakers"):
+            # Decided by the order of first tokens: the minimized trace's runs that show the inversion.
+            inverted = [o for o in observations if o.order is not None]
+            if inverted:
+                observed = statistics.median(o.observed_s for o in inverted)
+                verdict.update(expected_s=statistics.median(o.order.bound_s for o in inverted if o.order),
+                               observed_s=observed, idle_s=statistics.median(o.idle_s for o in inverted),
+                               overtakers=sorted({n for o in inverted if o.order for n in o.order.overtakers}))
+                return verdict, ""
+            observations = []
         if observations:
             expected = statistics.median(o.expected_s for o in observations)
             observed = statistics.median(o.observed_s for o in observations)

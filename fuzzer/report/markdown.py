@@ -95,6 +95,10 @@ def title(x: Exhibit) -> str:
     v = x.verdict
     rid, metric = v.get("request_id"), v.get("metric")
     observed, bound, idle = v.get("observed_s"), v.get("expected_s"), v.get("idle_s")
+    if metric and observed is not None and v.get("overtakers"):
+        what = (f"{_METRIC_WORDS.get(metric, metric)} of request {rid} is {_ms(observed)} ms: served after "
+                f"{', '.join(v['overtakers'])}, sent later with no less work")
+        return f"{x.kind}: {what}, with {len(x.trace.requests)} requests"
     if metric and observed is not None and bound:
         what = f"{_METRIC_WORDS.get(metric, metric)} of request {rid} is {_ms(observed)} ms, {observed / bound:.1f}x its FCFS bound ({_ms(bound)} ms)"
         if idle:
@@ -139,6 +143,8 @@ def _expected(x: Exhibit) -> list[str]:
         return [f"Expected: every request answered and the server idle afterwards. Observed: {v.get('detail') or x.kind} "
                 f"in {reproduction_of(v)} runs."]
     name = _METRIC_WORDS.get(metric, metric)
+    if v.get("overtakers"):
+        return _expected_order(v, name)
     rows = [f"| {name} of {v.get('request_id')} | ms |", "|---|---:|"]
     rows.append(f"| idle expectation (alone on a warm server) | {_ms(v.get('idle_s'))} |")
     rows.append(f"| FCFS bound (a reasonable FCFS chunked-prefill scheduler, given the work before it) | {_ms(v.get('expected_s'))} |")
@@ -160,6 +166,26 @@ def _expected(x: Exhibit) -> list[str]:
     return out
 
 
+def _expected_order(v: Mapping[str, Any], name: str) -> list[str]:
+    """Expected vs observed of a finding decided by the order of first tokens."""
+    rid, others = v.get("request_id"), ", ".join(v["overtakers"])
+    rows = [f"| {name} of {rid} | ms |", "|---|---:|",
+            f"| idle expectation (alone on a warm server) | {_ms(v.get('idle_s'))} |",
+            f"| had it been served no later than {others} (their first token, from {rid}'s send) | {_ms(v.get('expected_s'))} |",
+            f"| observed (median over the runs that showed the inversion) | {_ms(v.get('observed_s'))} |", ""]
+    out = rows + [f"Expected: under first-come-first-served admission {rid}, which reached the server first and needs "
+                  f"no more work (prompt tokens without any shared prefix, max_tokens, n), gets its first token no "
+                  f"later than {others}. Observed: after them, in {reproduction_of(v)} runs. No step-cost model "
+                  "enters this: the order itself is the evidence."]
+    if v.get("assumption"):
+        out += ["", f"Scheduler assumption: {v['assumption']}."]
+    if v.get("evidence"):
+        out += ["", f"Evidence: {v['evidence']}."]
+    if v.get("detail"):
+        out += ["", f"Note: {v['detail']}."]
+    return out
+
+
 def _statistics(x: Exhibit) -> list[str]:
     v = x.verdict
     out = [f"- Reproduction rate: **{reproduction_of(v)}** runs"]
@@ -173,7 +199,11 @@ def _statistics(x: Exhibit) -> list[str]:
     if v.get("effect") is not None:
         ci = v.get("effect_ci")
         interval = f", {int(ci[2] * 100)}% CI {ci[0]:.2f}-{ci[1]:.2f}" if ci and None not in ci[:2] else ""
-        out.append(f"- Effect size: {v['effect']:.2f}x (the victim's median observed/bound ratio over the calibration baseline's median{interval})")
+        if v.get("overtakers"):
+            out.append(f"- Effect size: {v['effect']:.2f}x (the victim's TTFT over its TTFT had it been served no later "
+                       "than the requests that overtook it: a lower bound on what the inversion cost it)")
+        else:
+            out.append(f"- Effect size: {v['effect']:.2f}x (the victim's median observed/bound ratio over the calibration baseline's median{interval})")
     if v.get("n_sample"):
         out.append(f"- Samples: {v['n_sample']} runs against a baseline of {v.get('n_baseline', 0)} calibration probes")
     return out

@@ -48,12 +48,17 @@ class Reduction:
 
 
 def _shows_latency(kind: FindingKind, metric: Metric | None, victim: str | None, trace: Trace,
-                   result: ExecutionResult, calibration: Calibration, policy: OraclePolicy) -> tuple[bool, Candidate | None, float | None]:
+                   result: ExecutionResult, calibration: Calibration, policy: OraclePolicy,
+                   by_order: bool = False) -> tuple[bool, Candidate | None, float | None]:
     """Does the finding's victim (any request when it has none) exceed its bound on ``metric``?
 
+    ``by_order``: the finding was decided by the order of first tokens, so the victim must be
+    overtaken against FCFS order (fuzzer.oracle.order) instead, whatever its bound says; the
+    evidence that made the finding is the one the shrunk trace must keep.
     Keeping the victim keeps the finding the same finding: its repro script judges that
     request. Also returns a failure of another kind seen on the way, if any, as a candidate,
-    and the victim's effect (observed / FCFS bound; the largest when it has no victim).
+    and the victim's effect (observed / FCFS bound; the largest when it has no victim; None
+    when judged by the order).
     """
     found = False
     other = None
@@ -61,7 +66,9 @@ def _shows_latency(kind: FindingKind, metric: Metric | None, victim: str | None,
     for rep in observe(trace, result, calibration, policy):
         mine = victim is None or rep.request_id == victim
         observed = rep.observations.get(metric) if metric and mine else None
-        if observed is not None:
+        if observed is not None and by_order:
+            found = found or observed.order is not None
+        elif observed is not None:
             effect = observed.ratio if effect is None else max(effect, observed.ratio)
             found = found or observed.candidate
         if other is None and rep.failure is not None and rep.failure is not kind:
@@ -80,6 +87,7 @@ def make_check(
     sleep: Callable[[float], Awaitable[None]],
     record: Callable[[Trace, ExecutionResult], None] = lambda t, r: None,
     others: dict[str, Candidate] | None = None,
+    by_order: bool = False,
 ) -> Callable[[Trace, bool], Awaitable[Check]]:
     """The noisy predicate of one finding, for :class:`fuzzer.shrink.engine.Minimizer`."""
     shrinking = replace(policy, factor=policy.factor * HYSTERESIS)
@@ -92,7 +100,7 @@ def make_check(
         if kind in FAILURE_KINDS:
             return Check(shows_failure(kind, result, victim))
         judged_by = shrinking if strict else policy
-        ok, other, effect = _shows_latency(kind, metric, victim, trace, result, calibration, judged_by)
+        ok, other, effect = _shows_latency(kind, metric, victim, trace, result, calibration, judged_by, by_order)
         sig = None
         if other is not None:
             sig = signature(other.kind, trace, other.request_id, outcome=other.detail)
@@ -143,7 +151,8 @@ async def minimize_finding(
     kwargs = {} if max_executions is None else {"max_executions": max_executions}
     victim = finding.verdict.get("request_id")
     minimizer = Minimizer(
-        make_check(target, kind, metric, victim, calibration, policy=policy, sleep=sleep, record=record, others=met),
+        make_check(target, kind, metric, victim, calibration, policy=policy, sleep=sleep, record=record, others=met,
+                   by_order=bool(finding.verdict.get("overtakers"))),
         keep=frozenset({victim} if victim and victim in {r.id for r in trace.requests} else ()),
         state=store.minimization_state(finding.id),
         on_state=lambda state: store.save_minimization(finding.id, state, status="running"),

@@ -11,6 +11,9 @@ The criterion comes from the stored verdict (:meth:`fuzzer.oracle.verdict.Verdic
 
 - latency kinds (ttft-outlier, itl-stall, e2e-outlier): the victim's metric is at
   least ``max(factor x FCFS bound, bound + margin)`` in a run;
+- a ttft-outlier decided by the order of first tokens (its verdict names ``overtakers``):
+  the victim's first token at least ``margin`` after that of one of them sent at least
+  ``reach_s`` after it;
 - cold-start: the same, each run after ``idle_before_s`` of idleness;
 - error / hang / protocol: the victim request fails the same way;
 - crash: the server stops answering /health after the trace;
@@ -34,7 +37,7 @@ from fuzzer import trace as trace_format
 from fuzzer.errors import ConfigError
 from fuzzer.execute.http import DEFAULT_IDLE_AFTER_TIMEOUT_S
 from fuzzer.execute.prompts import WORDS
-from fuzzer.oracle.policy import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S
+from fuzzer.oracle.policy import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S, ORDER_REACH_S
 from fuzzer.trace import Trace
 
 __all__ = ["DATA_FORMAT", "Criterion", "criterion_from_verdict", "script_data", "script_source"]
@@ -80,6 +83,11 @@ class Criterion:
     leak_wait_s: float = DEFAULT_IDLE_AFTER_TIMEOUT_S
     #: Said in the script's summary (e.g. where the bound comes from).
     note: str = ""
+    #: For a finding decided by the order of first tokens: the requests that overtook the
+    #: victim (the criterion is then the inversion, not a threshold), and how much later
+    #: than the victim one must have been sent.
+    overtakers: tuple[str, ...] = ()
+    reach_s: float = ORDER_REACH_S
 
     @property
     def threshold_s(self) -> float | None:
@@ -105,6 +113,7 @@ def criterion_from_verdict(kind: str, verdict: Mapping[str, Any], *, note: str =
             expected_s=verdict.get("expected_s"),
             idle_before_s=COLD_IDLE_S if kind == "cold-start" else 0.0,
             note=note,
+            overtakers=tuple(verdict.get("overtakers") or ()),
         )
     if kind in _FAILURE_OUTCOMES:
         if not request_id:

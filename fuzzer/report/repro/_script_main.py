@@ -64,6 +64,8 @@ def judge_run(criterion, results, server, limit_s, leak_wait_s):
     victim = by_id.get(criterion.get("request_id")) if criterion.get("request_id") else None
     if victim is None and kind not in ("crash", "leak"):
         raise CannotTest("the trace has no request %r to judge" % criterion.get("request_id"))
+    if kind in LATENCY_KINDS and criterion.get("overtakers"):
+        return judge_order(criterion, victim, by_id)
     if kind in LATENCY_KINDS:
         if victim["outcome"] == "rejected":
             return None, "%s was rejected (HTTP %s): %s" % (victim["id"], victim["status"], victim["detail"][:80])
@@ -100,6 +102,30 @@ def judge_run(criterion, results, server, limit_s, leak_wait_s):
         return hit, ("running + waiting still %g, %g s after every request ended" % (busy, leak_wait_s) if hit
                      else "running + waiting returned to 0")
     raise CannotTest("this script does not know how to judge a %r finding" % kind)
+
+
+def judge_order(criterion, victim, by_id):
+    """An ordering inversion: the victim's first token came at least margin_s after that of a
+    request the finding names, sent at least reach_s after the victim (FCFS serves the victim first)."""
+    if victim["outcome"] == "rejected":
+        return None, "%s was rejected (HTTP %s): %s" % (victim["id"], victim["status"], victim["detail"][:80])
+    if victim["ttft_s"] is None:
+        return False, "%s got no first token (%s)" % (victim["id"], victim["outcome"])
+    first = victim["sent_s"] + victim["ttft_s"]
+    seen = []
+    for name in criterion["overtakers"]:
+        other = by_id.get(name)
+        if other is None or other["ttft_s"] is None or other["sent_s"] - victim["sent_s"] < criterion["reach_s"]:
+            continue
+        lead = first - (other["sent_s"] + other["ttft_s"])
+        seen.append((lead, name, other["sent_s"] - victim["sent_s"]))
+    if not seen:
+        return None, "none of %s got a first token sent %.0f ms or more after %s" % (
+            ", ".join(criterion["overtakers"]), criterion["reach_s"] * 1000, victim["id"])
+    lead, name, gap = max(seen)
+    hit = lead >= criterion["margin_s"]
+    return hit, "%s's first token %.1f ms %s that of %s, sent %.1f ms after it" % (
+        victim["id"], abs(lead) * 1000, "after" if lead >= 0 else "before", name, gap * 1000)
 
 
 # --- output ---------------------------------------------------------------------------------------
@@ -207,7 +233,7 @@ def reproduce(args):
     reproduced = hits * 2 > tested or (kind == "crash" and hits > 0)
     say("")
     say("summary: reproduced in %d/%d runs (a majority is needed)" % (hits, tested))
-    if values:
+    if values and not crit.get("overtakers"):
         say("  %s of %s: median %.1f ms, min %.1f ms, max %.1f ms; threshold %.1f ms" % (
             METRIC_NAMES.get(crit["metric"]), crit["request_id"], statistics.median(values) * 1000,
             min(values) * 1000, max(values) * 1000, limit_s * 1000))
@@ -219,6 +245,11 @@ def reproduce(args):
 
 def describe(crit, limit_s):
     kind = crit["kind"]
+    if kind in LATENCY_KINDS and crit.get("overtakers"):
+        return ("first token of %s at least %.0f ms after that of %s, sent %.0f ms or more later "
+                "(FCFS serves %s first), in a majority of runs" % (
+                    crit["request_id"], crit["margin_s"] * 1000, " or ".join(crit["overtakers"]),
+                    crit["reach_s"] * 1000, crit["request_id"]))
     if kind in LATENCY_KINDS:
         name = METRIC_NAMES.get(crit["metric"], crit["metric"])
         how = "%s of %s >= %.1f ms" % (name, crit["request_id"], limit_s * 1000)

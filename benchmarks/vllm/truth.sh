@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Truth figures on vLLM's CPU build (benchmarks/README.md, "Real server: vLLM (CPU build)").
+#
+#   bash benchmarks/vllm/truth.sh OUT_DIR [STEP...]
+#
+# Steps (default: all, in this order): calibrate, planted-replays, planted-campaigns,
+# stock-campaign, stock-corpus; a step may be named again (a second calibrate before the
+# stock campaign keeps every command within the hour a calibration is reused). Every server is the real vLLM V1 engine on 127.0.0.1 with the
+# tiny random-weight Llama of tests/vllm_cpu/make_model.py; planted ones load a scheduler of
+# tests/vllm_cpu/planted.py. One calibration (stock server, --repeats 1) is measured first and
+# reused by every later command: replays share its database, each campaign starts from a copy
+# of it. So every server is judged by a calibration of the clean engine (the planted classes change only which request a step
+# serves, not what a step costs). Logs, the database and JSON outputs go to OUT_DIR.
+#
+# Environment: VPY (the vLLM venv's python; default: .ci/vllm-server.sh's), FUZZ (default
+# .venv/bin/fuzz), PORT (default 8101), CAMPAIGN_PLANTED (default 10m), CAMPAIGN_STOCK
+# (default 20m), CORPUS_RUNS (default 10).
+set -euo pipefail
+OUT="${1:?usage: truth.sh OUT_DIR [STEP...]}"
+shift
+STEPS=("${@:-calibrate planted-replays planted-campaigns stock-campaign stock-corpus}")
+STEPS=(${STEPS[*]})
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+VPY="${VPY:-$(bash "$ROOT/.ci/vllm-server.sh" | tail -n1)}"
+FUZZ="${FUZZ:-$ROOT/.venv/bin/fuzz}"
+PORT="${PORT:-8101}"
+URL="http://127.0.0.1:$PORT"
+DB="$OUT/truth.db"
+mkdir -p "$OUT"
+MODEL="$OUT/tiny-llama"
+[ -f "$MODEL/config.json" ] || "$VPY" "$ROOT/tests/vllm_cpu/make_model.py" "$MODEL" >/dev/null
+
+SERVER_PGID=""
+stop_server() {
+    if [ -n "$SERVER_PGID" ]; then
+        kill -TERM -- "-$SERVER_PGID" 2>/dev/null || true
+        for _ in $(seq 1 30); do kill -0 -- "-$SERVER_PGID" 2>/dev/null || break; sleep 1; done
+        kill -KILL -- "-$SERVER_PGID" 2>/dev/null || true
+        SERVER_PGID=""
+    fi
+}
+trap stop_server EXIT INT TERM
+
+start_server() {  # start_server NAME [SCHEDULER_CLASS]
+    local name="$1" cls="${2:-}" extra=()
+    [ -n "$cls" ] && extra=(--scheduler-cls "planted.$cls")
+    PYTHONPATH="$ROOT/tests/vllm_cpu" HF_HUB_OFFLINE=1 setsid "$VPY" -m vllm.entrypoints.openai.api_server \
+        --model "$MODEL" --served-model-name tiny-llama --host 127.0.0.1 --port "$PORT" \
+        --dtype bfloat16 --enforce-eager --kv-cache-memory-bytes 64M --max-model-len 8192 "${extra[@]}" \
+        >"$OUT/server-$name.log" 2>&1 &
+    SERVER_PGID=$!
+    for _ in $(seq 1 240); do
+        if curl -sf "$URL/health" >/dev/null; then echo "$(date -u +%T) server $name ready"; return 0; fi
+        kill -0 "$SERVER_PGID" 2>/dev/null || { echo "server $name exited; see $OUT/server-$name.log"; exit 2; }
+        sleep 1
+    done
+    echo "server $name not ready in 240 s"; exit 2
+}
+
+fuzz() { echo "$(date -u +%T) fuzz $*  (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2; "$FUZZ" "$@"; }
+
+for step in "${STEPS[@]}"; do
+    case "$step" in
+    calibrate)
+        start_server stock
+        fuzz calibrate --target "$URL" --server vllm --db "$DB" --repeats 1 --json >"$OUT/calibration-$(date -u +%H%M).json"
+        stop_server
+        sqlite3 "$DB" "PRAGMA wal_checkpoint(TRUNCATE);" >/dev/null 2>&1 || true
+        cp "$DB" "$OUT/calibrated.db" ;;
+    planted-replays)
+        for pair in HolLongestFirst:hol LifoAdmission:lifo DecodeStarvation:starvation; do
+            cls="${pair%%:*}" trace="${pair##*:}"
+            for server in stock "$cls"; do
+                start_server "$server" "$([ "$server" = stock ] || echo "$cls")"
+                fuzz replay "$ROOT/benchmarks/vllm/planted-$trace.json" --target "$URL" --server vllm --db "$DB" \
+                    --runs 3 --json >"$OUT/replay-$trace-$server.json" || true
+                stop_server
+            done
+        done ;;
+    planted-campaigns)
+        for cls in HolLongestFirst LifoAdmission DecodeStarvation; do
+            start_server "$cls" "$cls"
+            cp "$OUT/calibrated.db" "$OUT/campaign-$cls.db"
+            fuzz campaign --target "$URL" --server vllm --db "$OUT/campaign-$cls.db" --seed 1 \
+                --duration "${CAMPAIGN_PLANTED:-10m}" >"$OUT/campaign-$cls.log" 2>&1 || true
+            stop_server
+        done ;;
+    stock-campaign)
+        start_server stock
+        cp "$OUT/calibrated.db" "$OUT/campaign-stock.db"
+        fuzz campaign --target "$URL" --server vllm --db "$OUT/campaign-stock.db" --seed 1 \
+            --duration "${CAMPAIGN_STOCK:-20m}" >"$OUT/campaign-stock.log" 2>&1 || true
+        stop_server ;;
+    stock-corpus)
+        start_server stock
+        for trace in "$ROOT"/corpus/*.json; do
+            fuzz replay "$trace" --target "$URL" --server vllm --db "$DB" --runs "${CORPUS_RUNS:-10}" --json \
+                >"$OUT/corpus-$(basename "$trace" .json).json" || true
+        done
+        stop_server ;;
+    *) echo "unknown step $step"; exit 2 ;;
+    esac
+done
+echo "$(date -u +%T) done"

@@ -1,0 +1,123 @@
+"""The model-free order check: a request served after one that arrived later with no more work.
+
+Under first-come-first-served admission with a per-step token budget (vLLM's ``fcfs`` policy,
+ARCHITECTURE.md, "Engines"), a request A that reached the engine before a request B, and that
+needs no more of the engine than B (fewer or as many uncached prompt tokens, no larger
+``max_tokens``, no more sequences), is admitted no later than B and finishes its prefill no
+later than B's: its first token cannot come after B's. When an execution shows A's first
+token clearly after B's, the scheduler decided an order FCFS never gives, and A paid for it:
+that is what a head-of-line or ordering bug is, whatever the step costs were. No step model
+decides it, so machine load and model error cannot be read as a scheduler pathology here.
+
+What keeps the check to what FCFS really guarantees (each a reason not to call an inversion):
+
+- Only engines whose documented policy is FCFS by arrival (``SchedulerAssumption.arrival_order``);
+  llama.cpp's slots and TGI's batching are not held to it.
+- A surely reached the engine first: sent at least ``policy.order_reach_s`` (plus the
+  client's own stalls) before B. B, with at least A's tokens, takes at least as long in the
+  frontend.
+- B's uncached work is counted without its shared prefix (another member of its group may
+  have put it in the prefix cache); A's with its whole prompt.
+- A's first token came at least the latency margin (``policy.min_margin_s``, the client's
+  stalls) after B's: two first tokens of one step reach the client a few ms apart.
+- No preemption was reported and the KV cache never looked full: recompute preemption and
+  retraction legitimately send an admitted request back to the queue.
+- Both requests streamed (a non-streamed response has no first-token time), neither failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fuzzer.execution import ExecutionResult, Outcome, RequestResult
+from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
+from fuzzer.trace import Request, Trace
+
+#: Above this KV usage (a fraction) the cache counts as full for the order check: a full cache
+#: is where engines preempt or retract, and some report it only as usage.
+KV_FULL = 0.95
+
+
+@dataclass(frozen=True)
+class Inversion:
+    """Request ``victim`` got its first token after ``overtakers``, which arrived later with no more work."""
+
+    victim: str
+    #: Every request that overtook the victim, latest first token first.
+    overtakers: tuple[str, ...]
+    #: The victim's send time and first token, offsets from the execution's t0.
+    sent_s: float
+    first_token_s: float
+    #: First token of the latest overtaker (the one that overtook by the least).
+    overtaker_first_s: float
+    #: How much later than the latest overtaker the victim was sent before it, at the least.
+    gap_s: float
+
+    @property
+    def lead_s(self) -> float:
+        """How long after the latest overtaker's first token the victim's came."""
+        return self.first_token_s - self.overtaker_first_s
+
+    @property
+    def bound_s(self) -> float:
+        """The victim's TTFT had it been served no later than its latest overtaker."""
+        return self.overtaker_first_s - self.sent_s
+
+    def describe(self) -> str:
+        names = ", ".join(self.overtakers)
+        return (f"first token {self.lead_s * 1000:.0f} ms after that of {names}, sent at least "
+                f"{self.gap_s * 1000:.0f} ms later with no less work")
+
+
+def inversions(
+    trace: Trace, result: ExecutionResult, calibration: Calibration, preempted: bool,
+    policy: OraclePolicy = DEFAULT_POLICY,
+) -> dict[str, Inversion]:
+    """The requests of ``result`` that FCFS would have served before a request that overtook them.
+
+    ``preempted``: the server reported preemptions during the execution (then nothing is called).
+    """
+    if not calibration.assumption.arrival_order or preempted or kv_full(result):
+        return {}
+    planned = {r.id: r for r in trace.requests}
+    timed = [(planned[r.request_id], r) for r in result.requests
+             if r.request_id in planned and _first_token(r) is not None]
+    lag = policy.client_lag_margins * (result.client_lag_s or 0.0)
+    reach, lead = policy.order_reach_s + lag, policy.min_margin_s + lag
+    found: dict[str, Inversion] = {}
+    for a_req, a in timed:
+        a_first = _first_token(a)
+        assert a_first is not None
+        over = [
+            (b_first, b_req.id, b.sent_s - a.sent_s)
+            for b_req, b in timed
+            if b.sent_s - a.sent_s >= reach
+            and (b_first := _first_token(b)) is not None
+            and a_first - b_first >= lead
+            and no_more_work(a_req, b_req, trace.prefixes)
+        ]
+        if over:
+            over.sort(reverse=True)
+            found[a_req.id] = Inversion(a_req.id, tuple(name for _, name, _ in over), a.sent_s, a_first,
+                                        over[0][0], min(gap for _, _, gap in over))
+    return found
+
+
+def no_more_work(a: Request, b: Request, prefixes: Mapping[str, int]) -> bool:
+    """Does ``a`` need no more of the engine than ``b`` before and after its first token?"""
+    cached = prefixes.get(b.prefix, 0) if b.prefix else 0
+    return a.prompt_tokens <= b.prompt_tokens - cached and a.max_tokens <= b.max_tokens and a.n <= b.n
+
+
+def kv_full(result: ExecutionResult) -> bool:
+    """Did the server report a (nearly) full KV cache at any point of the execution?"""
+    return any(s.values.get("kv_usage", 0.0) >= KV_FULL for s in result.samples)
+
+
+def _first_token(r: RequestResult) -> float | None:
+    """When ``r``'s first token arrived (offset from t0), for streamed requests that got one."""
+    if r.outcome not in (Outcome.OK, Outcome.CANCELLED) or r.ttft_s is None:
+        return None
+    return r.sent_s + r.ttft_s

@@ -1,0 +1,116 @@
+"""The model-free order check (fuzzer/oracle/order.py): a request FCFS serves first, served after
+a later one with no less work, is a finding whatever the step model says; and nothing else is.
+
+Executions are written by hand (times in seconds from t0), so each rule is seen alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from dataclasses import replace
+
+import numpy as np
+from paper_target import PaperTarget
+
+from fuzzer.execute.adapters import adapter
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.judge import candidates, judge, observe
+from fuzzer.oracle.kinds import Decision, FindingKind, Metric
+from fuzzer.oracle.model import assumption_for
+from fuzzer.oracle.order import inversions
+from fuzzer.report.repro import criterion_from_verdict
+from fuzzer.trace import Request, Trace
+
+
+@functools.cache
+def _calibration():
+    return asyncio.run(calibrate(PaperTarget(seed=99), rng=random.Random(0), clock=lambda: 0.0))
+
+
+#: A (128 tokens) is sent 50 ms before B (1024 tokens), a blocker long before both.
+TRACE = Trace(
+    requests=(
+        Request(id="blocker", at_ms=0, prompt_tokens=2048, max_tokens=4),
+        Request(id="A", at_ms=100, prompt_tokens=128, max_tokens=8),
+        Request(id="B", at_ms=150, prompt_tokens=1024, max_tokens=8),
+    ),
+)
+
+
+def _request(rid: str, sent: float, first: float | None, outcome: Outcome = Outcome.OK) -> RequestResult:
+    ttft = None if first is None else first - sent
+    return RequestResult(rid, f"{rid}-x", sent, sent, outcome, ttft_s=ttft, first_event_s=ttft,
+                         token_times_s=() if ttft is None else (ttft, ttft + 0.01), e2e_s=(ttft or 0.0) + 0.02)
+
+
+def _execution(a_first: float, b_first: float = 1.0, *, b_sent: float = 0.15, samples=(), trace=TRACE) -> ExecutionResult:
+    requests = (_request("blocker", 0.0, 0.9), _request("A", 0.1, a_first), _request("B", b_sent, b_first))
+    return ExecutionResult(trace.content_hash(), "test://", 0.0, 3.0, requests, samples=samples, idle_before_s=0.0)
+
+
+def test_a_request_served_after_a_later_bigger_one_is_overtaken():
+    found = inversions(TRACE, _execution(a_first=1.5), _calibration(), preempted=False)
+    assert set(found) == {"A"}
+    inv = found["A"]
+    assert inv.overtakers == ("B",) and abs(inv.lead_s - 0.5) < 1e-9 and abs(inv.bound_s - 0.9) < 1e-9
+    assert abs(inv.gap_s - 0.05) < 1e-9
+
+
+def test_fcfs_order_and_near_ties_are_not_inversions():
+    cal = _calibration()
+    assert inversions(TRACE, _execution(a_first=0.95), cal, preempted=False) == {}  # served first
+    assert inversions(TRACE, _execution(a_first=1.01), cal, preempted=False) == {}  # same step: 10 ms apart
+
+
+def test_a_request_sent_within_the_reach_margin_may_reach_the_engine_second():
+    assert inversions(TRACE, _execution(a_first=1.5, b_sent=0.11), _calibration(), preempted=False) == {}
+
+
+def test_a_shared_prefix_is_not_counted_as_the_overtakers_work():
+    # B's 1024 tokens share 960 with another group member: 64 uncached tokens can overtake A's 128.
+    shared = Trace(requests=(TRACE.requests[0], TRACE.requests[1], replace(TRACE.requests[2], prefix="p")),
+                   prefixes={"p": 960})
+    assert inversions(shared, _execution(a_first=1.5, trace=shared), _calibration(), preempted=False) == {}
+
+
+def test_more_output_work_or_preemption_or_a_full_kv_cache_excuses_the_order():
+    cal = _calibration()
+    longer = Trace(requests=(TRACE.requests[0], replace(TRACE.requests[1], max_tokens=64), TRACE.requests[2]))
+    assert inversions(longer, _execution(a_first=1.5, trace=longer), cal, preempted=False) == {}
+    assert inversions(TRACE, _execution(a_first=1.5), cal, preempted=True) == {}
+    full = (MetricSample(0.5, {"kv_usage": 0.97}),)
+    assert inversions(TRACE, _execution(a_first=1.5, samples=full), cal, preempted=False) == {}
+
+
+def test_engines_not_documented_as_fcfs_are_not_held_to_arrival_order():
+    cal = _calibration()
+    for kind, held in (("vllm", True), ("sglang", True), ("llamacpp", False), ("tgi", False)):
+        assumption = assumption_for(kind, adapter(kind).scheduler_defaults)
+        assert assumption.arrival_order is held
+        found = inversions(TRACE, _execution(a_first=1.5), cal.with_assumption(assumption), preempted=False)
+        assert bool(found) is held
+
+
+def test_an_inversion_is_a_candidate_and_recurring_is_a_finding_with_its_evidence():
+    cal = _calibration()
+    # A's first token 1.2x its FCFS bound (no candidate by the bound), 100 ms after B's.
+    (probe,) = [r for r in observe(TRACE, _execution(a_first=1.5), cal) if r.request_id == "A"]
+    a_first = 0.1 + 1.2 * probe.observations[Metric.TTFT].expected_s
+    result = _execution(a_first=a_first, b_first=a_first - 0.1)
+    (report,) = [r for r in observe(TRACE, result, cal) if r.request_id == "A"]
+    assert report.observations[Metric.TTFT].flagged and not report.observations[Metric.TTFT].candidate
+    assert any(c.request_id == "A" and c.kind is FindingKind.TTFT_OUTLIER for c in candidates(TRACE, result, cal))
+    rng = np.random.default_rng(0)
+    three = [v for v in judge(TRACE, [result] * 3, cal, rng=rng) if v.request_id == "A"][0]
+    assert three.is_finding and three.overtakers == ("B",) and three.reproduction == "3/3"
+    assert "order of first tokens" in three.evidence and three.effect and three.effect > 1.0
+    # The repro script's criterion is the inversion, not a threshold.
+    criterion = criterion_from_verdict("ttft-outlier", three.to_dict())
+    assert criterion.overtakers == ("B",)
+    # Once in three runs: not a finding yet.
+    clean = _execution(a_first=a_first, b_first=a_first + 0.1)
+    once = [v for v in judge(TRACE, [result, clean, clean], cal, rng=rng) if v.request_id == "A"][0]
+    assert not once.is_finding and once.decision is Decision.UNKNOWN and once.reproduction == "1/3"
