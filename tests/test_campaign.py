@@ -110,3 +110,49 @@ def test_settings_stored_before_the_policy_and_limits_were_read_with_the_default
     assert settings == Settings(duration_s=60.0, seed=7, mutator="null", idle_share=0.0, seed_share=0.5)
     assert settings.policy == OraclePolicy() and settings.limits == Limits()
     assert Settings.from_dict({**settings.to_dict(), "from_a_newer_fuzzer": 1}) == settings
+
+
+class _Clocked:
+    """A simulator whose executions move an injected clock by their (virtual) duration, and
+    whose idle periods and calibration move it too: time passes only where the server works."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.now = 0.0
+        self.name = inner.name
+
+    async def execute(self, trace):
+        result = await self._inner.execute(trace)
+        self.now += result.duration_s
+        return result
+
+    def idle(self, seconds):
+        self.now += seconds
+        return self._inner.idle(seconds)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+async def test_every_second_is_attributed_to_a_phase_and_survives_a_resume(seed_trace):
+    store = Store.memory()
+    target = _Clocked(VirtualTarget(pathologies=("hol-prefix-burst",), seed=2))
+
+    def campaign(max_execs):
+        return Campaign(target, store, Settings(seed=5, max_execs=max_execs, idle_share=0.0), seeds=[seed_trace],
+                        target_key="sim:test", clock=lambda: target.now)
+
+    s1 = (await campaign(12).run()).stats
+    by_purpose: dict[str, float] = {}
+    for row in store.execution_rows(campaign_id=s1.campaign_id):
+        by_purpose[row["purpose"]] = by_purpose.get(row["purpose"], 0.0) + row["duration_s"]
+    # Executions under their purpose, to the microsecond; calibration ran on the same clock.
+    for purpose, seconds in by_purpose.items():
+        assert abs(s1.time_s[purpose] - seconds) < 1e-3, purpose
+    assert s1.time_s["calibrate"] > 0 and s1.time_s["fuzz"] > 0 and s1.time_s["seed"] > 0
+    assert abs(sum(s1.time_s.values()) - s1.elapsed_s) < 1e-3 and s1.time_s["other"] < 1e-3
+    assert 0 < s1.fuzz_share < 1
+    # A resumed campaign adds to the totals of the first run (its checkpoint kept them).
+    s2 = (await campaign(store.count_executions() + 6).run()).stats
+    assert s2.time_s["fuzz"] > s1.time_s["fuzz"] and s2.time_s["calibrate"] == pytest.approx(s1.time_s["calibrate"])
+    assert sum(s2.time_s.values()) == pytest.approx(sum(s1.time_s.values()) + s2.elapsed_s, abs=1e-3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import re
 
 import pytest
@@ -46,6 +47,8 @@ def test_gather_reads_the_campaign(campaign_db):
     assert cov[-1][1] <= data.features
     assert [n for _, n in report.corpus_series(data)] == list(range(1, len(data.corpus) + 1))
     assert len(report.findings_series(data)) == len(data.findings)  # each placed at its confirmation
+    # Where the time went: the campaign's phases, as its last checkpoint saw them.
+    assert data.time_s["calibrate"] > 0 and data.time_s["seed"] > 0 and set(data.time_s) >= {"fuzz", "confirm", "other"}
     _starts, per_min, width = report.rate_series(data)
     total = sum(sum(v) for v in per_min.values()) * width
     assert total == pytest.approx(len(data.executions))
@@ -61,8 +64,9 @@ def test_html_is_self_contained_with_plots_and_findings(campaign_db):
                                                        for s in re.findall(r"src='([^']*)'", page))
     assert "<link" not in page and "<script" not in page and "http://" not in page.split("<h2>Findings")[0]
     images = re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)
-    assert len(images) == 3 and all(base64.b64decode(i).startswith(PNG_MAGIC) for i in images)
-    for caption in ("Coverage and findings over time", "Executions per minute, by purpose", "Corpus growth"):
+    assert len(images) == 4 and all(base64.b64decode(i).startswith(PNG_MAGIC) for i in images)
+    for caption in ("Coverage and findings over time", "Executions per minute, by purpose", "Time by phase",
+                    "Corpus growth"):
         assert caption in page
     for f in data.findings:
         assert f"<td>{f.signature}</td>" in page and f"<td>{f.kind}</td>" in page
@@ -87,6 +91,16 @@ def test_cli_report(campaign_db, tmp_path):
     result = CliRunner().invoke(cli, ["report", "--db", str(campaign_db), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in result.output
-    assert out.read_text().count("data:image/png;base64,") == 3
+    assert out.read_text().count("data:image/png;base64,") == 4
     bad = CliRunner().invoke(cli, ["report", "--db", str(campaign_db), "--out", str(tmp_path / "no" / "x.html")])
     assert bad.exit_code == 2 and "error: cannot write" in bad.output
+
+
+def test_status_shows_the_time_by_phase(campaign_db):
+    result = CliRunner().invoke(cli, ["status", "--db", str(campaign_db), "--json"])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.output)
+    assert stats["time_by_phase_s"]["seed"] >= 0 and "fuzz" in stats["time_by_phase_s"]
+    assert 0.0 <= stats["fuzz_share"] <= 1.0
+    plain = CliRunner().invoke(cli, ["status", "--db", str(campaign_db)])
+    assert "time_by_phase_s" in plain.output and "%" in plain.output.split("time_by_phase_s")[1].splitlines()[0]

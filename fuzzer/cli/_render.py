@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Mapping
 from typing import Any
 
 from rich.table import Table
@@ -75,3 +76,12 @@ def trace_table(trace: Trace, *, title: str | None = None) -> Table:
 
 def when(epoch_s: float) -> str:
     return _dt.datetime.fromtimestamp(epoch_s).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def time_line(seconds: Mapping[str, float]) -> str:
+    """'fuzz 61% (366 s), confirm 20% (120 s), ...': the phases that took any time, largest first."""
+    total = sum(seconds.values())
+    if total <= 0:
+        return "-"
+    spent = sorted(((v, k) for k, v in seconds.items() if v > 0), reverse=True)
+    return ", ".join(f"{k} {v / total:.0%} ({v:.0f} s)" for v, k in spent)

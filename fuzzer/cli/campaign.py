@@ -15,6 +15,7 @@ from rich.table import Table
 
 from fuzzer import trace as trace_format
 from fuzzer.cli import _console
+from fuzzer.cli._render import time_line
 from fuzzer.cli._calibration import stored_calibration
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._target import (
@@ -254,6 +255,7 @@ def _stats_table(s: Stats) -> Table:
         ("candidates / confirmations", f"{s.candidates} / {s.confirmations}"),
         ("findings", f"{s.findings} (last find: {since})"),
         ("server", s.server),
+        ("time by phase", time_line(s.time_s)),
     ]
     for k, v in rows:
         table.add_row(k, v)
@@ -271,6 +273,8 @@ def _print_summary(summary: Summary, db_path: str) -> None:
               f"stability {s.stability:.1%}, findings {s.findings}")
     if s.stability < STABILITY_WARNING:
         out.print("  stability is below 90%: timing noise is high; features that flicker are ignored")
+    if s.time_s:
+        out.print("  time: " + time_line(s.time_s))
     for finding_id, kind in summary.new_findings:
         out.print(f"  new finding {finding_id}: {kind}")
     db = "" if db_path == "fuzz.db" else f" --db {db_path}"

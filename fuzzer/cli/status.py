@@ -11,7 +11,8 @@ import click
 
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, json_option
-from fuzzer.cli._render import when
+from fuzzer.cli._render import time_line, when
+from fuzzer.search.pacing import fuzz_share
 from fuzzer.store import Store
 
 # A running campaign checkpoints at least every few executions; silence longer than this
@@ -39,8 +40,10 @@ def command(db_path, as_json) -> None:
     if "campaign" not in stats:
         _console.out.print(f"no campaign has run on {db_path} yet ({stats['executions']} executions stored)")
     for key, value in stats.items():
-        if isinstance(value, float):
-            value = f"{value:.1%}" if key == "stability" else f"{value:.1f}"
+        if key == "time_by_phase_s":
+            value = time_line(value)
+        elif isinstance(value, float):
+            value = f"{value:.1%}" if key in ("stability", "fuzz_share") else f"{value:.1f}"
         _console.out.print(f"{key:>26}: {value}")
 
 
@@ -71,6 +74,11 @@ def _stats(store: Store, db_path: str, clock: Callable[[], float] = time.time) -
             **{k: saved[k] for k in ("execs_per_min", "corpus", "favoured", "stability", "phase") if k in saved},
         }
     )
+    if saved.get("time_s"):
+        stats["time_by_phase_s"] = {k: round(v, 3) for k, v in saved["time_s"].items()}
+        share = fuzz_share(saved["time_s"])
+        if share is not None:
+            stats["fuzz_share"] = round(share, 3)
     if saved.get("since_last_find_s") is not None:
         stats["last_find_s_before_update"] = round(saved["since_last_find_s"])
     return stats

@@ -47,6 +47,8 @@ class CampaignData:
     #: Findings of other campaigns or of no campaign in the same database.
     other_findings: int = 0
     purposes: Mapping[str, int] = field(default_factory=dict)
+    #: Wall seconds of the campaign by phase (its last checkpoint's ``time_s``).
+    time_s: Mapping[str, float] = field(default_factory=dict)
 
 
 def gather(store: Store) -> CampaignData:
@@ -73,6 +75,7 @@ def gather(store: Store) -> CampaignData:
         found_at=found_at,
         other_findings=len(everything) - len(mine),
         purposes=store.purposes(campaign_id=cid),
+        time_s=dict((campaign["state"].get("stats") or {}).get("time_s") or {}),
     )
 
 
@@ -183,6 +186,20 @@ def plots(data: CampaignData) -> dict[str, bytes]:
     ax.legend(fontsize="small", ncol=min(4, len(per_min)))
     out["Executions per minute, by purpose"] = save(fig)
 
+    spent = [(k, v) for k, v in data.time_s.items() if v > 0]
+    if spent:
+        fig = Figure(figsize=_FIG_INCHES)
+        ax = fig.add_subplot(1, 1, 1)
+        total = sum(v for _, v in spent)
+        names = [k for k, _ in spent][::-1]
+        minutes = [v / 60.0 for _, v in spent][::-1]
+        bars = ax.barh(names, minutes, color="#4a90d9")
+        for bar, m in zip(bars, minutes):
+            ax.annotate(f"{60.0 * m / total:.0%}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                        xytext=(3, 0), textcoords="offset points", va="center", fontsize="small")
+        ax.set_xlabel("minutes")
+        out["Time by phase"] = save(fig)
+
     fig = Figure(figsize=_FIG_INCHES)
     ax = fig.add_subplot(1, 1, 1)
     growth = corpus_series(data)
@@ -237,6 +254,7 @@ def _summary(data: CampaignData) -> str:
         ("last update", _when(c.get("updated_at"))),
         ("executions", f"{n} ({', '.join(f'{k} {v}' for k, v in sorted(data.purposes.items())) or 'none'})"),
         ("executions / minute", rate),
+        ("time by phase", ", ".join(f"{k} {v:.0f} s" for k, v in data.time_s.items() if v > 0) or "not recorded"),
         ("corpus entries", len(data.corpus)),
         ("features covered", data.features),
         ("findings", len(data.findings)),

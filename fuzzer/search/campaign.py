@@ -48,7 +48,7 @@ from fuzzer.search.confirming import Confirmer, OutOfTime
 from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.coverage import Coverage, measure
 from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats
-from fuzzer.search.pacing import ColdProbes, ServerTime
+from fuzzer.search.pacing import ColdProbes, ServerTime, TimeSpent
 from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
@@ -119,6 +119,7 @@ class Campaign:
         self._recalibrate_at: float | None = None
         self.probes = ColdProbes()
         self.server_time = ServerTime()
+        self.time_spent = TimeSpent()
 
     # --- setup and resume ---------------------------------------------------------------
 
@@ -146,6 +147,7 @@ class Campaign:
             self._seeded = int(state.get("seeded", 0))
             self.probes = ColdProbes.from_dict(state.get("cold_probes"))
             self.server_time = ServerTime.from_dict(state.get("server_time"))
+            self.time_spent = TimeSpent.from_dict(state.get("time_spent"))
         self.confirmer = Confirmer(
             _CampaignTarget(self.target, self._confirmation_run), self.store, self.settings.policy,
             campaign_id=self.campaign_id, target_id=self.target_id,
@@ -220,8 +222,10 @@ class Campaign:
             stored = self.store.latest_calibration(self.calibration_key)
             current = None if stored is None else Calibration.from_dict(stored)
         previous = self._phase
+        measured_from: list[float] = []
 
         def measuring(stale: Calibration | None) -> None:
+            measured_from.append(self._clock())
             self._phase = Phase.CALIBRATE
             self._emit()
 
@@ -234,6 +238,8 @@ class Campaign:
             )
         finally:
             self._phase = previous
+            if measured_from:
+                self.time_spent.add("calibrate", self._clock() - measured_from[0])
 
     def _refresh_failed(self, error: TargetError) -> None:
         self._server_errors += 1
@@ -250,7 +256,10 @@ class Campaign:
     # --- executing ---------------------------------------------------------------------
 
     async def _execute(self, trace: Trace, purpose: str, *, idled_s: float = 0.0) -> ExecutionResult:
+        start, recovering = self._clock(), self.time_spent.seconds.get("recover", 0.0)
         result = await self._execute_when_up(trace)
+        # Waits for a server that went down are the recovery's, not this execution's.
+        self.time_spent.add(purpose, self._clock() - start - (self.time_spent.seconds.get("recover", 0.0) - recovering))
         if idled_s and (result.idle_before_s or 0.0) < idled_s:
             # We left the server idle this long on purpose; an HTTP idle barrier only sees its own polls.
             result = replace(result, idle_before_s=idled_s)
@@ -386,6 +395,7 @@ class Campaign:
             await self._sleep(seconds)
         finally:
             self.probes.idle_spent_s += max(0.0, self._clock() - start)
+            self.time_spent.add("idle", self._clock() - start)
 
     def _keep(self, trace: Trace, runs: list[ExecutionResult], *, parent: int | None,
               operators: tuple[str, ...], force: bool = False) -> bool:
@@ -417,7 +427,7 @@ class Campaign:
 
     async def _wait_for_server(self) -> None:
         """After a crash: wait with backoff until a one-token request is answered again."""
-        previous = self._phase
+        previous, start = self._phase, self._clock()
         self._phase, self._server = Phase.RECOVER, "down"
         self._emit()
         probe = Trace(requests=(Request(id="health", at_ms=0, prompt_tokens=8, max_tokens=1),), name="health-probe")
@@ -431,6 +441,7 @@ class Campaign:
                 pass
             await self._sleep(next(waits))
         self._phase, self._server = previous, "up"
+        self.time_spent.add("recover", self._clock() - start)
 
     # --- state -------------------------------------------------------------------------
 
@@ -454,7 +465,7 @@ class Campaign:
             stability=self.corpus.stability, findings=len(self.store.list_findings(campaign_id=self.campaign_id)),
             candidates=self.confirmer.candidates, confirmations=self.confirmer.confirmations, elapsed_s=elapsed,
             since_last_find_s=None if self.confirmer.last_find is None else self._clock() - self.confirmer.last_find,
-            server=self._server,
+            server=self._server, time_s=self.time_spent.by_phase(elapsed),
         )
 
     def _emit(self) -> None:
@@ -471,6 +482,7 @@ class Campaign:
             "seeded": self._seeded,
             "cold_probes": self.probes.to_dict(),
             "server_time": self.server_time.to_dict(),
+            "time_spent": self.time_spent.to_dict(self._clock() - self._started),
             **self.confirmer.to_state(),  # "rejected" and "pending"
             "stats": self.stats().to_dict(),
         }

@@ -29,7 +29,7 @@ iterations instead of eating a short campaign.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
 #: Chance per fuzz iteration of a cold probe, before any feedback.
@@ -114,3 +114,49 @@ class ServerTime:
     def from_dict(cls, data: Mapping | None) -> "ServerTime":
         data = data or {}
         return cls(seed_s=float(data.get("seed_s", 0.0)), total_s=float(data.get("total_s", 0.0)))
+
+
+#: The phases server time is attributed to (TimeSpent), in the order they are shown. Executions
+#: count under their purpose (seed, fuzz, stability, confirm, cold-probe); "other" is what is
+#: left of the wall time: the client judging, mutating and storing between executions.
+TIME_PHASES = ("calibrate", "seed", "fuzz", "stability", "confirm", "cold-probe", "idle", "recover", "other")
+
+
+@dataclass
+class TimeSpent:
+    """Wall seconds of a campaign by phase: where the server's time went.
+
+    Every execution's wall time (send to the end of its speed check) is added under its
+    purpose; a calibration, an idle period and a wait for a server that went down under
+    their own names. ``other`` is derived: the campaign's elapsed time less all of those.
+    ``before_s``: the elapsed time of the earlier runs of a resumed campaign.
+    """
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    before_s: float = 0.0
+
+    def add(self, phase: str, seconds: float) -> None:
+        if seconds > 0:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def by_phase(self, elapsed_s: float) -> dict[str, float]:
+        """Seconds by phase (every phase of TIME_PHASES, in that order), ``other`` the rest of the
+        campaign's time: ``elapsed_s`` of this run plus the earlier runs'."""
+        out = {p: round(self.seconds.get(p, 0.0), 3) for p in TIME_PHASES if p != "other"}
+        out.update({p: round(s, 3) for p, s in self.seconds.items() if p not in out})
+        out["other"] = round(max(0.0, self.before_s + elapsed_s - sum(self.seconds.values())), 3)
+        return out
+
+    def to_dict(self, elapsed_s: float) -> dict:
+        return {"seconds": dict(self.seconds), "elapsed_s": self.before_s + elapsed_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping | None) -> "TimeSpent":
+        data = data or {}
+        return cls({str(k): float(v) for k, v in (data.get("seconds") or {}).items()}, float(data.get("elapsed_s", 0.0)))
+
+
+def fuzz_share(seconds: Mapping[str, float]) -> float | None:
+    """The share of a campaign's time (TimeSpent.by_phase) spent in fuzz executions; None before any time."""
+    total = sum(seconds.values())
+    return seconds.get("fuzz", 0.0) / total if total > 0 else None

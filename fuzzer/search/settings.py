@@ -14,7 +14,7 @@ from typing import Any
 from fuzzer.oracle.calibration import REFRESH_AFTER_S
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.mutators import Limits
-from fuzzer.search.pacing import IDLE_SHARE, SEED_SHARE
+from fuzzer.search.pacing import IDLE_SHARE, SEED_SHARE, fuzz_share
 
 # AFL calibrates a new queue entry with 3-7 runs (CAL_CYCLES); our runs cost seconds, so at
 # most 3 (the first run and up to 2 re-runs, fewer when they agree), done when it is first fuzzed.
@@ -99,9 +99,16 @@ class Stats:
     elapsed_s: float
     since_last_find_s: float | None
     server: str
+    #: Wall seconds of the campaign by phase (fuzzer.search.pacing.TimeSpent.by_phase).
+    time_s: Mapping[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "time_s": dict(self.time_s)}
+
+    @property
+    def fuzz_share(self) -> float | None:
+        """The share of the campaign's time spent in fuzz executions (None before any time passed)."""
+        return fuzz_share(self.time_s)
 
 
 @dataclass(frozen=True)
