@@ -124,17 +124,24 @@ async def test_calibration_recovers_the_simulators_step_time_parameters():
     from fuzzer.sim import SimConfig, VirtualTarget
 
     config = SimConfig()
-    target = VirtualTarget(config, seed=4)
-    cal = await calibrate(target, rng=random.Random(4), max_model_len=config.max_model_len)
-    m = cal.model
-    assert m.overhead_s == pytest.approx(config.step_overhead_s, rel=0.05)
-    assert m.prefill_token_s == pytest.approx(config.prefill_token_s, rel=0.05)
-    assert m.decode_seq_s == pytest.approx(config.decode_seq_s, rel=0.25)
-    assert m.context_token_s == pytest.approx(config.context_token_s, rel=0.35)
-    # The frontend's per-token tokenization shows up as the cost of a cached token.
-    assert m.frontend_token_s == pytest.approx(config.tokenize_token_s, rel=0.25)
-    # The simulator's 3% step noise is what the residuals measure.
-    assert 0.01 < cal.noise[Metric.TTFT] < 0.06
+    contexts = []
+    for seed in (4, 5, 6):
+        target = VirtualTarget(config, seed=seed)
+        cal = await calibrate(target, rng=random.Random(seed), max_model_len=config.max_model_len)
+        m = cal.model
+        assert m.overhead_s == pytest.approx(config.step_overhead_s, rel=0.05)
+        assert m.prefill_token_s == pytest.approx(config.prefill_token_s, rel=0.05)
+        assert m.decode_seq_s == pytest.approx(config.decode_seq_s, rel=0.25)
+        # The frontend's per-token tokenization shows up as the cost of a cached token.
+        assert m.frontend_token_s == pytest.approx(config.tokenize_token_s, rel=0.25)
+        # The simulator's 3% step noise is what the residuals measure.
+        assert 0.01 < cal.noise[Metric.TTFT] < 0.06
+        contexts.append(m.context_token_s)
+    # The context cost is tiny here (82 us per step at 8192 tokens against a 3.5 ms overhead):
+    # single fits land 6e-9 to 1.1e-8 for 1e-8 (seeds 4-6, with the probes paced by their own
+    # durations and, before, by the slowest of their kind alike); their median is close.
+    assert all(c == pytest.approx(config.context_token_s, rel=0.5) for c in contexts)
+    assert sorted(contexts)[1] == pytest.approx(config.context_token_s, rel=0.2)
 
 
 def test_fuzz_calibrate_fits_stores_and_prints_the_model(tmp_path):

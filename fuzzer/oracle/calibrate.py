@@ -63,10 +63,13 @@ BATCH_PROMPT_TOKENS = 16
 #: Each probe is repeated this often: with 9 lengths this gives ~36 TTFT residuals, a
 #: baseline large enough for MWU/KS to reach p <= 0.01 with three candidate samples.
 REPEATS = 4
-#: Probes run one at a time: each is spaced this many times the slowest pilot request of
-#: its kind apart (the pilot measures it), but never closer than MIN_SPACING_S.
-SPACING_FACTOR = 3.0
+#: Probes run one at a time: each is followed by this many times its expected duration (from
+#: the pilot's smallest and largest probe of its kind), but never less than MIN_SPACING_S. The
+#: pilot runs first, so its largest probe measures a warm server; the factor covers the noise.
+SPACING_FACTOR = 1.5
 MIN_SPACING_S = 0.05
+#: The first pilot run knows nothing yet: its largest probes are this far apart, its smallest half that.
+PILOT_SPACING_S = 1.0
 #: 1.4826 x MAD estimates a normal standard deviation robustly (Iglewicz-Hoaglin).
 MAD_SCALE = 1.4826
 #: Fewer usable probes than this in a fit means the target misbehaved; refuse to fit.
@@ -144,35 +147,63 @@ class _Probe:
     result: RequestResult
 
 
+@dataclass(frozen=True)
+class _Pace:
+    """How long a probe of one kind takes, by its size, from the pilot's smallest and largest.
+
+    Probes run one at a time in an open-loop trace, so each is given room for its own
+    expected duration (interpolated between the two pilot sizes, never below the smaller
+    one's) times SPACING_FACTOR, but never less than MIN_SPACING_S: a short probe does not
+    wait out the longest one's time.
+    """
+
+    small: tuple[float, float]
+    large: tuple[float, float]
+    #: A pace that knows nothing yet: every probe this far apart.
+    fixed_s: float | None = None
+
+    def spacing_s(self, size: float) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        (x0, y0), (x1, y1) = self.small, self.large
+        expected = y1 if x1 <= x0 else y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+        return max(MIN_SPACING_S, SPACING_FACTOR * max(expected, y0, 0.0))
+
+
 @dataclass
 class _Plan:
-    """Builds one probe trace: requests spaced ``spacing_s`` apart, or groups sent together."""
+    """Builds one probe trace: each probe (or group sent together) spaced by its own expected duration."""
 
-    spacing_s: float
+    pace: _Pace
     requests: list[Request] = field(default_factory=list)
     prefixes: dict[str, int] = field(default_factory=dict)
     meta: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     slot: int = 0
+    at_s: float = 0.0
 
-    def add(self, prompt: int, max_tokens: int, *, batch: int = 1, lead_in: bool = False) -> None:
-        """A probe (or ``batch`` identical ones sent together) in the next slot."""
-        at_ms = round(self.slot * self.spacing_s * 1000.0, 3)
+    def add(self, prompt: int, max_tokens: int, *, batch: int = 1, lead_in: bool = False, size: float | None = None) -> None:
+        """A probe (or ``batch`` identical ones sent together) in the next slot; ``size`` is
+        what its pace interpolates over (default: its prompt)."""
+        at_ms = round(self.at_s * 1000.0, 3)
         for i in range(batch):
             rid = f"s{self.slot}" + (f"b{i}" if batch > 1 else "")
             self.requests.append(Request(id=rid, at_ms=at_ms, prompt_tokens=prompt, max_tokens=max_tokens))
             if not lead_in:
                 self.meta[rid] = (prompt, 0, max_tokens, batch)
         self.slot += 1
+        self.at_s += self.pace.spacing_s(prompt if size is None else size)
 
     def add_pair(self, prefix: int, suffix: int, *, hit: int) -> None:
-        """A request that computes a prefix, then (one slot later) a probe that reuses it."""
+        """A request that computes a prefix, then (once it is done) a probe that reuses it."""
         group = f"g{self.slot}"
         self.prefixes[group] = prefix
+        gap = self.pace.spacing_s(prefix + suffix)
         for i, rid in enumerate((f"w{self.slot}", f"c{self.slot}")):
-            at_ms = round((self.slot + i) * self.spacing_s * 1000.0, 3)
+            at_ms = round((self.at_s + i * gap) * 1000.0, 3)
             self.requests.append(Request(id=rid, at_ms=at_ms, prompt_tokens=prefix + suffix, max_tokens=2, prefix=group))
         self.meta[f"c{self.slot}"] = (prefix + suffix, hit, 2, 1)
         self.slot += 2
+        self.at_s += 2 * gap
 
     def trace(self, name: str) -> Trace:
         return Trace(requests=tuple(self.requests), prefixes=dict(self.prefixes), name=name)
@@ -229,17 +260,35 @@ async def calibrate(
     if max_model_len is not None:
         contexts = [n for n in (*DECODE_CONTEXTS, *LONG_DECODE_CONTEXTS) if n + DECODE_TOKENS <= max_model_len]
 
-    # Warm-up and pilot: the slowest probe of each kind tells how far apart probes must be.
-    pilot = _Plan(spacing_s=1.0)
-    pilot.add(max(lengths), 2)
-    pilot.add(max(contexts), DECODE_TOKENS)
-    pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=max(batch_sizes(assumption)))
-    slowest = {"prefill": 0.0, "decode": 0.0, "batch": 0.0}
-    for _ in range(max(1, warmup_runs)):
+    # Warm-up and pilot: the smallest and largest probe of each kind tell how far apart probes must be.
+    sizes_of = {"prefill": (min(lengths), max(lengths)), "decode": (min(contexts), max(contexts)),
+                "batch": (min(batch_sizes(assumption)), max(batch_sizes(assumption)))}
+    slowest: dict[tuple[str, int], float] = {}
+
+    def pace(kind: str) -> _Pace:
+        lo, hi = sizes_of[kind]
+        return _Pace((lo, slowest.get((kind, lo), 0.0)), (hi, slowest.get((kind, hi), 0.0)))
+
+    for run in range(max(1, warmup_runs)):
+        # The first run is paced blind (PILOT_SPACING_S: half for the small probes), later ones by what it measured.
+        pilot = _Plan(_Pace((0.0, 0.0), (0.0, 0.0), fixed_s=PILOT_SPACING_S))
+        kind_of: dict[str, tuple[str, int]] = {}
+        for kind, (lo, hi) in sizes_of.items():
+            for size in (lo, hi):
+                kind_of[f"s{pilot.slot}"] = (kind, size)
+                blind = PILOT_SPACING_S / 2 if size == lo else PILOT_SPACING_S
+                pilot.pace = pace(kind) if run else _Pace((0.0, 0.0), (0.0, 0.0), fixed_s=blind)
+                if kind == "prefill":
+                    pilot.add(size, 2)
+                elif kind == "decode":
+                    pilot.add(size, DECODE_TOKENS)
+                else:
+                    pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=size, size=size)
         for probe in await _run(target, pilot, "calibration-pilot"):
-            kind = "batch" if probe.batch > 1 else ("decode" if probe.max_tokens > 2 else "prefill")
-            slowest[kind] = max(slowest[kind], probe.result.e2e_s or 0.0)
-    spacing = {k: max(MIN_SPACING_S, SPACING_FACTOR * v) for k, v in slowest.items()}
+            key = kind_of[probe.result.request_id.split("b")[0]]
+            slowest[key] = max(slowest.get(key, 0.0), probe.result.e2e_s or 0.0)
+
+    spacing = {kind: pace(kind) for kind in sizes_of}
 
     sizes = (lengths, prefixes, contexts)
     cap = await tokenize_token_s(target)
@@ -326,7 +375,7 @@ async def _measure(
     clock: Callable[[], float],
     repeats: int,
     warmup_runs: int,
-    spacing: Mapping[str, float],
+    spacing: Mapping[str, _Pace],
     lengths: Sequence[int],
     prefixes: Sequence[int],
     contexts: Sequence[int],
@@ -364,7 +413,7 @@ async def _measure(
     plan = _Plan(spacing["batch"])
     plan.add(16, 2, lead_in=True)
     for b in shuffled([b for b in batch_sizes(assumption) for _ in range(repeats)]):
-        plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b)
+        plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b, size=b)
     batched = _usable(await _run(target, plan, "calibration-batch"))
 
     return fit(
