@@ -148,11 +148,11 @@ async def test_every_second_is_attributed_to_a_phase_and_survives_a_resume(seed_
         by_purpose[row["purpose"]] = by_purpose.get(row["purpose"], 0.0) + row["duration_s"]
     # Executions under their purpose, to the microsecond; calibration ran on the same clock.
     for purpose, seconds in by_purpose.items():
-        assert abs(s1.time_s[purpose] - seconds) < 1e-3, purpose
+        assert abs(s1.time_s[purpose] - seconds) < 2e-3, purpose
     assert s1.time_s["calibrate"] > 0 and s1.time_s["fuzz"] > 0 and s1.time_s["seed"] > 0
-    assert abs(sum(s1.time_s.values()) - s1.elapsed_s) < 1e-3 and s1.time_s["other"] < 1e-3
+    assert abs(sum(s1.time_s.values()) - s1.elapsed_s) < 0.01 and s1.time_s["other"] < 0.01  # rounded to ms
     assert 0 < s1.fuzz_share < 1
     # A resumed campaign adds to the totals of the first run (its checkpoint kept them).
     s2 = (await campaign(store.count_executions() + 6).run()).stats
     assert s2.time_s["fuzz"] > s1.time_s["fuzz"] and s2.time_s["calibrate"] == pytest.approx(s1.time_s["calibrate"])
-    assert sum(s2.time_s.values()) == pytest.approx(sum(s1.time_s.values()) + s2.elapsed_s, abs=1e-3)
+    assert sum(s2.time_s.values()) == pytest.approx(sum(s1.time_s.values()) + s2.elapsed_s, abs=0.02)
