@@ -80,6 +80,13 @@ def test_more_output_work_or_preemption_or_a_full_kv_cache_excuses_the_order():
     cal = _calibration()
     longer = Trace(requests=(TRACE.requests[0], replace(TRACE.requests[1], max_tokens=64), TRACE.requests[2]))
     assert inversions(longer, _execution(a_first=1.5, trace=longer), cal, preempted=False) == {}
+    # A chat prompt as long as a completion's is longer on the server (its template).
+    chat = Trace(requests=(TRACE.requests[0], replace(TRACE.requests[1], prompt_tokens=1000, api="chat"),
+                           TRACE.requests[2]))
+    assert inversions(chat, _execution(a_first=1.5, trace=chat), cal, preempted=False) == {}
+    assert set(inversions(replace(chat, requests=(chat.requests[0], replace(chat.requests[1], prompt_tokens=900),
+                                                  chat.requests[2])),
+                          _execution(a_first=1.5, trace=chat), cal, preempted=False)) == {"A"}
     assert inversions(TRACE, _execution(a_first=1.5), cal, preempted=True) == {}
     full = (MetricSample(0.5, {"kv_usage": 0.97}),)
     assert inversions(TRACE, _execution(a_first=1.5, samples=full), cal, preempted=False) == {}

@@ -38,6 +38,9 @@ from fuzzer.trace import Request, Trace
 #: Above this KV usage (a fraction) the cache counts as full for the order check: a full cache
 #: is where engines preempt or retract, and some report it only as usage.
 KV_FULL = 0.95
+#: Tokens a chat template may add to a prompt (role markers, a system preamble): ChatML adds
+#: about 10 to one user message; this leaves room for longer templates.
+CHAT_TEMPLATE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -106,9 +109,16 @@ def inversions(
 
 
 def no_more_work(a: Request, b: Request, prefixes: Mapping[str, int]) -> bool:
-    """Does ``a`` need no more of the engine than ``b`` before and after its first token?"""
+    """Does ``a`` need no more of the engine than ``b`` before and after its first token?
+
+    A chat request's prompt is wrapped in the model's chat template on the server, so against
+    a completion it is given CHAT_TEMPLATE_TOKENS more: with a per-request chunk cap (vLLM's
+    long_prefill_token_threshold) a few tokens more can cost a whole step more.
+    """
     cached = prefixes.get(b.prefix, 0) if b.prefix else 0
-    return a.prompt_tokens <= b.prompt_tokens - cached and a.max_tokens <= b.max_tokens and a.n <= b.n
+    template = CHAT_TEMPLATE_TOKENS if a.api == "chat" and b.api != "chat" else 0
+    return (a.prompt_tokens + template <= b.prompt_tokens - cached and a.max_tokens <= b.max_tokens
+            and a.n <= b.n)
 
 
 def kv_full(result: ExecutionResult) -> bool:
