@@ -55,6 +55,8 @@ class ServerState:
     #: Add this much to running (a leak the idle check must see).
     stuck: int = 0
     tokenize_calls: int = 0
+    #: (num_gpu_blocks, block_size) for a vllm:cache_config_info line; None: no such line.
+    kv_config: tuple[int, int] | None = None
 
     def by_request(self, request_id: str) -> Logged:
         for xid, entry in self.log.items():
@@ -170,6 +172,10 @@ def make_app(state: ServerState) -> web.Application:
             "# TYPE vllm:num_preemptions_total counter\n"
             f'vllm:num_preemptions_total{{engine="0",model_name="{MODEL}"}} 3.0\n'
         )
+        if state.kv_config is not None:
+            blocks, size = state.kv_config
+            text += ("# TYPE vllm:cache_config_info gauge\n"
+                     f'vllm:cache_config_info{{block_size="{size}",engine="0",num_gpu_blocks="{blocks}"}} 1.0\n')
         return web.Response(text=text, content_type="text/plain")
 
     async def health(request: web.Request) -> web.Response:

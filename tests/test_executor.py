@@ -423,3 +423,14 @@ async def test_a_speed_check_follows_an_execution_that_left_the_server_idle(serv
     # The check is one request of its own, after the trace's, never one of the trace's results.
     assert [r.request_id for r in checked.requests] == ["a"]
     assert any(xid.startswith("speed-check") for xid in state.log)
+
+
+async def test_a_kv_capacity_reported_only_after_the_server_was_met_is_read_before_an_execution():
+    # vLLM publishes vllm:cache_config_info once its engine is up, which can come after /health answers.
+    async with running() as (url, state):
+        async with HttpTarget(url, rng=random.Random(0), timeout_s=1.0, idle_timeout_s=1.0,
+                              idle_after_timeout_s=0.5) as t:
+            assert t.kv_cache() is None
+            state.kv_config = (256, 128)
+            await t.execute(trace(req("a", max_tokens=2)))
+            assert t.kv_cache() == (256, 128)

@@ -24,7 +24,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Mapping
 
 import aiohttp
@@ -74,6 +74,9 @@ LATENESS_WARN_S = 0.005
 # closing fails ("Can not write request body"), measured against llama-server. Connections
 # are warmed right before each execution, so nothing longer is needed.
 _KEEPALIVE_S = 4.0
+# A vLLM server that did not report its KV capacity when first met is asked again before
+# each of its first few executions (fuzzer.oracle.calibrate reads it after its pilot).
+_KV_REREADS = 3
 #: The speed check after an execution: one short streaming request, run alone once the server
 #: is idle again. Its median inter-token gap is one decode step of one sequence: how fast the
 #: engine is now, next to how fast it was when calibrated (a few decode steps, ~1-3% of an
@@ -238,6 +241,24 @@ class HttpTarget:
         await self._counter.count(text)
         return self._clock() - start
 
+    async def _reread_kv(self, info: ServerInfo) -> ServerInfo:
+        """``info`` with the KV capacity read again from /metrics when the server had not
+        reported it when first met (vLLM publishes ``vllm:cache_config_info`` once its engine
+        is up, which can come after /health answers); tried before the first few executions."""
+        if info.kind != "vllm" or info.kv_cache() is not None or self._executions >= _KV_REREADS:
+            return info
+        assert self._session is not None
+        try:
+            async with self._session.get(self.base_url + "/metrics", headers=self._headers,
+                                         timeout=aiohttp.ClientTimeout(total=5.0)) as response:
+                text = await response.text() if response.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return info
+        found = detection.kv_cache_config(text)
+        if found:
+            self.info = info = replace(info, scheduler={**info.scheduler, **found})
+        return info
+
     async def _measure(self, text: str, chat: bool) -> int | None:
         """usage.prompt_tokens of a one-token completion of ``text``."""
         assert self._session is not None and self._adapter is not None and self.info is not None
@@ -263,7 +284,7 @@ class HttpTarget:
 
     async def execute(self, trace: Trace) -> ExecutionResult:
         """Run the trace once. Never raises for a request's failure."""
-        info = await self.start()
+        info = await self._reread_kv(await self.start())
         assert self._session is not None and self._counter is not None
         self._executions += 1
         warnings = list(self._setup_warnings)

@@ -289,6 +289,8 @@ async def calibrate(
             slowest[key] = max(slowest.get(key, 0.0), probe.result.e2e_s or 0.0)
 
     spacing = {kind: pace(kind) for kind in sizes_of}
+    # A server may report its KV capacity only once its engine is up (vLLM's cache_config_info).
+    assumption = with_reported_kv(assumption, target)
 
     sizes = (lengths, prefixes, contexts)
     cap = await tokenize_token_s(target)

@@ -38,7 +38,7 @@ import numpy as np
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute.recovery import backoff
 from fuzzer.execution import ExecutionResult, Target
-from fuzzer.oracle.calibrate import reuse_or_calibrate
+from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.expectation import expect
@@ -264,6 +264,9 @@ class Campaign:
             # We left the server idle this long on purpose; an HTTP idle barrier only sees its own polls.
             result = replace(result, idle_before_s=idled_s)
         self.server_time.record(purpose, result.duration_s)
+        if self.calibration is not None and self.calibration.assumption.kv_blocks is None:
+            # A server may report its KV capacity only once its engine is up (vLLM's cache_config_info).
+            self.calibration = with_target_kv(self.calibration, self.target)
         number = self.executions + 1
         self.store.record_execution(
             result, trace, target_id=self.target_id, campaign_id=self.campaign_id, purpose=purpose, number=number
