@@ -46,8 +46,9 @@ def _request(rid: str, sent: float, first: float | None, outcome: Outcome = Outc
                          token_times_s=() if ttft is None else (ttft, ttft + 0.01), e2e_s=(ttft or 0.0) + 0.02)
 
 
-def _execution(a_first: float, b_first: float = 1.0, *, b_sent: float = 0.15, samples=(), trace=TRACE) -> ExecutionResult:
-    requests = (_request("blocker", 0.0, 0.9), _request("A", 0.1, a_first), _request("B", b_sent, b_first))
+def _execution(a_first: float, b_first: float = 1.0, *, b_sent: float = 0.15, samples=(), trace=TRACE,
+               blocker_first: float = 0.9) -> ExecutionResult:
+    requests = (_request("blocker", 0.0, blocker_first), _request("A", 0.1, a_first), _request("B", b_sent, b_first))
     return ExecutionResult(trace.content_hash(), "test://", 0.0, 3.0, requests, samples=samples, idle_before_s=0.0)
 
 
@@ -57,6 +58,19 @@ def test_a_request_served_after_a_later_bigger_one_is_overtaken():
     inv = found["A"]
     assert inv.overtakers == ("B",) and abs(inv.lead_s - 0.5) < 1e-9 and abs(inv.bound_s - 0.9) < 1e-9
     assert abs(inv.gap_s - 0.05) < 1e-9
+
+
+def test_only_the_earliest_overtaken_request_is_a_victim():
+    # LIFO: A3, A2, A1 served in that order. A2 lost nothing (FCFS serves A1 first anyway): only A1 is a victim.
+    lifo = Trace(requests=(TRACE.requests[0], *(Request(id=f"A{i}", at_ms=100 * i, prompt_tokens=1024, max_tokens=8)
+                                                 for i in (1, 2, 3))))
+    requests = (_request("blocker", 0.0, 0.9), _request("A1", 0.1, 3.0), _request("A2", 0.2, 2.0),
+                _request("A3", 0.3, 1.0))
+    result = ExecutionResult(lifo.content_hash(), "test://", 0.0, 3.0, requests, idle_before_s=0.0)
+    found = inversions(lifo, result, _calibration(), preempted=False)
+    assert set(found) == {"A1"}
+    assert found["A1"].overtakers == ("A3", "A2") and abs(found["A1"].bound_s - 0.9) < 1e-9
+    assert "after that of A3 (and after A2)" in found["A1"].describe()
 
 
 def test_fcfs_order_and_near_ties_are_not_inversions():
@@ -106,7 +120,7 @@ def test_an_inversion_is_a_candidate_and_recurring_is_a_finding_with_its_evidenc
     # A's first token 1.2x its FCFS bound (no candidate by the bound), 100 ms after B's.
     (probe,) = [r for r in observe(TRACE, _execution(a_first=1.5), cal) if r.request_id == "A"]
     a_first = 0.1 + 1.2 * probe.observations[Metric.TTFT].expected_s
-    result = _execution(a_first=a_first, b_first=a_first - 0.1)
+    result = _execution(a_first=a_first, b_first=a_first - 0.1, blocker_first=0.05)
     (report,) = [r for r in observe(TRACE, result, cal) if r.request_id == "A"]
     assert report.observations[Metric.TTFT].flagged and not report.observations[Metric.TTFT].candidate
     assert any(c.request_id == "A" and c.kind is FindingKind.TTFT_OUTLIER for c in candidates(TRACE, result, cal))
@@ -118,6 +132,6 @@ def test_an_inversion_is_a_candidate_and_recurring_is_a_finding_with_its_evidenc
     criterion = criterion_from_verdict("ttft-outlier", three.to_dict())
     assert criterion.overtakers == ("B",)
     # Once in three runs: not a finding yet.
-    clean = _execution(a_first=a_first, b_first=a_first + 0.1)
+    clean = _execution(a_first=a_first, b_first=a_first + 0.1, blocker_first=0.05)
     once = [v for v in judge(TRACE, [result, clean, clean], cal, rng=rng) if v.request_id == "A"][0]
     assert not once.is_finding and once.decision is Decision.UNKNOWN and once.reproduction == "1/3"

@@ -20,6 +20,11 @@ What keeps the check to what FCFS really guarantees (each a reason not to call a
   have put it in the prefix cache); A's with its whole prompt.
 - A's first token came at least the latency margin (``policy.min_margin_s``, the client's
   stalls) after B's: two first tokens of one step reach the client a few ms apart.
+- Every request sent before A got its first token by B's (within that margin): B overtook A,
+  not A's predecessors. When B overtook them too, A may have lost nothing (FCFS would have
+  served them before A anyway: LIFO's middle request), and the earliest overtaken one is the
+  victim. This also makes B's first token a fair bound: by then the engine had done the work
+  FCFS puts before A (its predecessors' prefills) and B's, which is no less than A's.
 - No preemption was reported and the KV cache never looked full: recompute preemption and
   retraction legitimately send an admitted request back to the queue.
 - Both requests streamed (a non-streamed response has no first-token time), neither failed.
@@ -27,6 +32,7 @@ What keeps the check to what FCFS really guarantees (each a reason not to call a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -48,29 +54,30 @@ class Inversion:
     """Request ``victim`` got its first token after ``overtakers``, which arrived later with no more work."""
 
     victim: str
-    #: Every request that overtook the victim, latest first token first.
+    #: Every request that overtook the victim, earliest first token first.
     overtakers: tuple[str, ...]
     #: The victim's send time and first token, offsets from the execution's t0.
     sent_s: float
     first_token_s: float
-    #: First token of the latest overtaker (the one that overtook by the least).
+    #: First token of the earliest overtaker.
     overtaker_first_s: float
-    #: How much later than the latest overtaker the victim was sent before it, at the least.
+    #: How much later than the victim the overtakers were sent, at the least.
     gap_s: float
 
     @property
     def lead_s(self) -> float:
-        """How long after the latest overtaker's first token the victim's came."""
+        """How long after the earliest overtaker's first token the victim's came."""
         return self.first_token_s - self.overtaker_first_s
 
     @property
     def bound_s(self) -> float:
-        """The victim's TTFT had it been served no later than its latest overtaker."""
+        """The victim's TTFT had it been served no later than its earliest overtaker."""
         return self.overtaker_first_s - self.sent_s
 
     def describe(self) -> str:
-        names = ", ".join(self.overtakers)
-        return (f"first token {self.lead_s * 1000:.0f} ms after that of {names}, sent at least "
+        first, *others = self.overtakers
+        also = f" (and after {', '.join(others)})" if others else ""
+        return (f"first token {self.lead_s * 1000:.0f} ms after that of {first}{also}, sent at least "
                 f"{self.gap_s * 1000:.0f} ms later with no less work")
 
 
@@ -93,16 +100,20 @@ def inversions(
     for a_req, a in timed:
         a_first = _first_token(a)
         assert a_first is not None
+        # The last first token of a request sent before A: an overtaker must come after it.
+        before = max((f for _, p in timed if p.sent_s < a.sent_s and (f := _first_token(p)) is not None),
+                     default=-math.inf)
         over = [
             (b_first, b_req.id, b.sent_s - a.sent_s)
             for b_req, b in timed
             if b.sent_s - a.sent_s >= reach
             and (b_first := _first_token(b)) is not None
             and a_first - b_first >= lead
+            and before <= b_first + lead
             and no_more_work(a_req, b_req, trace.prefixes)
         ]
         if over:
-            over.sort(reverse=True)
+            over.sort()
             found[a_req.id] = Inversion(a_req.id, tuple(name for _, name, _ in over), a.sent_s, a_first,
                                         over[0][0], min(gap for _, _, gap in over))
     return found
