@@ -141,3 +141,32 @@ def test_a_corpus_trace_replays_end_to_end(vllm_server, calibrated):
             assert r["outcome"] == "ok" and r["prompt_tokens"] == request.prompt_tokens, r
             # A first token is measured on a stream only; a non-streamed answer has its end.
             assert (r["ttft_s"] > 0) if request.stream else (r["ttft_s"] is None and r["e2e_s"] > 0), r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * CLI_TIMEOUT_S)
+@pytest.mark.parametrize(("cls", "trace_name", "victim"), [
+    ("planted.LifoAdmission", "planted-lifo.json", "A1"),
+    ("planted.HolLongestFirst", "planted-hol.json", "S"),
+])
+def test_the_oracle_finds_a_planted_ordering_bug_with_its_victim_and_nothing_on_stock_vllm(
+        cls, trace_name, victim, vllm_server, vllm_server_factory, calibrated, tmp_path):
+    """benchmarks/vllm's planted-bug traces: the victim is found by the order of first tokens on the
+    planted scheduler (the step model puts both victims under 2x their FCFS bounds), and stock vLLM
+    serving the same trace in FCFS order gives no finding. Both are judged by the stock server's
+    calibration: the planted class changes which request a step serves, not what a step costs."""
+    db, _ = calibrated
+    trace_path = ROOT / "benchmarks" / "vllm" / trace_name
+    assert _replay(vllm_server.base_url, db, trace_path)["findings"] == []
+    planted = vllm_server_factory(scheduler_cls=cls)
+    mine = tmp_path / "planted.db"
+    with sqlite3.connect(db) as source, sqlite3.connect(mine) as copy:
+        source.backup(copy)
+    with sqlite3.connect(mine) as con:  # the stock calibration, under the planted server's key
+        (data,) = con.execute("SELECT data FROM calibrations ORDER BY id DESC LIMIT 1").fetchone()
+        con.execute("INSERT INTO calibrations (target_key, data, created_at) SELECT ?, data, created_at FROM calibrations "
+                    "WHERE data = ? LIMIT 1", (f"{planted.base_url}#{SERVED_MODEL_NAME}", data))
+    out = _replay(planted.base_url, mine, trace_path)
+    findings = out["findings"]
+    assert [(f["request_id"], f["kind"]) for f in findings] == [(victim, "ttft-outlier")], findings
+    assert findings[0]["overtakers"] and "order of first tokens" in findings[0]["evidence"], findings[0]
