@@ -156,3 +156,24 @@ async def test_every_second_is_attributed_to_a_phase_and_survives_a_resume(seed_
     s2 = (await campaign(store.count_executions() + 6).run()).stats
     assert s2.time_s["fuzz"] > s1.time_s["fuzz"] and s2.time_s["calibrate"] == pytest.approx(s1.time_s["calibrate"])
     assert sum(s2.time_s.values()) == pytest.approx(sum(s1.time_s.values()) + s2.elapsed_s, abs=0.02)
+
+
+async def test_with_a_duration_mutants_longer_than_their_share_of_it_are_passed_over(seed_trace):
+    from fuzzer.search.campaign import AFFORD_TRIES, EXECUTION_SHARE
+
+    store = Store.memory()
+    target = _Clocked(VirtualTarget(seed=3))
+    duration = 60.0  # virtual seconds
+    campaign = Campaign(target, store, Settings(seed=7, duration_s=duration, max_execs=30, idle_share=0.0),
+                        seeds=[seed_trace], target_key="sim:test", clock=lambda: target.now)
+    stats = (await campaign.run()).stats
+    budget = campaign.execution_budget_s()
+    assert budget == EXECUTION_SHARE * duration
+    ran = [store.get_trace(r["trace_hash"]) for r in store.execution_rows(campaign_id=stats.campaign_id)
+           if r["purpose"] == "fuzz"]
+    over = sum(campaign.expected_duration_s(t) > budget for t in ran)
+    # Mutants over the budget were passed over; one ran only when AFFORD_TRIES in a row were.
+    assert stats.too_long > 0 and over == campaign.over_budget <= stats.too_long // AFFORD_TRIES
+    assert len(ran) > over
+    # Without a duration there is no budget (the benchmarks count executions, not seconds).
+    assert _campaign(Store.memory(), VirtualTarget(seed=3), [seed_trace], max_execs=2).execution_budget_s() is None

@@ -275,6 +275,8 @@ def _print_summary(summary: Summary, db_path: str) -> None:
         out.print("  stability is below 90%: timing noise is high; features that flicker are ignored")
     if s.time_s:
         out.print("  time: " + time_line(s.time_s))
+    if s.too_long:
+        out.print(f"  mutants passed over as longer than their share of --duration: {s.too_long}")
     for finding_id, kind in summary.new_findings:
         out.print(f"  new finding {finding_id}: {kind}")
     db = "" if db_path == "fuzz.db" else f" --db {db_path}"

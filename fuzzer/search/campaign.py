@@ -61,6 +61,14 @@ CHECKPOINT_EVERY = 10
 RECALIBRATE_RETRY_S = 600.0
 #: Children made from one parent before the next is picked.
 CHILDREN_PER_PICK = 4
+#: A child the FCFS bound says would keep the server busy longer than its share of the
+#: campaign (EXECUTION_SHARE of --duration, at most MAX_EXECUTION_S) is mutated again, up to
+#: AFFORD_TRIES times (then the shortest is run): on a slow engine one mutant of 8 long prompts with 1024
+#: output tokens each took 55 s per run on vLLM's CPU build, and its confirmation most of an
+#: 8-minute campaign. Campaigns without a duration have no such budget.
+EXECUTION_SHARE = 0.05
+MAX_EXECUTION_S = 120.0
+AFFORD_TRIES = 4
 
 
 class Campaign:
@@ -120,6 +128,10 @@ class Campaign:
         self.probes = ColdProbes()
         self.server_time = ServerTime()
         self.time_spent = TimeSpent()
+        #: Mutants passed over because they would have taken longer than the execution budget,
+        #: and mutants run over it because no try fitted (fuzzer.search.campaign.AFFORD_TRIES).
+        self.too_long = 0
+        self.over_budget = 0
 
     # --- setup and resume ---------------------------------------------------------------
 
@@ -335,7 +347,37 @@ class Campaign:
             if i and self._should_stop() is not None:
                 return
             other = self.corpus.choose(self.rng).trace if len(self.corpus) > 1 else None
-            await self._try(self.mutator.mutate(parent.trace, self.rng, other), parent)
+            await self._try(self._affordable_child(parent.trace, other), parent)
+
+    def _affordable_child(self, parent: Trace, other: Trace | None) -> Child:
+        """A mutant of ``parent`` within the execution budget: up to AFFORD_TRIES mutants are
+        made until one fits; when none does, the shortest of them (the search never stalls)."""
+        budget = self.execution_budget_s()
+        best: tuple[float, Child] | None = None
+        for _ in range(AFFORD_TRIES):
+            child = self.mutator.mutate(parent, self.rng, other)
+            cost = self.expected_duration_s(child.trace)
+            if budget is None or cost is None or cost <= budget:
+                return child
+            self.too_long += 1
+            if best is None or cost < best[0]:
+                best = (cost, child)
+        assert best is not None
+        self.over_budget += 1
+        return best[1]
+
+    def execution_budget_s(self) -> float | None:
+        """The longest an execution should keep the server busy, by the FCFS bound; None: no limit."""
+        if self.settings.duration_s is None:
+            return None
+        return min(MAX_EXECUTION_S, EXECUTION_SHARE * self.settings.duration_s)
+
+    def expected_duration_s(self, trace: Trace) -> float | None:
+        """When ``trace`` would end on the calibrated server by its FCFS bounds (None before calibration)."""
+        if self.calibration is None or not trace.requests:
+            return None
+        bounds = expect(trace, self.calibration.model, self.calibration.assumption)
+        return max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""
@@ -468,7 +510,7 @@ class Campaign:
             stability=self.corpus.stability, findings=len(self.store.list_findings(campaign_id=self.campaign_id)),
             candidates=self.confirmer.candidates, confirmations=self.confirmer.confirmations, elapsed_s=elapsed,
             since_last_find_s=None if self.confirmer.last_find is None else self._clock() - self.confirmer.last_find,
-            server=self._server, time_s=self.time_spent.by_phase(elapsed),
+            server=self._server, time_s=self.time_spent.by_phase(elapsed), too_long=self.too_long,
         )
 
     def _emit(self) -> None:

@@ -101,6 +101,8 @@ class Stats:
     server: str
     #: Wall seconds of the campaign by phase (fuzzer.search.pacing.TimeSpent.by_phase).
     time_s: Mapping[str, float] = field(default_factory=dict)
+    #: Mutants this run skipped: their FCFS bound went past the execution budget.
+    too_long: int = 0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "time_s": dict(self.time_s)}
