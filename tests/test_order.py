@@ -21,6 +21,7 @@ from fuzzer.oracle.judge import candidates, judge, observe
 from fuzzer.oracle.kinds import Decision, FindingKind, Metric
 from fuzzer.oracle.model import assumption_for
 from fuzzer.oracle.order import inversions
+from fuzzer.report.markdown import Exhibit, markdown
 from fuzzer.report.repro import criterion_from_verdict
 from fuzzer.trace import Request, Trace
 
@@ -131,7 +132,31 @@ def test_an_inversion_is_a_candidate_and_recurring_is_a_finding_with_its_evidenc
     # The repro script's criterion is the inversion, not a threshold.
     criterion = criterion_from_verdict("ttft-outlier", three.to_dict())
     assert criterion.overtakers == ("B",)
+    # The report says what the order showed, not an effect over a model's bound.
+    report = markdown(Exhibit(finding_id=1, kind="ttft-outlier", signature=three.signature or "", trace=TRACE,
+                              verdict=three.to_dict()))
+    assert "served after B, sent later with no less work" in report.splitlines()[0]
+    assert "had it been served no later than B" in report and "the order itself is the evidence" in report
+    assert "FCFS bound (a reasonable" not in report
     # Once in three runs: not a finding yet.
     clean = _execution(a_first=a_first, b_first=a_first + 0.1, blocker_first=0.05)
     once = [v for v in judge(TRACE, [result, clean, clean], cal, rng=rng) if v.request_id == "A"][0]
     assert not once.is_finding and once.decision is Decision.UNKNOWN and once.reproduction == "1/3"
+
+
+def test_the_repro_script_judges_the_inversion():
+    from dataclasses import asdict
+
+    from fuzzer.report.repro import Criterion, _script_main
+
+    crit = asdict(Criterion(kind="ttft-outlier", request_id="A", metric="ttft", expected_s=0.9, overtakers=("B",)))
+
+    def res(rid, sent, ttft):
+        return {"id": rid, "sent_s": sent, "ttft_s": ttft, "outcome": "ok", "status": 200, "detail": ""}
+
+    victim = res("A", 0.1, 1.4)
+    hit, words = _script_main.judge_order(crit, victim, {"A": victim, "B": res("B", 0.15, 0.85)})
+    assert hit is True and "after that of B" in words
+    assert _script_main.judge_order(crit, victim, {"A": victim, "B": res("B", 0.15, 1.4)})[0] is False
+    # An overtaker sent too soon after the victim may have reached the server first: not tested.
+    assert _script_main.judge_order(crit, victim, {"A": victim, "B": res("B", 0.11, 0.5)})[0] is None

@@ -157,12 +157,15 @@ def _expected(x: Exhibit) -> list[str]:
     if v.get("observed_s") is not None and v.get("expected_s"):
         out.append(f"Observed over the FCFS bound (what queueing by design does not explain): "
                    f"**{v['observed_s'] / v['expected_s']:.1f}x**; a finding needs {v.get('threshold') or '?'}x.")
-    if v.get("assumption"):
-        out += ["", f"Scheduler assumption of the bound: {v['assumption']}."]
-    if v.get("evidence"):
-        out += ["", f"Evidence that set the bound: {v['evidence']}."]
-    if v.get("detail"):
-        out += ["", f"Note: {v['detail']}."]
+    return out + _notes(v, "Scheduler assumption of the bound", "Evidence that set the bound")
+
+
+def _notes(v: Mapping[str, Any], assumption: str, evidence: str) -> list[str]:
+    """The verdict's assumption, evidence and detail, each a paragraph under its label."""
+    out: list[str] = []
+    for label, key in ((assumption, "assumption"), (evidence, "evidence"), ("Note", "detail")):
+        if v.get(key):
+            out += ["", f"{label}: {v[key]}."]
     return out
 
 
@@ -171,19 +174,14 @@ def _expected_order(v: Mapping[str, Any], name: str) -> list[str]:
     rid, others = v.get("request_id"), ", ".join(v["overtakers"])
     rows = [f"| {name} of {rid} | ms |", "|---|---:|",
             f"| idle expectation (alone on a warm server) | {_ms(v.get('idle_s'))} |",
-            f"| had it been served no later than {others} (their first token, from {rid}'s send) | {_ms(v.get('expected_s'))} |",
+            f"| had it been served no later than {v['overtakers'][0]} (its first token, from {rid}'s send) "
+            f"| {_ms(v.get('expected_s'))} |",
             f"| observed (median over the runs that showed the inversion) | {_ms(v.get('observed_s'))} |", ""]
     out = rows + [f"Expected: under first-come-first-served admission {rid}, which reached the server first and needs "
                   f"no more work (prompt tokens without any shared prefix, max_tokens, n), gets its first token no "
                   f"later than {others}. Observed: after them, in {reproduction_of(v)} runs. No step-cost model "
                   "enters this: the order itself is the evidence."]
-    if v.get("assumption"):
-        out += ["", f"Scheduler assumption: {v['assumption']}."]
-    if v.get("evidence"):
-        out += ["", f"Evidence: {v['evidence']}."]
-    if v.get("detail"):
-        out += ["", f"Note: {v['detail']}."]
-    return out
+    return out + _notes(v, "Scheduler assumption", "Evidence")
 
 
 def _statistics(x: Exhibit) -> list[str]:
