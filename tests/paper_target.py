@@ -20,6 +20,8 @@ from fuzzer.trace import Trace
 TRUE_MODEL = StepModel(overhead_s=0.004, prefill_token_s=35e-6, decode_seq_s=80e-6, context_token_s=2e-8,
                        request_overhead_s=0.003)
 
+CLIENT_TIMEOUT_S = 60.0
+
 
 class PaperTarget:
     """Executes traces on paper, with multiplicative noise per token gap and planted faults.
@@ -97,7 +99,9 @@ class PaperTarget:
                 prompt_tokens=r.prompt_tokens, completion_tokens=len(times),
                 http_status=500 if outcome is Outcome.HTTP_ERROR else 200,
             ))
-        duration = max((x.sent_s + (x.e2e_s or 0.0) for x in results), default=0.0)
+        # A request that timed out kept the client waiting for its timeout (the executor's default).
+        duration = max((x.sent_s + (x.e2e_s or (CLIENT_TIMEOUT_S if x.outcome is Outcome.TIMEOUT else 0.0))
+                        for x in results), default=0.0)
         self._clock_s += duration + self.idle_gap_s
         self._idle_s = self.idle_gap_s
         return ExecutionResult(

@@ -346,3 +346,26 @@ def test_an_arrival_during_a_decode_run_is_exposed_to_the_step_it_arrived_in():
     alone = paper_schedule(trace, model, FCFS)["b"]
     assert alone.max_step_s == pytest.approx(0.004 + 1e-5 * 4002)  # a's last step, context 4000 + 2
     assert alone.max_itl_s < 0.01
+
+
+def test_a_short_prompt_sent_just_after_long_ones_is_bounded_by_their_prefill():
+    """vLLM's frontend tokenizes in arrival order: four 4096-token prompts and four 64-token ones
+    sent within 1 ms reached its engine in that order, and the short ones' first tokens came with
+    the last long one's (stock vLLM's CPU build, 16 s). A bound that let them overtake on their
+    way to the engine (1.8 us of tokenization per token) held them to 68 ms."""
+    from fuzzer.oracle.model import SchedulerAssumption, StepModel
+    from fuzzer.trace import Request, Trace
+
+    model = StepModel(overhead_s=0.0034, prefill_token_s=0.00065, decode_seq_s=0.00076, context_token_s=2e-7,
+                      frontend_token_s=1.8e-6)
+    trace = Trace(requests=(*(Request(id=f"L{i}", at_ms=0, prompt_tokens=4096, max_tokens=64) for i in range(4)),
+                            *(Request(id=f"s{i}", at_ms=0, prompt_tokens=64, max_tokens=16) for i in range(4))))
+    bounds = expect(trace, model, SchedulerAssumption(frontend_fifo=True))
+    long_prefill = 4 * 4096 * model.prefill_token_s
+    assert all(bounds[f"s{i}"].ttft_s >= 0.9 * long_prefill for i in range(4))
+    assert all(bounds[f"s{i}"].idle_ttft_s < 0.1 for i in range(4))
+    # Every server met over HTTP is assumed to; the in-process simulator tokenizes each request on its own.
+    assert assumption_for("vllm", ADAPTERS["vllm"].scheduler_defaults).frontend_fifo
+    assert not SchedulerAssumption().frontend_fifo
+    parallel = expect(trace, model, SchedulerAssumption())
+    assert all(parallel[f"s{i}"].ttft_s < 0.2 for i in range(4))

@@ -160,3 +160,30 @@ def test_the_repro_script_judges_the_inversion():
     assert _script_main.judge_order(crit, victim, {"A": victim, "B": res("B", 0.15, 1.4)})[0] is False
     # An overtaker sent too soon after the victim may have reached the server first: not tested.
     assert _script_main.judge_order(crit, victim, {"A": victim, "B": res("B", 0.11, 0.5)})[0] is None
+
+
+def test_a_timeout_that_fcfs_queueing_explains_is_not_a_hang():
+    from fuzzer.oracle.kinds import FindingKind as Kind
+
+    cal = _calibration()
+    # Twenty long prompts at once: the last waits for nineteen prefills before its first byte.
+    crowd = Trace(requests=tuple(Request(id=f"f{i:02d}", at_ms=i, prompt_tokens=3000, max_tokens=8) for i in range(20)))
+    bound = expect_of(crowd, cal)["f19"].ttft_s
+    quick = Trace(requests=(Request(id="q", at_ms=0, prompt_tokens=16, max_tokens=8),))
+
+    def timed_out(trace, rid, silence):
+        rows = tuple(_request(r.id, r.at_ms / 1000.0, r.at_ms / 1000.0 + 0.01) if r.id != rid else
+                     RequestResult(rid, f"{rid}-x", r.at_ms / 1000.0, r.at_ms / 1000.0, Outcome.TIMEOUT)
+                     for r in trace.requests)
+        return ExecutionResult(trace.content_hash(), "test://", 0.0, silence, rows, idle_before_s=0.0)
+
+    (crowded,) = [r for r in observe(crowd, timed_out(crowd, "f19", 1.5 * bound), cal) if r.request_id == "f19"]
+    assert crowded.failure is None  # FCFS says it would wait that long: queueing
+    (stuck,) = [r for r in observe(quick, timed_out(quick, "q", 60.0), cal) if r.request_id == "q"]
+    assert stuck.failure is Kind.HANG  # alone on the server, silent for a minute
+
+
+def expect_of(trace, cal):
+    from fuzzer.oracle.expectation import expect
+
+    return expect(trace, cal.model, cal.assumption)

@@ -100,10 +100,12 @@ def expect(
 
     The FCFS bound is an envelope: the trace is scheduled under the calibrated model,
     under the model scaled by each of ENVELOPE_SCALES, with one step of admission
-    lookahead (a boundary just after a window of arrivals: they share a step), and with
+    lookahead (a boundary just after a window of arrivals: they share a step), with
     a boundary just after the first arrival of a busy engine (who came a little later
-    waits out that step, then shares the next with later arrivals' chunks); each request
-    gets the largest value. Which step a request lands in (and which later arrivals'
+    waits out that step, then shares the next with later arrivals' chunks), and with a
+    frontend that tokenizes in arrival order where the assumption says the server's does
+    (a short prompt sent just after a long one reaches the engine after it, as on vLLM);
+    each request gets the largest value. Which step a request lands in (and which later arrivals'
     chunks share that step) depends on step boundaries that drift with noise; the
     envelope keeps a request that merely met an unlucky boundary from looking slow. The
     max-ITL bound is the longest step the request was exposed to.
@@ -149,9 +151,12 @@ def _expect(
                      for k in ENVELOPE_SCALES]
         variants.append(serve(requests, prefixes, sent, model, assumption, True, kv_blocks=cap))
         variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap))
-        if model.frontend_token_s > 0:  # without frontend time the slack changes nothing
+        if model.frontend_token_s > 0:  # without frontend time the slack and the frontend's order change nothing
             variants.append(serve(requests, prefixes, sent, model.with_frontend_slack(), assumption, True,
                                   window=0.0, kv_blocks=cap))
+            if assumption.frontend_fifo:
+                variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                      fifo_frontend=True))
         if cap is not None:
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
     loaded = serve(requests, prefixes, sent, model, assumption, False)

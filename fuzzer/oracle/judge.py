@@ -116,6 +116,7 @@ def observe(
     thrashed = thrash(trace, result, calibration, policy)
     expectations, factor = bounds(trace, result, calibration, thrashed, policy)
     overtaken = inversions(trace, result, calibration, preemptions(result) > 0, policy)
+    planned = {q.id: q for q in trace.requests}
     reports = []
     for r in result.requests:
         e = expectations[r.request_id]
@@ -129,8 +130,31 @@ def observe(
                 slow = value >= factor * bound and value - bound >= margin
                 inverted = overtaken.get(r.request_id) if metric is Metric.TTFT else None
                 observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed, load, inverted)
-        reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure_kind(r.outcome)))
+        streamed = r.request_id not in planned or planned[r.request_id].stream
+        failure = None if queued_out(r, e, result, factor, streamed) else failure_kind(r.outcome)
+        reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))
     return tuple(reports)
+
+
+def queued_out(r: RequestResult, e: Expectation, result: ExecutionResult, factor: float, streamed: bool = True) -> bool:
+    """A request the client gave up on (TIMEOUT) while FCFS queueing explains the wait: not a hang.
+
+    The client gave up before the execution ended, so the silence it saw lasted at most from
+    the request's last byte (or its send) to the execution's end. On a slow engine a request
+    behind many long prompts waits longer than the client timeout by design (vLLM's CPU build:
+    the 17th of twenty 3000-token prompts waits about a minute for its first token); when
+    ``factor`` times its FCFS bound for that byte reaches the longest the silence can have
+    lasted, the timeout is queueing, not a hang.
+    """
+    if r.outcome is not Outcome.TIMEOUT:
+        return False
+    if r.token_times_s:
+        waited_from, bound = r.sent_s + r.token_times_s[-1], e.max_itl_s
+    else:  # a stream's first byte comes with its first token, a plain response's at its end
+        waited_from, bound = r.sent_s, e.ttft_s if streamed else e.e2e_s
+    if bound is None:
+        return False
+    return factor * bound >= result.duration_s - waited_from
 
 
 def slower_engine(result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY) -> float:

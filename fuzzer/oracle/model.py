@@ -119,6 +119,13 @@ class SchedulerAssumption:
     #: so the order check holds it to that (fuzzer.oracle.order). False for engines whose
     #: order depends on slots or batching (llama.cpp, TGI) or on another policy.
     arrival_order: bool = True
+    #: The server's frontend hands requests to the engine in arrival order, each after the
+    #: tokenization of those sent before it (measured on vLLM's API server: four 4096-token
+    #: prompts and four 64-token ones sent within 1 ms reached its engine in that order); the
+    #: bound then also holds that schedule (fuzzer.oracle.expectation). True for servers met
+    #: over HTTP (assumption_for), False for the in-process simulator, whose frontend
+    #: tokenizes every request on its own.
+    frontend_fifo: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
@@ -131,6 +138,8 @@ class SchedulerAssumption:
     def describe(self) -> str:
         kv = f", KV cache {self.kv_blocks} blocks (server-reported)" if self.kv_blocks is not None else ""
         order = "admission in arrival order" if self.arrival_order else "admission order not assumed"
+        if self.frontend_fifo:
+            order += ", frontend in arrival order"
         return (
             f"max_num_batched_tokens={self.token_budget}, max_num_seqs={self.max_num_seqs}, "
             f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv}, "
@@ -146,6 +155,7 @@ class SchedulerAssumption:
             "source": self.source,
             "kv_blocks": self.kv_blocks,
             "arrival_order": self.arrival_order,
+            "frontend_fifo": self.frontend_fifo,
         }
 
     @classmethod
@@ -201,4 +211,4 @@ def assumption_for(
         source += "; user override of " + ", ".join(sorted(overrides))
     # FCFS by arrival is documented for vLLM and SGLang ("fcfs"); for the others it is not assumed.
     arrival_order = defaults.get("scheduling_policy") == "fcfs"
-    return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order)
+    return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order, frontend_fifo=True)
