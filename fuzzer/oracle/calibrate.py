@@ -159,12 +159,8 @@ class _Pace:
 
     small: tuple[float, float]
     large: tuple[float, float]
-    #: A pace that knows nothing yet: every probe this far apart.
-    fixed_s: float | None = None
 
     def spacing_s(self, size: float) -> float:
-        if self.fixed_s is not None:
-            return self.fixed_s
         (x0, y0), (x1, y1) = self.small, self.large
         expected = y1 if x1 <= x0 else y0 + (y1 - y0) * (size - x0) / (x1 - x0)
         return max(MIN_SPACING_S, SPACING_FACTOR * max(expected, y0, 0.0))
@@ -174,16 +170,18 @@ class _Pace:
 class _Plan:
     """Builds one probe trace: each probe (or group sent together) spaced by its own expected duration."""
 
-    pace: _Pace
+    #: None for a plan whose every probe is given its spacing (the pilot's).
+    pace: _Pace | None
     requests: list[Request] = field(default_factory=list)
     prefixes: dict[str, int] = field(default_factory=dict)
     meta: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     slot: int = 0
     at_s: float = 0.0
 
-    def add(self, prompt: int, max_tokens: int, *, batch: int = 1, lead_in: bool = False, size: float | None = None) -> None:
-        """A probe (or ``batch`` identical ones sent together) in the next slot; ``size`` is
-        what its pace interpolates over (default: its prompt)."""
+    def add(self, prompt: int, max_tokens: int, *, batch: int = 1, lead_in: bool = False, size: float | None = None,
+            spacing_s: float | None = None) -> None:
+        """A probe (or ``batch`` identical ones sent together) in the next slot, followed by
+        ``spacing_s`` or else by what the pace gives for ``size`` (default: its prompt)."""
         at_ms = round(self.at_s * 1000.0, 3)
         for i in range(batch):
             rid = f"s{self.slot}" + (f"b{i}" if batch > 1 else "")
@@ -191,12 +189,16 @@ class _Plan:
             if not lead_in:
                 self.meta[rid] = (prompt, 0, max_tokens, batch)
         self.slot += 1
-        self.at_s += self.pace.spacing_s(prompt if size is None else size)
+        if spacing_s is None:
+            assert self.pace is not None
+            spacing_s = self.pace.spacing_s(prompt if size is None else size)
+        self.at_s += spacing_s
 
     def add_pair(self, prefix: int, suffix: int, *, hit: int) -> None:
         """A request that computes a prefix, then (once it is done) a probe that reuses it."""
         group = f"g{self.slot}"
         self.prefixes[group] = prefix
+        assert self.pace is not None
         gap = self.pace.spacing_s(prefix + suffix)
         for i, rid in enumerate((f"w{self.slot}", f"c{self.slot}")):
             at_ms = round((self.at_s + i * gap) * 1000.0, 3)
@@ -271,19 +273,18 @@ async def calibrate(
 
     for run in range(max(1, warmup_runs)):
         # The first run is paced blind (PILOT_SPACING_S: half for the small probes), later ones by what it measured.
-        pilot = _Plan(_Pace((0.0, 0.0), (0.0, 0.0), fixed_s=PILOT_SPACING_S))
+        pilot = _Plan(None)
         kind_of: dict[str, tuple[str, int]] = {}
         for kind, (lo, hi) in sizes_of.items():
             for size in (lo, hi):
                 kind_of[f"s{pilot.slot}"] = (kind, size)
-                blind = PILOT_SPACING_S / 2 if size == lo else PILOT_SPACING_S
-                pilot.pace = pace(kind) if run else _Pace((0.0, 0.0), (0.0, 0.0), fixed_s=blind)
+                gap = pace(kind).spacing_s(size) if run else PILOT_SPACING_S / (2 if size == lo else 1)
                 if kind == "prefill":
-                    pilot.add(size, 2)
+                    pilot.add(size, 2, spacing_s=gap)
                 elif kind == "decode":
-                    pilot.add(size, DECODE_TOKENS)
+                    pilot.add(size, DECODE_TOKENS, spacing_s=gap)
                 else:
-                    pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=size, size=size)
+                    pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=size, spacing_s=gap)
         for probe in await _run(target, pilot, "calibration-pilot"):
             key = kind_of[probe.result.request_id.split("b")[0]]
             slowest[key] = max(slowest.get(key, 0.0), probe.result.e2e_s or 0.0)

@@ -449,8 +449,8 @@ def order_verdict(
 
     DIFFERENT when it was overtaken in at least ``order_min_runs`` runs and in at least
     ``order_quorum`` of them; UNSTABLE at the run cap below that; UNKNOWN before. The
-    effect is the victim's TTFT over its TTFT had it been served no later than the latest
-    request that overtook it, a lower bound on what the inversion cost it.
+    effect is the victim's TTFT over its TTFT had it been served no later than the earliest
+    request that overtook it (fuzzer.oracle.order.Inversion.bound_s).
     """
     obs = [o for rep in per_run if (o := rep.observations.get(Metric.TTFT)) is not None]
     hit = [o for o in obs if o.order is not None]

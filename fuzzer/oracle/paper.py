@@ -30,9 +30,8 @@ cache never runs out.
 
 from __future__ import annotations
 
-import math
-
 import functools
+import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field

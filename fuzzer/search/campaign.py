@@ -353,11 +353,13 @@ class Campaign:
         """A mutant of ``parent`` within the execution budget: up to AFFORD_TRIES mutants are
         made until one fits; when none does, the shortest of them (the search never stalls)."""
         budget = self.execution_budget_s()
+        if budget is None:  # no --duration: no paper schedule of every mutant to compute
+            return self.mutator.mutate(parent, self.rng, other)
         best: tuple[float, Child] | None = None
         for _ in range(AFFORD_TRIES):
             child = self.mutator.mutate(parent, self.rng, other)
             cost = self.expected_duration_s(child.trace)
-            if budget is None or cost is None or cost <= budget:
+            if cost is None or cost <= budget:
                 return child
             self.too_long += 1
             if best is None or cost < best[0]:
