@@ -13,13 +13,15 @@ What keeps the check to what FCFS really guarantees (each a reason not to call a
 
 - Only engines whose documented policy is FCFS by arrival (``SchedulerAssumption.arrival_order``);
   llama.cpp's slots and TGI's batching are not held to it.
-- A surely reached the engine first: sent at least ``policy.order_reach_s`` (plus the
-  client's own stalls) before B. B, with at least A's tokens, takes at least as long in the
-  frontend.
+- A surely reached the engine first: sent at least ``policy.order_reach_s`` before B. B, with
+  at least A's tokens, takes at least as long in the frontend. The client's own stalls do not
+  widen this: send times are stamped by the one event loop that then writes the request, and a
+  stall holds back every send behind it, so requests leave in the order and at least at the
+  spacing stamped (a stall delays what the client *receives*, hence the lead below).
 - B's uncached work is counted without its shared prefix (another member of its group may
   have put it in the prefix cache); A's with its whole prompt.
-- A's first token came at least the latency margin (``policy.min_margin_s``, the client's
-  stalls) after B's: two first tokens of one step reach the client a few ms apart.
+- A's first token came at least the latency margin (``policy.min_margin_s``, plus the client's
+  worst stall) after B's: two first tokens of one step reach the client a few ms apart.
 - Every request sent before A got its first token by B's (within that margin): B overtook A,
   not A's predecessors. When B overtook them too, A may have lost nothing (FCFS would have
   served them before A anyway: LIFO's middle request), and the earliest overtaken one is the
@@ -94,8 +96,8 @@ def inversions(
     planned = {r.id: r for r in trace.requests}
     timed = [(planned[r.request_id], r) for r in result.requests
              if r.request_id in planned and _first_token(r) is not None]
-    lag = policy.client_lag_margins * (result.client_lag_s or 0.0)
-    reach, lead = policy.order_reach_s + lag, policy.min_margin_s + lag
+    reach = policy.order_reach_s
+    lead = policy.min_margin_s + policy.client_lag_margins * (result.client_lag_s or 0.0)
     found: dict[str, Inversion] = {}
     for a_req, a in timed:
         a_first = _first_token(a)

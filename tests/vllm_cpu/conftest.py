@@ -243,6 +243,16 @@ def vllm_server(vllm_python, vllm_model, tmp_path_factory):
         stop_vllm_server(server)
 
 
+@pytest.fixture(scope="session")
+def vllm_speed(vllm_server):
+    """How fast the stock server steps on this machine (schedules.Speed), to time the planted-bug schedules."""
+    from . import schedules
+
+    speed = schedules.measure(vllm_server.base_url, vllm_server.model)
+    print(f"\nvLLM speed here: full-budget prefill {speed.step_s * 1000:.0f} ms, decode {speed.decode_s * 1000:.1f} ms a token")
+    return speed
+
+
 @pytest.fixture
 def vllm_server_factory(vllm_python, vllm_model, tmp_path):
     """Start more servers, e.g. ``factory(scheduler_cls="planted.HolLongestFirst")``; all stopped after the test."""

@@ -18,6 +18,7 @@ import pytest
 
 from fuzzer import trace as trace_format
 
+from . import schedules
 from .conftest import MAX_MODEL_LEN, SERVED_MODEL_NAME, group_members, post_json
 
 pytestmark = pytest.mark.vllm
@@ -61,6 +62,16 @@ def calibrated(vllm_server, tmp_path_factory) -> tuple[Path, dict]:
 def _replay(url: str, db: Path, trace_path: Path) -> dict:
     # Exit 1 is a confirmed finding: a verdict, which is not what these tests look at.
     return _json_of(_fuzz("replay", str(trace_path), "--target", url, "--db", str(db), "--runs", "1", "--json"), 0, 1)
+
+
+def _timeline(out: dict) -> str:
+    """Each run's requests (sent, first token), its client lag and warnings: why a verdict went as it did."""
+    lines = []
+    for run in out.get("runs", []):
+        lines.append(f"client lag {run.get('client_lag_s')}, warnings {run.get('warnings')}")
+        lines += [f"  {r['id']}: sent {r.get('sent_s')} ttft {r.get('ttft_s')} outcome {r.get('outcome')}"
+                  for r in run.get("requests", [])]
+    return "\n".join(lines)
 
 
 def test_the_server_runs_as_three_processes_in_a_group_of_its_own(vllm_server):
@@ -145,19 +156,22 @@ def test_a_corpus_trace_replays_end_to_end(vllm_server, calibrated):
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * CLI_TIMEOUT_S)
-@pytest.mark.parametrize(("cls", "trace_name", "victim"), [
-    ("planted.LifoAdmission", "planted-lifo.json", "A1"),
-    ("planted.HolLongestFirst", "planted-hol.json", "S"),
+@pytest.mark.parametrize(("cls", "schedule", "victim"), [
+    ("planted.LifoAdmission", schedules.lifo, "A1"),
+    ("planted.HolLongestFirst", schedules.hol, "S"),
 ])
 def test_the_oracle_finds_a_planted_ordering_bug_with_its_victim_and_nothing_on_stock_vllm(
-        cls, trace_name, victim, vllm_server, vllm_server_factory, calibrated, tmp_path):
-    """benchmarks/vllm's planted-bug traces: the victim is found by the order of first tokens on the
-    planted scheduler (the step model puts both victims under 2x their FCFS bounds), and stock vLLM
-    serving the same trace in FCFS order gives no finding. Both are judged by the stock server's
-    calibration: the planted class changes which request a step serves, not what a step costs."""
+        cls, schedule, victim, vllm_server, vllm_server_factory, vllm_speed, calibrated, tmp_path):
+    """The planted-bug schedules (schedules.py, as benchmarks/vllm's planted-*.json traces, timed for
+    this machine): the victim is found by the order of first tokens on the planted scheduler (the
+    step model puts both victims under 2x their FCFS bounds), and stock vLLM serving the same trace
+    in FCFS order gives no finding. Both are judged by the stock server's calibration: the planted
+    class changes which request a step serves, not what a step costs."""
     db, _ = calibrated
-    trace_path = ROOT / "benchmarks" / "vllm" / trace_name
-    assert _replay(vllm_server.base_url, db, trace_path)["findings"] == []
+    trace_path = tmp_path / f"{cls}.json"
+    trace_path.write_text(json.dumps(schedules.as_trace(cls.replace(".", "-"), schedule(vllm_speed, 0))))
+    stock = _replay(vllm_server.base_url, db, trace_path)
+    assert stock["findings"] == [], (stock["findings"], _timeline(stock))
     planted = vllm_server_factory(scheduler_cls=cls)
     mine = tmp_path / "planted.db"
     with sqlite3.connect(db) as source, sqlite3.connect(mine) as copy:
@@ -168,5 +182,5 @@ def test_the_oracle_finds_a_planted_ordering_bug_with_its_victim_and_nothing_on_
                     "WHERE data = ? LIMIT 1", (f"{planted.base_url}#{SERVED_MODEL_NAME}", data))
     out = _replay(planted.base_url, mine, trace_path)
     findings = out["findings"]
-    assert [(f["request_id"], f["kind"]) for f in findings] == [(victim, "ttft-outlier")], findings
+    assert [(f["request_id"], f["kind"]) for f in findings] == [(victim, "ttft-outlier")], (findings, _timeline(out))
     assert findings[0]["overtakers"] and "order of first tokens" in findings[0]["evidence"], findings[0]
