@@ -53,8 +53,9 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
     "--corpus",
     "corpus_dir",
     default=None,
-    type=click.Path(file_okay=False),
-    help="Folder of seed traces (*.json) [default: ./corpus, else the seeds that come with fuzz].",
+    type=click.Path(),
+    help="Folder of seed traces (*.json), one trace, or a production trace (Mooncake JSONL, Azure or BurstGPT CSV: "
+         "its first windows become seeds) [default: ./corpus, else the seeds that come with fuzz].",
 )
 @server_option
 @model_option
@@ -136,7 +137,7 @@ def _seed_folder(corpus_dir: str | None) -> Path | None:
     """The folder named by --corpus; else ./corpus; else the seeds of the checkout fuzz runs from."""
     if corpus_dir is not None:
         folder = Path(corpus_dir)
-        if not folder.is_dir():
+        if not folder.exists():
             raise ConfigError(f"--corpus folder {folder} does not exist")
         return folder
     for folder in (Path("corpus"), BUNDLED_CORPUS):
@@ -147,6 +148,10 @@ def _seed_folder(corpus_dir: str | None) -> Path | None:
 
 
 def _load_seeds(folder: Path | None) -> list[trace_format.Trace]:
+    if folder is not None and folder.is_file():
+        from fuzzer.formats.seeds import seeds_of_file  # noqa: PLC0415
+
+        return seeds_of_file(folder)
     return [trace_format.load(p) for p in sorted(folder.glob("*.json"))] if folder is not None else []
 
 
