@@ -124,3 +124,20 @@ def test_show_json_summarizes_the_findings_executions(tmp_path):
     data = json.loads(result.output)
     assert data["executions"] == 2 and data["metrics"]["time_to_first_token"]["max"] == pytest.approx(200)
     assert data["kind"] == "slo-violation"
+
+
+def test_report_goodput_section(tmp_path):
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from fuzzer.cli import cli  # noqa: PLC0415
+    from fuzzer.store import Store  # noqa: PLC0415
+
+    db = tmp_path / "r.db"
+    with Store.open(db) as store:
+        for ttft in (0.3, 0.05):
+            store.record_execution(_run(ttft), TRACE)
+    page = tmp_path / "r.html"
+    result = CliRunner().invoke(cli, ["report", "--db", str(db), "--out", str(page), "--goodput", "ttft:100"])
+    assert result.exit_code == 0, result.output
+    assert "SLO ttft:100 (ms): attainment 75%" in result.output  # 3 of 4 requests met it
+    assert "<h2>SLO (ttft:100 ms)</h2>" in page.read_text() and "75.0%" in page.read_text()
