@@ -141,3 +141,44 @@ def test_report_goodput_section(tmp_path):
     assert result.exit_code == 0, result.output
     assert "SLO ttft:100 (ms): attainment 75%" in result.output  # 3 of 4 requests met it
     assert "<h2>SLO (ttft:100 ms)</h2>" in page.read_text() and "75.0%" in page.read_text()
+
+
+async def test_campaign_records_slo_violations_beside_the_scheduler_kinds():
+    from conftest import CORPUS  # noqa: PLC0415
+
+    from fuzzer import trace as tf  # noqa: PLC0415
+    from fuzzer.search.campaign import Campaign  # noqa: PLC0415
+    from fuzzer.search.settings import Settings  # noqa: PLC0415
+    from fuzzer.sim import VirtualTarget  # noqa: PLC0415
+    from fuzzer.store import Store  # noqa: PLC0415
+
+    store = Store.memory()
+    settings = Settings(seed=5, max_execs=12, slo_ms={"ttft": 1.0})  # 1 ms: every request misses
+    summary = await Campaign(VirtualTarget(seed=2), store, settings, seeds=[tf.load(CORPUS / "vllm-37308.json")],
+                             target_key="sim:test").run()
+    slo_findings = [f for f in store.list_findings() if f.kind == "slo-violation"]
+    assert slo_findings, store.list_findings()
+    f = slo_findings[0]
+    assert f.reproduced in ("3/3", "3/4", "4/5", "4/6", "5/6", "6/6", "5/5", "4/4")
+    assert f.verdict["p_value"] is not None and f.verdict["effect"] > 1
+    assert (f.id, "slo-violation") in summary.new_findings
+    assert Settings.from_dict(store.latest_campaign()["settings"]).slo_ms == {"ttft": 1.0}
+
+
+def test_minimize_and_bundle_export_refuse_an_slo_finding_in_one_line(tmp_path):
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from fuzzer.cli import cli  # noqa: PLC0415
+    from fuzzer.store import Store  # noqa: PLC0415
+
+    db = tmp_path / "f.db"
+    with Store.open(db) as store:
+        fid, _ = store.add_finding(kind="slo-violation", signature="s", trace=TRACE, verdict={}, slowdown=None,
+                                   reproduced="3/3")
+    for args in (["minimize", str(fid)], ["export", str(fid), "--out", str(tmp_path / "o")]):
+        result = CliRunner().invoke(cli, [*args, "--db", str(db)])
+        assert result.exit_code == 2
+        assert result.output.strip().splitlines() == [
+            f"error: finding {fid} is an slo-violation: " + ("minimize" if args[0] == "minimize" else
+                                                           "a repro.py/report.md bundle")
+            + f" is not supported for SLO findings; `fuzz show {fid}` and `fuzz export {fid} --format mooncake` are"]

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.slo import Slo, goodput
 from fuzzer.oracle.verdict import Verdict
@@ -52,3 +53,10 @@ def slo_lines(slo: Slo, results: Sequence[ExecutionResult], verdicts: Sequence[V
 def _mean(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return sum(kept) / len(kept) if kept else None
+
+
+def refuse_slo_finding(finding, what: str) -> None:
+    """One clear line instead of a half-right result: SLO findings are not minimized or bundled (yet)."""
+    if finding.kind == "slo-violation":
+        raise ConfigError(f"finding {finding.id} is an slo-violation: {what} is not supported for SLO findings; "
+                          f"`fuzz show {finding.id}` and `fuzz export {finding.id} --format mooncake` are")

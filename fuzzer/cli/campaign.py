@@ -18,6 +18,7 @@ from fuzzer.cli import _console
 from fuzzer.cli._render import time_line
 from fuzzer.cli._calibration import stored_calibration
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
+from fuzzer.cli._slo import goodput_option, parse_slo
 from fuzzer.cli._target import (
     DEFAULT_SIM_PATHOLOGIES,
     limits_for,
@@ -87,9 +88,10 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
     help="Largest share of wall time spent letting the server idle on purpose (10 s at a time) to catch "
     "cold starts; 0 never does.",
 )
+@goodput_option
 def command(
     target, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, faults, fault_rate, speed,
-    timeout_s, null_mutator, idle_share,
+    timeout_s, null_mutator, idle_share, goodput_specs,
 ) -> None:
     """Fuzz a server for latency pathologies; resume with the same --db.
 
@@ -103,8 +105,10 @@ def command(
         fuzz campaign --duration 2m
         fuzz campaign --target http://127.0.0.1:8000 --duration 8h --db night.db
         fuzz campaign --faults all --fault-rate 0.1 --speed 10 --timeout 2 --duration 5m
+        fuzz campaign --corpus conversation_trace.jsonl --goodput 'ttft:2000 tpot:100' --duration 1h
     """
     duration_s = parse_duration(duration)
+    slo = parse_slo(goodput_specs)
     seeds = _load_seeds(_seed_folder(corpus_dir))
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "big")
@@ -128,7 +132,7 @@ def command(
                           "drop them or drop --target")
     summary = asyncio.run(
         _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator,
-             idle_share)
+             idle_share, slo_ms=dict(slo.items()) if slo else None)
     )
     _print_summary(summary, db_path)
 
@@ -157,7 +161,7 @@ def _load_seeds(folder: Path | None) -> list[trace_format.Trace]:
 
 async def _run(
     url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator, idle_share,
-    wall_clock: Callable[[], float] = time.time,
+    wall_clock: Callable[[], float] = time.time, slo_ms: dict[str, float] | None = None,
 ) -> Summary:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -191,6 +195,7 @@ async def _run(
                 settings = Settings(
                     duration_s=duration_s, max_execs=max_execs, seed=seed,
                     mutator="null" if null_mutator else "guided", limits=limits_for(target), idle_share=idle_share,
+                    slo_ms=slo_ms,
                 )
                 # One key for every command (fuzz calibrate stores there); older keys still read.
                 # The campaign measures again when the stored calibration is stale.

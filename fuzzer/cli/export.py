@@ -6,6 +6,7 @@ import click
 
 from fuzzer.cli._console import out
 from fuzzer.cli._options import db_option
+from fuzzer.cli._slo import refuse_slo_finding
 
 
 @click.command("export")
@@ -43,6 +44,7 @@ def command(finding_id, db_path, out_dir, fmt, block_size) -> None:
     from fuzzer.store import Store  # noqa: PLC0415
 
     with Store.open(db_path, create=False) as store:
+        refuse_slo_finding(store.get_finding(finding_id), "a repro.py/report.md bundle")
         folder = export_finding(store, finding_id, out_dir)
     names = sorted(p.name for p in folder.iterdir())
     out.print(f"wrote {folder}/: {', '.join(names)}")
