@@ -32,5 +32,5 @@ def export_mooncake(db_path: str, finding_id: str, out_dir: str, block_size: int
                   "streaming completions without them")
     out.print("replay it with AIPerf (fixed schedule: the timestamps are the send times):")
     out.print(f"  aiperf profile -m MODEL --url http://HOST:PORT --endpoint-type completions --streaming "
-              f"--input-file {path} --custom-dataset-type mooncake_trace --fixed-schedule")
+              f"--input-file {path} --custom-dataset-type mooncake_trace --isl-block-size {block_size} --fixed-schedule")
     out.print(f"  fuzz import {path} --block-size {block_size} --out corpus/   # back into a seed trace")
