@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from click.testing import CliRunner
 from conftest import ROOT
 
@@ -142,3 +144,34 @@ def test_export_mooncake_of_a_finding(tmp_path, seed_trace):
     _, _, (back,) = import_file(written, window=len(seed_trace.requests), block_size=16)
     assert [(r.prompt_tokens, r.max_tokens) for r in back.requests] == [
         (r.prompt_tokens, r.max_tokens) for r in seed_trace.requests]
+
+
+_roots = st.sampled_from([1, 2, 3, None])
+
+
+@st.composite
+def _mooncake_rows(draw):
+    rows, at = [], 0
+    tails = iter(range(1000, 100000))
+    for _ in range(draw(st.integers(1, 12))):
+        at += draw(st.integers(0, 5000))
+        length = draw(st.integers(0, 3000))
+        blocks = max(1, -(-length // 16))
+        root = draw(_roots)
+        shared = [root * 100 + i for i in range(draw(st.integers(1, blocks)))] if root is not None else []
+        ids = (shared + [next(tails) for _ in range(blocks)])[:blocks]
+        rows.append({"timestamp": at, "input_length": length, "output_length": draw(st.integers(0, 500)),
+                     "hash_ids": ids})
+    return rows
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=_mooncake_rows())
+def test_property_export_of_an_imported_window_imports_to_the_same_trace(tmp_path, rows):
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, _, (first,) = import_file(src, window=len(rows), block_size=16)
+    again = tmp_path / "again.jsonl"
+    again.write_text(mooncake.dumps(first, block_size=16))
+    _, _, (second,) = import_file(again, window=len(rows), block_size=16)
+    assert _trace_shape(second) == _trace_shape(first)
