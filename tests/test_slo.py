@@ -182,3 +182,22 @@ def test_minimize_and_bundle_export_refuse_an_slo_finding_in_one_line(tmp_path):
             f"error: finding {fid} is an slo-violation: " + ("minimize" if args[0] == "minimize" else
                                                            "a repro.py/report.md bundle")
             + f" is not supported for SLO findings; `fuzz show {fid}` and `fuzz export {fid} --format mooncake` are"]
+
+
+def test_goodput_takes_vllms_unquoted_words():
+    import click  # noqa: PLC0415
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from fuzzer.cli._slo import goodput_option, parse_slo  # noqa: PLC0415
+
+    @click.command()
+    @click.argument("path")
+    @goodput_option
+    def probe(path, goodput_specs):
+        click.echo(f"{path}|{parse_slo(goodput_specs).describe()}")
+
+    for args in (["t.json", "--goodput", "ttft:500", "tpot:50", "e2el:2000"],
+                 ["--goodput", "ttft:500", "tpot:50", "e2el:2000", "t.json"],
+                 ["t.json", "--goodput", "ttft:500 tpot:50", "--goodput", "e2el:2000"]):
+        result = CliRunner().invoke(probe, args)
+        assert result.output.strip() == "t.json|ttft:500 tpot:50 e2el:2000", (args, result.output)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,12 +13,36 @@ from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.slo import Slo, goodput
 from fuzzer.oracle.verdict import Verdict
 
+class _GoodputOption(click.Option):
+    """``--goodput ttft:500 tpot:50``, vLLM's spelling: the words after the first that look like
+    ``NAME:MS`` belong to the option too (click options take one value each otherwise)."""
+
+    def add_to_parser(self, parser, ctx) -> None:
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            option = parser._long_opt.get(name)
+            if option is None:
+                continue
+            original = option.process
+
+            def process(value, state, original=original):
+                words = [value]
+                while state.rargs and _WORD.match(state.rargs[0]):
+                    words.append(state.rargs.pop(0))
+                original(" ".join(words), state)
+
+            option.process = process
+
+
+_WORD = re.compile(r"^(ttft|tpot|e2el):")
+
 goodput_option = click.option(
     "--goodput",
     "goodput_specs",
+    cls=_GoodputOption,
     multiple=True,
     metavar="'ttft:MS tpot:MS e2el:MS'",
-    help="SLOs in ms, vLLM's --goodput words (quoted together, or the option repeated): report goodput and "
+    help="SLOs in ms, vLLM's --goodput words (ttft:MS tpot:MS e2el:MS, any subset): report goodput and "
          "SLO attainment and judge slo-violation findings beside the scheduler ones.",
 )
 

@@ -105,7 +105,7 @@ def command(
         fuzz campaign --duration 2m
         fuzz campaign --target http://127.0.0.1:8000 --duration 8h --db night.db
         fuzz campaign --faults all --fault-rate 0.1 --speed 10 --timeout 2 --duration 5m
-        fuzz campaign --corpus conversation_trace.jsonl --goodput 'ttft:2000 tpot:100' --duration 1h
+        fuzz campaign --corpus conversation_trace.jsonl --goodput ttft:2000 tpot:100 --duration 1h
     """
     duration_s = parse_duration(duration)
     slo = parse_slo(goodput_specs)

@@ -70,7 +70,7 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
         fuzz replay corpus/vllm-37308.json --runs 5
         fuzz replay trace.json --target http://127.0.0.1:8000 --json
         fuzz replay corpus/n-logprobs.json --pathologies logprobs-batch-cost
-        fuzz replay corpus/kv-fill.json --goodput 'ttft:500 tpot:50 e2el:5000'
+        fuzz replay corpus/kv-fill.json --goodput ttft:500 tpot:50 e2el:5000
     """
     slo = parse_slo(goodput_specs)
     trace = trace_format.load(trace_path)

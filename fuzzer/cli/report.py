@@ -33,7 +33,7 @@ def command(db_path, out_path, goodput_specs) -> None:
     \b
     Example:
         fuzz report --db night.db --out night.html
-        fuzz report --db night.db --goodput 'ttft:500 tpot:50'
+        fuzz report --db night.db --goodput ttft:500 tpot:50
     """
     from fuzzer.report import html as report  # noqa: PLC0415 - matplotlib only for this command
     from fuzzer.report import slo as slo_report  # noqa: PLC0415
