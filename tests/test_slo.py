@@ -201,3 +201,8 @@ def test_goodput_takes_vllms_unquoted_words():
                  ["t.json", "--goodput", "ttft:500 tpot:50", "--goodput", "e2el:2000"]):
         result = CliRunner().invoke(probe, args)
         assert result.output.strip() == "t.json|ttft:500 tpot:50 e2el:2000", (args, result.output)
+
+
+def test_verdict_carries_the_median_observed_time_of_the_metric_over():
+    v = verdicts(TRACE, [_run(0.3), _run(0.2), _run(0.4)], Slo(ttft_ms=100))[0]
+    assert v.observed_s == pytest.approx(0.3) and v.to_dict()["observed_s"] == pytest.approx(0.3)

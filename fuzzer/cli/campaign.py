@@ -295,8 +295,11 @@ def _print_summary(summary: Summary, db_path: str) -> None:
         first = summary.new_findings[0][0] if summary.new_findings else 1
         out.print(f"  fuzz findings{db}")
         out.print(f"  fuzz show {first}{db}")
-        out.print(f"  fuzz minimize {first}{db}")
-        out.print(f"  fuzz export {first}{db}")
+        if (first, "slo-violation") in summary.new_findings:  # not minimized or bundled: its trace as Mooncake
+            out.print(f"  fuzz export {first}{db} --format mooncake")
+        else:
+            out.print(f"  fuzz minimize {first}{db}")
+            out.print(f"  fuzz export {first}{db}")
     else:
         out.print(f"  fuzz campaign{db}   (the same command resumes where this one stopped)")
         out.print(f"  fuzz status{db}")

@@ -100,10 +100,11 @@ def verdicts(trace: Trace, results: Sequence[ExecutionResult], slo: Slo) -> list
     """One verdict per request that missed the SLO in at least one run (a finding, or not yet)."""
     out = []
     for request in trace.requests:
-        worst = [slo.worst(r) for res in results for r in res.requests if r.request_id == request.id]
+        mine = [r for res in results for r in res.requests if r.request_id == request.id]
+        worst = [slo.worst(r) for r in mine]
         misses = [(name, ratio) for name, ratio in worst if ratio > 1.0]
         if misses:
-            out.append(_verdict(trace, request.id, worst, misses, slo))
+            out.append(_verdict(trace, request.id, mine, worst, misses, slo))
     return out
 
 
@@ -130,7 +131,7 @@ async def examine(target: Target, trace: Trace, results: Sequence[ExecutionResul
     return found, extra
 
 
-def _verdict(trace: Trace, request_id: str, worst, misses, slo: Slo) -> Verdict:
+def _verdict(trace: Trace, request_id: str, mine: Sequence[RequestResult], worst, misses, slo: Slo) -> Verdict:
     k, n = len(misses), len(worst)
     p = float(stats.binomtest(k, n, 0.5, alternative="greater").pvalue)
     metric_name = statistics.mode(name for name, _ in misses)
@@ -143,12 +144,14 @@ def _verdict(trace: Trace, request_id: str, worst, misses, slo: Slo) -> Verdict:
     else:
         decision = Decision.UNKNOWN
     limit = dict(slo.items())[metric_name]
+    seen = [x for r in mine if (x := slo.ratios(r).get(metric_name)) is not None and x != float("inf")]
+    observed_s = statistics.median(seen) * limit / 1000.0 if seen else None
     return Verdict(
         kind=FindingKind.SLO_VIOLATION, decision=decision,
         method=f"runs over the SLO ({slo.describe()}), one-sided sign test; a violation needs >= {MIN_MISSES} "
                f"runs and >= {MISS_QUORUM:.0%} of them",
         request_id=request_id, metric=_METRIC[metric_name], p_value=p, effect=effect, threshold=1.0,
-        n_sample=n, reproduced=k, runs=n, signature=signature(FindingKind.SLO_VIOLATION, trace, request_id,
+        n_sample=n, reproduced=k, runs=n, observed_s=observed_s, signature=signature(FindingKind.SLO_VIOLATION, trace, request_id,
                                                               slo=metric_name),
         detail=f"{metric_name} over its SLO of {limit:g} ms in {k}/{n} runs (median {effect:.2f}x the SLO)",
         evidence="the user's SLO, not the FCFS bound",
