@@ -20,7 +20,7 @@ class _GoodputOption(click.Option):
     def add_to_parser(self, parser, ctx) -> None:
         super().add_to_parser(parser, ctx)
         for name in self.opts:
-            option = parser._long_opt.get(name)
+            option = getattr(parser, "_long_opt", {}).get(name)  # click's parser; else quoted/repeated only
             if option is None:
                 continue
             original = option.process

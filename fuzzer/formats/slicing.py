@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from fuzzer.errors import FormatError, TraceError
 from fuzzer.formats.records import ProductionRequest
-from fuzzer.trace import MAX_AT_MS, MAX_PROMPT_TOKENS, MAX_REQUESTS, Request, Trace, validate
+from fuzzer.trace import MAX_AT_MS, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS, MAX_REQUESTS, Request, Trace, validate
 
 
 def windows(
@@ -51,7 +51,7 @@ def to_trace(chunk: Sequence[ProductionRequest], *, first: int, block_size: int,
         if prompt > MAX_PROMPT_TOKENS:
             raise FormatError(f"request {first + i} of the trace has {prompt} input tokens, more than {MAX_PROMPT_TOKENS}")
         requests.append(Request(id=f"r{first + i}", at_ms=round(rec.at_ms - t0, 3), prompt_tokens=prompt,
-                                max_tokens=min(max(1, rec.output_length), MAX_PROMPT_TOKENS), prefix=member_of.get(i)))
+                                max_tokens=min(max(1, rec.output_length), MAX_OUTPUT_TOKENS), prefix=member_of.get(i)))
     try:
         return validate(Trace(requests=tuple(requests), prefixes=prefixes, name=name))
     except TraceError as e:
