@@ -141,6 +141,7 @@ def test_export_mooncake_of_a_finding(tmp_path, seed_trace):
     assert result.exit_code == 0, result.output
     written = tmp_path / "out" / str(fid) / "trace.mooncake.jsonl"
     assert "aiperf profile" in result.output and "--custom-dataset-type mooncake_trace" in result.output
+    assert "--dataset-name timed_trace" in result.output and "--timed-trace-chunk-hash-size 16" in result.output
     _, _, (back,) = import_file(written, window=len(seed_trace.requests), block_size=16)
     assert [(r.prompt_tokens, r.max_tokens) for r in back.requests] == [
         (r.prompt_tokens, r.max_tokens) for r in seed_trace.requests]

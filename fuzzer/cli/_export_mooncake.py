@@ -33,4 +33,8 @@ def export_mooncake(db_path: str, finding_id: str, out_dir: str, block_size: int
     out.print("replay it with AIPerf (fixed schedule: the timestamps are the send times):")
     out.print(f"  aiperf profile -m MODEL --url http://HOST:PORT --endpoint-type completions --streaming "
               f"--input-file {path} --custom-dataset-type mooncake_trace --isl-block-size {block_size} --fixed-schedule")
+    out.print("or with vLLM's benchmark (timed_trace: timestamps in ms, so a 0.001 multiplier to seconds):")
+    out.print(f"  vllm bench serve --model MODEL --base-url http://HOST:PORT --dataset-name timed_trace "
+              f"--dataset-path {path} --num-prompts {len(trace.requests)} --self-timed "
+              f"--timed-trace-chunk-hash-size {block_size} --timed-trace-sec-multiplier 0.001 --ignore-eos")
     out.print(f"  fuzz import {path} --block-size {block_size} --out corpus/   # back into a seed trace")
