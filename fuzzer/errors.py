@@ -78,3 +78,7 @@ def _show(value: object) -> str:
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+class FormatError(FuzzError):
+    """A production trace (Mooncake JSONL, Azure or BurstGPT CSV) cannot be read or written."""

@@ -33,11 +33,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "sim": SEAM,
     "store": SEAM,
     "execute": SEAM,
+    "formats": SEAM,
     "oracle": SEAM | {"execute"},
     "search": SEAM | {"execute", "oracle", "store"},
     "shrink": SEAM | {"execute", "oracle", "store"},
     "report": SEAM | {"execute", "oracle", "store"},
-    "cli": SEAM | {"sim", "store", "execute", "oracle", "search", "shrink", "report"},
+    "cli": SEAM | {"sim", "store", "execute", "formats", "oracle", "search", "shrink", "report"},
     "__main__": {"cli"},
 }
 #: Leaf modules of a stage: they import nothing of the fuzzer's but the seam.

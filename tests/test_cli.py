@@ -15,7 +15,9 @@ from fuzzer.cli import cli
 from fuzzer.errors import ConfigError
 from fuzzer.store import Store
 
-SPEC_COMMANDS = ["campaign", "status", "findings", "show", "minimize", "export", "replay", "calibrate", "sim", "report"]
+SPEC_COMMANDS = [
+    "campaign", "status", "findings", "show", "minimize", "export", "import", "replay", "calibrate", "sim", "report",
+]
 
 
 @pytest.fixture

@@ -202,3 +202,27 @@ def test_an_interrupted_replay_keeps_the_executions_made_so_far(server, trace_fi
         assert len(ids) == 2
         assert [store.get_execution(i).started_at for i in ids] == [r.started_at for r in made]
         assert store.get_target(1)["url"] == url
+
+
+def test_replay_json_has_aiperf_metrics_and_slo_results(server, trace_file, db):
+    url, _ = server
+    result = CliRunner().invoke(
+        cli, ["replay", str(trace_file), "--target", url, "--runs", "3", "--json", "--db", str(db),
+              "--goodput", "ttft:60000 e2el:60000"],
+    )
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.output)
+    ttft = data["metrics"]["time_to_first_token"]
+    assert ttft["unit"] == "ms" and set(ttft) >= {"avg", "p1", "p50", "p99", "min", "max", "std"}
+    assert 0 < ttft["min"] <= ttft["p50"] <= ttft["max"]
+    slo = data["slo"]
+    assert slo["slo_ms"] == {"ttft": 60000, "e2el": 60000}
+    # Only the request the server fails misses so generous an SLO: beside the error finding, not instead.
+    assert [(f["kind"], f["request_id"]) for f in slo["findings"]] == [("slo-violation", "e500_c")]
+    assert any(f["kind"] == "error" for f in data["findings"])
+    assert slo["attainment"] == pytest.approx(2 / 3)
+    text = CliRunner().invoke(cli, ["replay", str(trace_file), "--target", url, "--runs", "3", "--db", str(db),
+                                    "--goodput", "ttft:60000"])
+    assert "SLO ttft:60000 (ms): attainment 67%" in text.output
+    bad = CliRunner().invoke(cli, ["replay", str(trace_file), "--goodput", "ttft=5"])
+    assert bad.exit_code == 2 and bad.output.startswith("error: --goodput takes")

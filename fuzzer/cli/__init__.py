@@ -40,6 +40,7 @@ _COMMANDS = {
     "show": "show",
     "minimize": "minimize",
     "export": "export",
+    "import": "import_",
     "replay": "replay",
     "calibrate": "calibrate",
     "sim": "sim",

@@ -18,6 +18,7 @@ from fuzzer.cli import _console
 from fuzzer.cli._render import time_line
 from fuzzer.cli._calibration import stored_calibration
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
+from fuzzer.cli._slo import goodput_option, parse_slo
 from fuzzer.cli._target import (
     DEFAULT_SIM_PATHOLOGIES,
     limits_for,
@@ -53,8 +54,9 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
     "--corpus",
     "corpus_dir",
     default=None,
-    type=click.Path(file_okay=False),
-    help="Folder of seed traces (*.json) [default: ./corpus, else the seeds that come with fuzz].",
+    type=click.Path(),
+    help="Folder of seed traces (*.json), one trace, or a production trace (Mooncake JSONL, Azure or BurstGPT CSV: "
+         "its first windows become seeds) [default: ./corpus, else the seeds that come with fuzz].",
 )
 @server_option
 @model_option
@@ -86,9 +88,10 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
     help="Largest share of wall time spent letting the server idle on purpose (10 s at a time) to catch "
     "cold starts; 0 never does.",
 )
+@goodput_option
 def command(
     target, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, faults, fault_rate, speed,
-    timeout_s, null_mutator, idle_share,
+    timeout_s, null_mutator, idle_share, goodput_specs,
 ) -> None:
     """Fuzz a server for latency pathologies; resume with the same --db.
 
@@ -102,8 +105,10 @@ def command(
         fuzz campaign --duration 2m
         fuzz campaign --target http://127.0.0.1:8000 --duration 8h --db night.db
         fuzz campaign --faults all --fault-rate 0.1 --speed 10 --timeout 2 --duration 5m
+        fuzz campaign --corpus conversation_trace.jsonl --goodput ttft:2000 tpot:100 --duration 1h
     """
     duration_s = parse_duration(duration)
+    slo = parse_slo(goodput_specs)
     seeds = _load_seeds(_seed_folder(corpus_dir))
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "big")
@@ -127,7 +132,7 @@ def command(
                           "drop them or drop --target")
     summary = asyncio.run(
         _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator,
-             idle_share)
+             idle_share, slo_ms=dict(slo.items()) if slo else None)
     )
     _print_summary(summary, db_path)
 
@@ -136,7 +141,7 @@ def _seed_folder(corpus_dir: str | None) -> Path | None:
     """The folder named by --corpus; else ./corpus; else the seeds of the checkout fuzz runs from."""
     if corpus_dir is not None:
         folder = Path(corpus_dir)
-        if not folder.is_dir():
+        if not folder.exists():
             raise ConfigError(f"--corpus folder {folder} does not exist")
         return folder
     for folder in (Path("corpus"), BUNDLED_CORPUS):
@@ -147,12 +152,16 @@ def _seed_folder(corpus_dir: str | None) -> Path | None:
 
 
 def _load_seeds(folder: Path | None) -> list[trace_format.Trace]:
+    if folder is not None and folder.is_file():
+        from fuzzer.formats.seeds import seeds_of_file  # noqa: PLC0415
+
+        return seeds_of_file(folder)
     return [trace_format.load(p) for p in sorted(folder.glob("*.json"))] if folder is not None else []
 
 
 async def _run(
     url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator, idle_share,
-    wall_clock: Callable[[], float] = time.time,
+    wall_clock: Callable[[], float] = time.time, slo_ms: dict[str, float] | None = None,
 ) -> Summary:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -186,6 +195,7 @@ async def _run(
                 settings = Settings(
                     duration_s=duration_s, max_execs=max_execs, seed=seed,
                     mutator="null" if null_mutator else "guided", limits=limits_for(target), idle_share=idle_share,
+                    slo_ms=slo_ms,
                 )
                 # One key for every command (fuzz calibrate stores there); older keys still read.
                 # The campaign measures again when the stored calibration is stale.
@@ -285,8 +295,11 @@ def _print_summary(summary: Summary, db_path: str) -> None:
         first = summary.new_findings[0][0] if summary.new_findings else 1
         out.print(f"  fuzz findings{db}")
         out.print(f"  fuzz show {first}{db}")
-        out.print(f"  fuzz minimize {first}{db}")
-        out.print(f"  fuzz export {first}{db}")
+        if (first, "slo-violation") in summary.new_findings:  # not minimized or bundled: its trace as Mooncake
+            out.print(f"  fuzz export {first}{db} --format mooncake")
+        else:
+            out.print(f"  fuzz minimize {first}{db}")
+            out.print(f"  fuzz export {first}{db}")
     else:
         out.print(f"  fuzz campaign{db}   (the same command resumes where this one stopped)")
         out.print(f"  fuzz status{db}")

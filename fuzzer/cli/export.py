@@ -6,6 +6,7 @@ import click
 
 from fuzzer.cli._console import out
 from fuzzer.cli._options import db_option
+from fuzzer.cli._slo import refuse_slo_finding
 
 
 @click.command("export")
@@ -19,7 +20,11 @@ from fuzzer.cli._options import db_option
     type=click.Path(file_okay=False),
     help="Folder to write <out>/<ID>/ into.",
 )
-def command(finding_id, db_path, out_dir) -> None:
+@click.option("--format", "fmt", type=click.Choice(["bundle", "mooncake"]), default="bundle", show_default=True,
+              help="bundle: repro.py, report.md, timeline.png, trace.json; mooncake: the trace as Mooncake JSONL.")
+@click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prompt tokens per Mooncake hash id (--format mooncake).")
+def command(finding_id, db_path, out_dir, fmt, block_size) -> None:
     """Write repro.py, report.md, timeline.png and trace.json for FINDING_ID.
 
     repro.py needs only Python 3.9+ and exits 1 when the finding reproduces, 0 when
@@ -28,11 +33,18 @@ def command(finding_id, db_path, out_dir) -> None:
     \b
     Example:
         fuzz export 3 --db night.db --out findings/
+        fuzz export 3 --db night.db --format mooncake
     """
+    if fmt == "mooncake":
+        from fuzzer.cli._export_mooncake import export_mooncake  # noqa: PLC0415
+
+        export_mooncake(db_path, finding_id, out_dir, block_size)
+        return
     from fuzzer.report.export import export_finding  # noqa: PLC0415 - scipy/matplotlib only for this command
     from fuzzer.store import Store  # noqa: PLC0415
 
     with Store.open(db_path, create=False) as store:
+        refuse_slo_finding(store.get_finding(finding_id), "a repro.py/report.md bundle")
         folder = export_finding(store, finding_id, out_dir)
     names = sorted(p.name for p in folder.iterdir())
     out.print(f"wrote {folder}/: {', '.join(names)}")

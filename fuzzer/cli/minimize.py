@@ -10,6 +10,7 @@ from fuzzer.cli import _console
 from fuzzer.cli._calibration import calibration_for
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._render import trace_table
+from fuzzer.cli._slo import refuse_slo_finding
 from fuzzer.cli._target import SIM_PREFIX, open_target, parse_sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.execute.recovery import DEFAULT_PATIENCE_S
@@ -49,6 +50,7 @@ def command(finding_id, db_path, target, server, model, max_execs, timeout_s) ->
     """
     with Store.open(db_path, create=False) as store:
         finding = store.get_finding(finding_id)
+        refuse_slo_finding(finding, "minimize")
         # One minimization of a finding at a time (a campaign on the same --db may run beside it).
         with minimization_lock(db_path, finding.id):
             identity, url, planted, sim, seed = _where(store, finding.target_id, target)

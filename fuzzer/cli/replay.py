@@ -18,12 +18,15 @@ from fuzzer.cli import EXIT_FINDING
 from fuzzer.cli._calibration import calibration_for
 from fuzzer.cli._console import err, out
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
+from fuzzer.cli._slo import goodput_option, parse_slo, slo_json, slo_lines
 from fuzzer.cli._target import API_KEY_ENV, open_target, sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.execute.adapters import ServerInfo
 from fuzzer.execution import ExecutionResult, RequestResult, Target
 from fuzzer.oracle.calibration import calibration_keys
+from fuzzer.oracle import slo as slo_oracle
 from fuzzer.oracle.confirm import Examination, examine
+from fuzzer.oracle.summary import summarize
 from fuzzer.store import Store
 from fuzzer.trace import Trace
 
@@ -49,8 +52,10 @@ EXIT_INTERRUPTED = 130
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds without a byte from the server before a request counts as hung.")
 @click.option("--pathologies", default=None, help="Built-in simulator only: pathologies to plant ('all', 'a,b').")
+@goodput_option
 @json_option
-def command(trace_path, target, runs, db_path, server, model, api_key_env, seed, timeout_s, pathologies, as_json) -> None:
+def command(trace_path, target, runs, db_path, server, model, api_key_env, seed, timeout_s, pathologies, goodput_specs,
+            as_json) -> None:
     """Replay TRACE.json, show every request and the oracle's verdict; exit 1 on a finding.
 
     Requests are sent open-loop at their at_ms offsets. Without --target the
@@ -65,7 +70,9 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
         fuzz replay corpus/vllm-37308.json --runs 5
         fuzz replay trace.json --target http://127.0.0.1:8000 --json
         fuzz replay corpus/n-logprobs.json --pathologies logprobs-batch-cost
+        fuzz replay corpus/kv-fill.json --goodput ttft:500 tpot:50 e2el:5000
     """
+    slo = parse_slo(goodput_specs)
     trace = trace_format.load(trace_path)
     planted: tuple[str, ...] = ()
     if pathologies is not None:
@@ -78,8 +85,8 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
         seed = random.SystemRandom().randrange(1 << 32)
     try:
         with Store.open(db_path) if db_path is not None else contextlib.nullcontext() as store:
-            info, exam, results = asyncio.run(
-                _replay(trace, target, runs, server, model, api_key_env, seed, timeout_s, store, planted)
+            info, exam, results, slo_verdicts, slo_runs = asyncio.run(
+                _replay(trace, target, runs, server, model, api_key_env, seed, timeout_s, store, planted, slo)
             )
     except KeyboardInterrupt:
         kept = f"; the executions made so far are stored in {db_path}" if db_path is not None else ""
@@ -89,6 +96,9 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
         data = _as_json(trace, info, results, seed)
         data["verdicts"] = [v.to_dict() for v in exam.verdicts]
         data["findings"] = [v.to_dict() for v in exam.findings]
+        data["metrics"] = summarize(exam.results)
+        if slo is not None:
+            data["slo"] = slo_json(slo, slo_runs, slo_verdicts)
         out.print_json(json.dumps(data))
     else:
         for i, result in enumerate(exam.results, 1):
@@ -106,14 +116,17 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
                       f"p={_p(v.p_value)}: {v.detail or v.method}")
         if not exam.findings:
             out.print("no confirmed finding")
-    if exam.findings:
+        if slo is not None:
+            for line in slo_lines(slo, slo_runs, slo_verdicts):
+                out.print(line)
+    if exam.findings or any(v.is_finding for v in slo_verdicts):
         raise SystemExit(EXIT_FINDING)
 
 
 async def _replay(
     trace: Trace, target: str | None, runs: int, server: str, model: str | None, api_key_env: str,
-    seed: int, timeout_s: float, store: Store | None, planted: tuple[str, ...],
-) -> tuple[ServerInfo, Examination, list[ExecutionResult]]:
+    seed: int, timeout_s: float, store: Store | None, planted: tuple[str, ...], slo: slo_oracle.Slo | None = None,
+):
     identity = target or sim_key(planted)
     # The simulator keeps its default seed (its noise); --seed is the prompt text's.
     async with open_target(
@@ -130,7 +143,11 @@ async def _replay(
             target_id = store.upsert_target(identity, info.kind, info.model, info.version, dict(info.capabilities))
         recorder = _Recorder(http, store, target_id)
         exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
-        return info, exam, recorder.results
+        slo_verdicts, slo_runs = [], list(exam.results)
+        if slo is not None:  # beside the scheduler verdicts, on the same runs plus a bounded few
+            slo_verdicts, extra = await slo_oracle.examine(recorder, trace, exam.results, slo)
+            slo_runs += extra
+        return info, exam, recorder.results, slo_verdicts, slo_runs
 
 
 class _Recorder:

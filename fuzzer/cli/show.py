@@ -9,6 +9,7 @@ import click
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, json_option
 from fuzzer.cli._render import finding_summary, trace_table, when
+from fuzzer.oracle.summary import summarize
 from fuzzer.store import Store
 
 
@@ -27,6 +28,7 @@ def command(finding_id, db_path, as_json) -> None:
         finding = store.get_finding(finding_id)
         trace = store.get_trace(finding.trace_hash)
         minimized = store.get_trace(finding.minimized_trace_hash) if finding.minimized else None
+        executions = [store.get_execution(i) for i in store.execution_ids(trace_hash=finding.trace_hash)] if as_json else []
     if as_json:
         data = {
             **finding_summary(finding),
@@ -34,6 +36,9 @@ def command(finding_id, db_path, as_json) -> None:
             "details": dict(finding.details),
             "trace": trace.to_dict(),
             "minimized_trace": minimized.to_dict() if minimized else None,
+            # AIPerf-shaped summaries over every stored execution of the finding's trace.
+            "metrics": summarize(executions),
+            "executions": len(executions),
         }
         click.echo(json.dumps(data, indent=1))
         return

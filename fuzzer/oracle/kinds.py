@@ -37,6 +37,9 @@ class FindingKind(enum.StrEnum):
     HANG = "hang"
     PROTOCOL = "protocol"
     CRASH = "crash"
+    #: A request misses the user's SLO (``--goodput ttft:MS tpot:MS e2el:MS``) in most runs:
+    #: judged beside the scheduler-pathology kinds, never instead of them (fuzzer.oracle.slo).
+    SLO_VIOLATION = "slo-violation"
 
 
 class Metric(enum.StrEnum):

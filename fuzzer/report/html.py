@@ -213,8 +213,9 @@ def plots(data: CampaignData) -> dict[str, bytes]:
 # --- HTML ----------------------------------------------------------------------------------------------
 
 
-def render_html(data: CampaignData, *, images: Mapping[str, bytes] | None = None, generated_at: float) -> str:
-    """The report page; ``images`` (title -> PNG) are inlined as base64."""
+def render_html(data: CampaignData, *, images: Mapping[str, bytes] | None = None, generated_at: float,
+                sections: Sequence[str] = ()) -> str:
+    """The report page; ``images`` (title -> PNG) are inlined as base64; ``sections`` (HTML) go before the findings."""
     images = plots(data) if images is None else images
     e = html.escape
     c = data.campaign
@@ -232,6 +233,7 @@ def render_html(data: CampaignData, *, images: Mapping[str, bytes] | None = None
         parts.append("<p>No executions recorded, so nothing to plot.</p>")
     else:
         parts.append("<p>No plots: matplotlib is not installed (<code>pip install 'fuzzer[plot]'</code>).</p>")
+    parts.extend(sections)
     parts.append(f"<h2>Findings ({len(data.findings)})</h2>" + _findings(data))
     if data.other_findings:
         parts.append(f"<p>{data.other_findings} more finding(s) in this database belong to other campaigns "

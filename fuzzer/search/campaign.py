@@ -43,6 +43,7 @@ from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.expectation import expect
 from fuzzer.oracle.kinds import FindingKind, Metric
+from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.confirming import Confirmer, OutOfTime
 from fuzzer.search.corpus import Corpus, Entry
@@ -166,6 +167,7 @@ class Campaign:
             rng=np.random.default_rng(self.rng.getrandbits(64)), sleep=self._idle_sleep,
             checkpoint=lambda: self._checkpoint(force=True), clock=self._clock, in_phase=self._in_phase,
             recover=self._wait_for_server, on_finding=self._on_finding, state=state,
+            slo=Slo(**{f"{k}_ms": v for k, v in self.settings.slo_ms.items()}) if self.settings.slo_ms else None,
         )
         if self.settings.mutator == "null":
             self.mutator = NullMutator(self.settings.limits)

@@ -25,8 +25,10 @@ from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind, Metric
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.oracle.signature import signature
+from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.settings import Phase
+from fuzzer.search.slo_check import confirm_slo, first_eligible, slo_candidates
 from fuzzer.store import Store
 from fuzzer.trace import Trace
 
@@ -67,6 +69,7 @@ class Confirmer:
         recover: Callable[[], Awaitable[None]],
         on_finding: Callable[[int, Verdict], None],
         state: Mapping[str, Any] | None = None,
+        slo: Slo | None = None,
     ):
         self._target = target
         self._store = store
@@ -80,6 +83,8 @@ class Confirmer:
         self._in_phase = in_phase
         self._recover = recover
         self._on_finding = on_finding
+        #: The user's SLOs (``--goodput``): checked when no scheduler candidate is left (search/slo_check.py).
+        self._slo = slo
         state = state or {}
         #: Signatures (and pre-signatures) already found: never confirmed again.
         self.found: set[str] = {f.signature for f in store.list_findings()}
@@ -115,7 +120,36 @@ class Confirmer:
                 continue
             self.candidates += 1
             return await self._confirm_candidate(trace, candidate, key, calibration)
+        if self._slo is not None and not self.pending:
+            return await self._check_slo(trace, result)
         return None  # one confirmation per execution keeps the fuzzing going
+
+    def _skip(self, key: str) -> bool:
+        """Found already, or rejected and not yet seen RECONFIRM_AFTER times since (counted here)."""
+        if key in self.found:
+            return True
+        seen = self.rejected.get(key)
+        if seen is not None and seen < RECONFIRM_AFTER:
+            self.rejected[key] = seen + 1
+            return True
+        return False
+
+    async def _check_slo(self, trace: Trace, result: ExecutionResult) -> Verdict | None:
+        """Confirm the request furthest over the SLO (bounded re-runs); an OutOfTime drops it (no pending)."""
+        assert self._slo is not None
+        chosen = first_eligible(slo_candidates(trace, result, self._slo), self._skip)
+        if chosen is None:
+            return None
+        request_id, key = chosen
+        self.candidates += 1
+        with self._in_phase(Phase.CONFIRM):
+            self.confirmations += 1
+            verdict = await confirm_slo(self._target, trace, request_id, self._slo)
+        if verdict is not None and verdict.is_finding:
+            self._record(trace, verdict, key)
+        else:
+            self.rejected[key] = 0
+        return verdict
 
     async def confirm_pending(self, calibration: Calibration) -> Verdict | None:
         """Confirm the first candidate a deadline left over (a resumed campaign starts here)."""

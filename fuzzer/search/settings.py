@@ -55,6 +55,8 @@ class Settings:
     idle_share: float = IDLE_SHARE
     #: Once the corpus has an entry, seeding may take at most this share of the server time.
     seed_share: float = SEED_SHARE
+    #: The user's SLOs in ms (``--goodput``: ttft, tpot, e2el); None: no SLO check.
+    slo_ms: Mapping[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Stored with the campaign: the thresholds that confirmed its findings (the oracle
@@ -65,6 +67,7 @@ class Settings:
             "recalibrate_after_s": self.recalibrate_after_s,
             "idle_share": self.idle_share, "seed_share": self.seed_share,
             "limits": self.limits.to_dict(), "policy": asdict(self.policy),
+            "slo_ms": dict(self.slo_ms) if self.slo_ms else None,
         }
 
     @classmethod
