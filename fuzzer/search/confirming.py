@@ -112,11 +112,7 @@ class Confirmer:
                 key = signature(FindingKind.COLD_START, trace)
             else:
                 key = signature(candidate.kind, trace, candidate.request_id)
-            if key in self.found:
-                continue
-            seen = self.rejected.get(key)
-            if seen is not None and seen < RECONFIRM_AFTER:
-                self.rejected[key] = seen + 1
+            if self._skip(key):
                 continue
             self.candidates += 1
             return await self._confirm_candidate(trace, candidate, key, calibration)
