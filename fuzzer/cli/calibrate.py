@@ -114,6 +114,8 @@ def _show(cal: Calibration, key: str, calibration_id: int, db_path: str) -> None
     model.add_row("per prefill token", f"{m.prefill_token_s * 1e6:.3f} µs")
     model.add_row("per decoding sequence", f"{m.decode_seq_s * 1e6:.3f} µs")
     model.add_row("per context token", f"{m.context_token_s * 1e9:.2f} ns")
+    model.add_row("per prefill attention pair", f"{m.prefill_pair_s * 1e12:.2f} ps"
+                  + (" (a long prompt's prefill grows faster than its length)" if m.prefill_pair_s > 0 else ""))
     model.add_row("frontend per prompt token", f"{m.frontend_token_s * 1e6:.3f} µs")
     model.add_row("request overhead", f"{m.request_overhead_s * 1e3:.3f} ms")
     out.print(model)

@@ -25,7 +25,7 @@ from fuzzer.execute.adapters import ServerInfo
 from fuzzer.execution import ExecutionResult, RequestResult, Target
 from fuzzer.oracle.calibration import calibration_keys
 from fuzzer.oracle import slo as slo_oracle
-from fuzzer.oracle.confirm import Examination, examine
+from fuzzer.oracle.confirm import examine
 from fuzzer.oracle.summary import summarize
 from fuzzer.store import Store
 from fuzzer.trace import Trace

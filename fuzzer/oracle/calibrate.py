@@ -24,13 +24,14 @@ the stored one while it is fresh, else a new one measured now.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 
 from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
@@ -44,9 +45,17 @@ from fuzzer.trace import Request, Trace
 # --- probe design -------------------------------------------------------------------------
 
 #: Prompt lengths of the uncached TTFT probes, clipped to the token budget so each
-#: prefill is one step (the relation is then a line). Denser at the short end, where
-#: the fixed overhead dominates.
+#: prefill is one step. Denser at the short end, where the fixed overhead dominates.
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+#: ... and prompts of this many token budgets (chunked prefills of several steps), where
+#: the max_model_len allows (4096 tokens when it is unknown): attention makes a prompt's
+#: prefill grow faster than its length (StepModel.prefill_pair_s), which the short ones
+#: barely show.
+LONG_PREFILL_BUDGETS = (2, 3)
+#: The chunked prompts must take this many times what the one-step line predicts before the
+#: fit adds an attention term: a linear server's long prompts stay within its noise of it.
+PAIR_EVIDENCE = 1.25
+DEFAULT_MAX_MODEL_LEN = 4096
 #: Prefix lengths of the cached probes (each followed by a short private suffix).
 CACHED_PREFIXES = (256, 512, 1024, 2048)
 CACHED_SUFFIX_TOKENS = 16
@@ -256,7 +265,8 @@ async def calibrate(
         max_model_len = getattr(getattr(target, "info", None), "max_model_len", None)
     rng = rng or random.Random(0)
     budget = assumption.token_budget
-    lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS})
+    longest = (max_model_len or DEFAULT_MAX_MODEL_LEN) - 2
+    lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS} | {k * budget for k in LONG_PREFILL_BUDGETS if k * budget <= longest})
     prefixes = sorted({min(n, max(assumption.block_size, budget - CACHED_SUFFIX_TOKENS)) for n in CACHED_PREFIXES})
     contexts = list(DECODE_CONTEXTS)
     if max_model_len is not None:
@@ -475,21 +485,31 @@ def fit(
     overhead_s = max(0.0, batch_fit.intercept)
     decode_seq_s = max(0.0, batch_fit.slope)
 
-    # Idle TTFT: request overhead + step overhead + (frontend + prefill) cost x uncached tokens.
-    ttft_fit = theil_sen([p.prompt for p in prefill], [p.result.ttft_s for p in prefill])
-    request_overhead_s = max(0.0, ttft_fit.intercept - overhead_s)
+    # Idle TTFT: request overhead + step overhead (one a chunk) + (frontend + prefill) cost x
+    # uncached tokens + attention cost x token pairs. The line of the one-step probes is kept
+    # for the record; the model's costs come from the fit of all of them, chunked ones included.
+    budget = assumption.token_budget
+    short = [p for p in prefill if p.prompt <= budget]
+    ttft_fit = theil_sen([p.prompt for p in short], [p.result.ttft_s for p in short])
+    intercept, slope, prefill_pair_s = ttft_fit.intercept, ttft_fit.slope, 0.0
+    if _beyond_the_line(prefill, ttft_fit, overhead_s, budget):
+        intercept, slope, prefill_pair_s = _prefill_fit(prefill, overhead_s, budget) or (intercept, slope, 0.0)
+    request_overhead_s = max(0.0, intercept - overhead_s)
+
+    def uncached_ttft(tokens: int, context: int = 0) -> float:
+        return intercept + slope * tokens + prefill_pair_s * tokens * (context + tokens / 2)
 
     # A cached prompt token skips the prefill but not the frontend (tokenization): the extra
     # TTFT per cached token is the frontend's per-token cost; the rest of the slope is prefill.
     cached_fit = None
     frontend_token_s = 0.0
     if len(cached) >= MIN_FIT_POINTS and len({p.cached for p in cached}) >= 2:
-        extra = [p.result.ttft_s - ttft_fit(p.prompt - p.cached) for p in cached]
+        extra = [p.result.ttft_s - uncached_ttft(p.prompt - p.cached, p.cached) for p in cached]
         cached_fit = theil_sen([p.cached for p in cached], extra)
         frontend_token_s = min(max(0.0, cached_fit.slope), max(0.0, ttft_fit.slope))
     if frontend_cap_s is not None:
         frontend_token_s = min(frontend_token_s, frontend_cap_s)
-    prefill_token_s = max(0.0, ttft_fit.slope - frontend_token_s)
+    prefill_token_s = max(0.0, slope - frontend_token_s)
 
     model = StepModel(
         overhead_s=overhead_s,
@@ -498,6 +518,7 @@ def fit(
         context_token_s=context_token_s,
         request_overhead_s=request_overhead_s,
         frontend_token_s=frontend_token_s,
+        prefill_pair_s=prefill_pair_s,
     )
     noise, noise_s, baseline = _residuals(model, assumption, [*prefill, *cached, *single])
     return Calibration(
@@ -515,6 +536,33 @@ def fit(
         probes=len(prefill) + len(cached) + len(single) + len(batched),
         warmup_runs=warmup_runs,
     )
+
+
+def _beyond_the_line(prefill: Sequence[_Probe], line: Fit, overhead_s: float, budget: int) -> bool:
+    """Do the chunked prompts take clearly longer than the one-step prompts' line says
+    (by PAIR_EVIDENCE, over the noise)? Then the prefill grows faster than the prompt."""
+    ratios = [p.result.ttft_s / (line(p.prompt) + overhead_s * (math.ceil(p.prompt / budget) - 1))
+              for p in prefill if p.prompt > budget and p.result.ttft_s is not None]
+    return bool(ratios) and float(np.median(ratios)) > PAIR_EVIDENCE
+
+
+def _prefill_fit(prefill: Sequence[_Probe], overhead_s: float, budget: int) -> tuple[float, float, float] | None:
+    """Idle TTFT = intercept + slope x n + pair x n^2/2 (+ one step overhead a chunk after the
+    first), fitted to each prompt length's median TTFT with no coefficient below zero; None
+    with fewer than MIN_FIT_POINTS lengths."""
+    by_length: dict[int, list[float]] = {}
+    for p in prefill:
+        if p.result.ttft_s is not None:
+            by_length.setdefault(p.prompt, []).append(p.result.ttft_s)
+    if len(by_length) < MIN_FIT_POINTS:
+        return None
+    n = np.array(sorted(by_length), dtype=np.float64)
+    y = np.array([float(np.median(by_length[int(k)])) for k in n]) - overhead_s * (np.ceil(n / budget) - 1)
+    # Each row scaled by its expected size: the short prompts' few ms weigh as much as the long ones' seconds.
+    design = np.column_stack([np.ones_like(n), n, n * n / 2])
+    weight = 1.0 / np.maximum(y, 1e-4)
+    (intercept, slope, pair), _ = optimize.nnls(design * weight[:, None], y * weight)
+    return float(intercept), float(slope), float(pair)
 
 
 def _residuals(

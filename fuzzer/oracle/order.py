@@ -20,8 +20,10 @@ What keeps the check to what FCFS really guarantees (each a reason not to call a
   spacing stamped (a stall delays what the client *receives*, hence the lead below).
 - B's uncached work is counted without its shared prefix (another member of its group may
   have put it in the prefix cache); A's with its whole prompt.
-- A's first token came at least the latency margin (``policy.min_margin_s``, plus the client's
-  worst stall) after B's: two first tokens of one step reach the client a few ms apart.
+- A's first token came at least the latency margin (``policy.min_margin_s``) plus the client's
+  worst stall after B's. Once. A stall cannot make a later event look earlier; it can stamp
+  one of two events that were ready together late by its own length (the client descheduled
+  between handling the two), and the worst stall the monitor measured bounds that: two first tokens of one step reach the client a few ms apart.
 - Every request sent before A got its first token by B's (within that margin): B overtook A,
   not A's predecessors. When B overtook them too, A may have lost nothing (FCFS would have
   served them before A anyway: LIFO's middle request), and the earliest overtaken one is the
@@ -97,7 +99,7 @@ def inversions(
     timed = [(planned[r.request_id], r) for r in result.requests
              if r.request_id in planned and _first_token(r) is not None]
     reach = policy.order_reach_s
-    lead = policy.min_margin_s + policy.client_lag_margins * (result.client_lag_s or 0.0)
+    lead = policy.min_margin_s + (result.client_lag_s or 0.0)
     found: dict[str, Inversion] = {}
     for a_req, a in timed:
         a_first = _first_token(a)

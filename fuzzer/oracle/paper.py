@@ -271,7 +271,8 @@ def schedule(
             if kv is not None:
                 kv.hold(j, kv.admitted_tokens(j, j.computed, budget + c))
         prefill = sum(c for _, c in chunks)
-        dt = model.step_s(prefill, decode_seqs, context)
+        pairs = sum(c * (j.computed + c / 2) for j, c in chunks)  # attention of each chunk over its prompt so far
+        dt = model.step_s(prefill, decode_seqs, context, pairs)
         # Every request in the system during this step (or arriving while it runs) was exposed
         # to it: a step this long may sit between two of its tokens.
         for j in (*waiting, *running):

@@ -29,7 +29,9 @@ BLOCKER_TAIL = 400
 BLOCKER = 3 * BUDGET + BLOCKER_TAIL  # four prefill steps
 GROUP = 1500  # one queued request: the blocker's last step holds one and part of the next
 SHORT = 48
-LONG = 1900
+# Two steps each: held behind both (planted HOL), S gets its first token four steps after it
+# would have, over three after L1's; a lead that survives a client stalled 150 ms on a fast machine.
+LONG = 2 * BUDGET - 96
 PREFIX = 16  # tokens (with <s>): what planted.PREFIX_KEY_TOKENS compares
 STARVED_PROMPT = 3 * BUDGET + 856  # the prompt whose prefill starves the stream: four steps
 STREAM_PROMPT = 32
@@ -62,7 +64,9 @@ def measure(base_url: str, model: str, seed: int = 0) -> Speed:
         done = client.run(base_url, model, [Sent(f"step{i}", 0.0, client.prompt(BUDGET, rng), 1)])[f"step{i}"]
         steps.append(done.first_s - done.sent_s)
     stream = client.run(base_url, model, [Sent("stream", 0.0, client.prompt(STREAM_PROMPT, rng), 64)])["stream"]
-    return Speed(step_s=min(steps), decode_s=sum(stream.gaps()) / len(stream.gaps()))
+    # Per token, not per event: vLLM sends a fast stream's tokens a few to an event.
+    tokens = (stream.usage or {}).get("completion_tokens", len(stream.token_s))
+    return Speed(step_s=min(steps), decode_s=(stream.token_s[-1] - stream.token_s[0]) / max(1, tokens - 1))
 
 
 def _blocker(rng: random.Random) -> Sent:
@@ -73,7 +77,7 @@ def hol(speed: Speed, seed: int) -> list[Sent]:
     """A short request S and two long ones sharing its 15-word prefix, queued behind the blocker, S first.
 
     Stock FCFS: S is admitted in the blocker's last step with L1's first chunk; L2 after.
-    HolLongestFirst: S is held until L1 and L2 are prefilled (admitted a step after L2).
+    HolLongestFirst: S is held until L1 and L2 are prefilled (two steps each), admitted a step after L2.
     """
     rng = random.Random(seed)
     prefix = client.prompt(PREFIX, rng)  # 15 words: with <s>, the tokens planted.PREFIX_KEY_TOKENS compares

@@ -98,7 +98,11 @@ def test_calibration_fits_the_server_and_reads_its_kv_capacity(calibrated):
     assert assumption["kv_blocks"] == KV_BLOCKS and assumption["block_size"] == KV_BLOCK_SIZE, assumption
     assert assumption["token_budget"] == TOKEN_BUDGET
     assert cal["ttft_fit"]["slope"] > 0 and cal["ttft_fit"]["n"] >= 5
-    assert cal["model"]["prefill_token_s"] > 0 and cal["model"]["decode_seq_s"] > 0
+    # Attention makes a long prompt's prefill grow faster than its length (2048 tokens ~0.12 s, 8000
+    # ~1.5 s on one machine): the chunked probes show it and the model carries it. (Per decode
+    # sequence the tiny model costs next to nothing: that fit may be 0 on a fast machine.)
+    assert cal["model"]["prefill_token_s"] > 0 and cal["model"]["prefill_pair_s"] > 0, cal["model"]
+    assert cal["model"]["decode_seq_s"] >= 0
     print(f"\ncalibration: ttft {cal['ttft_fit']['intercept'] * 1e3:.0f} ms + {cal['ttft_fit']['slope'] * 1e3:.3f} ms/token,"
           f" decode {cal['model']['decode_seq_s'] * 1e3:.2f} ms/seq, noise {cal['noise']}")
 
