@@ -68,11 +68,15 @@ for step in "${STEPS[@]}"; do
         sqlite3 "$DB" "PRAGMA wal_checkpoint(TRUNCATE);" >/dev/null 2>&1 || true
         cp "$DB" "$OUT/calibrated.db" ;;
     planted-replays)
+        # The traces timed for this machine's speed (benchmarks/vllm/timed_traces.py), measured on the stock server.
+        start_server stock
+        "$(dirname "$FUZZ")/python" "$ROOT/benchmarks/vllm/timed_traces.py" "$URL" "$OUT"
+        stop_server
         for pair in HolLongestFirst:hol LifoAdmission:lifo DecodeStarvation:starvation; do
             cls="${pair%%:*}" trace="${pair##*:}"
             for server in stock "$cls"; do
                 start_server "$server" "$([ "$server" = stock ] || echo "$cls")"
-                fuzz replay "$ROOT/benchmarks/vllm/planted-$trace.json" --target "$URL" --server vllm --db "$DB" \
+                fuzz replay "$OUT/planted-$trace.json" --target "$URL" --server vllm --db "$DB" \
                     --runs 3 --json >"$OUT/replay-$trace-$server.json" || true
                 stop_server
             done
