@@ -32,7 +32,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from fuzzer.errors import TargetError
-from fuzzer.execute import adapters, clientlag, detection, scope
+from fuzzer.execute import adapters, clientlag, detection, fastpath, scope
 from fuzzer.execute import prompts as prompt_builder
 from fuzzer.execute.adapters import Adapter, ServerInfo
 from fuzzer.execute.metrics import (
@@ -92,6 +92,7 @@ class _Planned:
     body: bytes
     headers: CIMultiDict[str]
     scheduled_s: float
+    wire: bytes | None = None  # the whole request, pre-encoded for the hot path (fuzzer.execute.fastpath)
 
 
 class HttpTarget:
@@ -136,6 +137,8 @@ class HttpTarget:
         self._sleep = sleep
         self._speed_check = speed_check
         self._session: aiohttp.ClientSession | None = None
+        self._fast: fastpath.Pool | None = None
+        self._timeouts = (timeout_s, total_timeout_s)
         self._adapter: Adapter | None = None
         self._scraper: Scraper | None = None
         self._counter: prompt_builder.TokenCounter | None = None
@@ -174,6 +177,9 @@ class HttpTarget:
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
         )
+        if fastpath.enabled() and fastpath.usable(self.base_url):
+            self._fast = fastpath.Pool(self.base_url, clock=self._clock, read_timeout_s=self._timeouts[0],
+                                       total_timeout_s=self._timeouts[1], keepalive_s=_KEEPALIVE_S)
         try:
             fp = await detection.fingerprint(self._session, self.base_url, headers=self._headers)
             kind = detection.detect(fp) if self._server == "auto" else self._server
@@ -206,6 +212,9 @@ class HttpTarget:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
         self.info = None
 
     async def _choose_counter(self) -> None:
@@ -401,12 +410,16 @@ class HttpTarget:
                 body["stream_options"] = {"include_usage": True}
             xid = f"{r.id}-{suffix}"
             headers = CIMultiDict({"Content-Type": "application/json", "X-Request-Id": xid, **self._headers})
-            plans.append(_Planned(r, xid, urls[r.api], json.dumps(body).encode(), headers, r.at_ms / 1000.0))
+            data = json.dumps(body).encode()
+            wire = fastpath.encode_post(urls[r.api], headers, data) if self._fast is not None else None
+            plans.append(_Planned(r, xid, urls[r.api], data, headers, r.at_ms / 1000.0, wire))
         return plans, warnings
 
     async def _warm(self, connections: int) -> None:
         """Open ``connections`` keep-alive connections now, so no request pays for TCP setup."""
         assert self._session is not None and self._adapter is not None
+        if self._fast is not None:
+            return await self._fast.warm(connections)
         url = self.base_url + self._adapter.health_path
 
         async def touch() -> None:
@@ -438,7 +451,11 @@ class HttpTarget:
         outcome = Outcome.OK
         detail: str | None = None
         try:
-            async with self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout) as resp:
+            if self._fast is not None and plan.wire is not None:
+                post: Any = self._fast.post(plan.wire)
+            else:
+                post = self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout)
+            async with post as resp:
                 status = resp.status
                 if status >= 400:
                     raw = await resp.read()
@@ -463,8 +480,10 @@ class HttpTarget:
         return self._result(plan, t0, sent, status, end, outcome, detail, account, body)
 
     async def _read_stream(
-        self, resp: aiohttp.ClientResponse, account: StreamAccount, r: Request
+        self, resp: aiohttp.ClientResponse | fastpath.Response, account: StreamAccount, r: Request
     ) -> tuple[Outcome, float]:
+        if isinstance(resp, fastpath.Response):
+            return await resp.stream(account, r.cancel_after_tokens)
         clock = self._clock
         content = resp.content
         cancel_after = r.cancel_after_tokens

@@ -1,0 +1,398 @@
+"""The hot path for completion requests: HTTP/1.1 on pre-opened keep-alive connections (issue 19).
+
+aiohttp's request path costs about half of the executor's CPU per request, and every
+network read a task wake-up and a re-armed timer. A completion request needs none of
+it: :class:`Pool` writes the request's pre-encoded bytes on a connection opened before
+t0, and its :class:`_Connection` (an :class:`asyncio.Protocol`) parses the status line,
+the headers and a Content-Length, chunked or read-until-close body from bytes as they
+arrive. A streaming body is fed to its :class:`~fuzzer.execute.sse.StreamAccount` inside
+``data_received`` with that read's clock stamp, so a stream costs one task wake-up in
+all, when it ends. One watchdog timer per pool stands for aiohttp's per-read and total
+timeouts. Failures are raised as the aiohttp exceptions the aiohttp path raises
+(:mod:`fuzzer.execute.http` handles both alike), so outcomes and their details agree.
+
+Only plain ``http://`` targets take this path; TLS, the /metrics sampler, /tokenize and
+detection stay on aiohttp. ``FUZZ_HTTP_CLIENT=aiohttp`` switches it off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Callable
+
+import aiohttp
+from yarl import URL
+
+from fuzzer.execute.sse import StreamAccount
+from fuzzer.execution import Outcome
+
+#: ``FUZZ_HTTP_CLIENT=aiohttp`` sends completion requests through aiohttp as before.
+ENV = "FUZZ_HTTP_CLIENT"
+_MAX_HEAD = 1 << 16
+_CUT_OFF = "Response payload is not completed"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "fast").strip().lower() != "aiohttp"
+
+
+def usable(base_url: str) -> bool:
+    """Whether requests to ``base_url`` can take the hot path (plain http, a plain host)."""
+    url = URL(base_url)
+    return url.scheme == "http" and bool(url.host) and url.user is None and ":" not in (url.host or "")
+
+
+def encode_post(url: URL, headers: Any, body: bytes) -> bytes:
+    """The whole HTTP/1.1 request, bytes ready for the socket."""
+    lines = [f"POST {url.raw_path_qs} HTTP/1.1", f"Host: {url.raw_authority}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection and the response it is reading (one at a time)."""
+
+    def __init__(self, pool: "Pool"):
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.buf = b""
+        self.status: int | None = None
+        self.head: dict[str, str] = {}
+        self.mode = ""  # "chunked", "length", "close"
+        self.left = 0  # bytes left of the current chunk (chunked) or of the body (length)
+        self.trailers = False
+        self.complete = False
+        self.keep_alive = True
+        self.body: list[bytes] = []
+        self.account: StreamAccount | None = None
+        self.cancel_after: int | None = None
+        self.head_fut: asyncio.Future[None] | None = None
+        self.done_fut: asyncio.Future[Any] | None = None
+        self.sent = self.last = 0.0
+
+    # --- protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._gone(self)
+        if self.head_fut is None:
+            return
+        if self.status is None:
+            self._fail(aiohttp.ServerDisconnectedError())
+        elif self.mode == "close" and exc is None:
+            self._end(self.pool.clock())
+        else:
+            why = f"{_CUT_OFF}: {exc!r}" if exc is not None else _CUT_OFF
+            self._fail(aiohttp.ClientPayloadError(why))
+
+    def data_received(self, data: bytes) -> None:
+        now = self.pool.clock()
+        self.last = now
+        if self.head_fut is None or self.complete:
+            return  # nothing asked (or a reply already read): ignored, the connection is not reused
+        buf = self.buf + data if self.buf else data
+        self.buf = b""
+        try:
+            if self.status is None:
+                buf = self._parse_head(buf)
+                if self.status is None:
+                    self.buf = buf
+                    return
+            pieces = self._parse_body(buf)
+        except ValueError as e:
+            self.keep_alive = False
+            self._fail(aiohttp.ClientConnectionError(f"bad HTTP response: {e}"))
+            self.close()
+            return
+        account = self.account
+        if account is not None and self.status is not None and self.status < 400:
+            if pieces:
+                account.feed(pieces[0] if len(pieces) == 1 else b"".join(pieces), now)
+                if account.finished:
+                    self._settle(account.fault or Outcome.OK, now if account.fault else account.done_t or now)
+                    if account.fault is not None:
+                        self.close()
+                    return
+                if self.cancel_after is not None and account.tokens >= self.cancel_after:
+                    self._settle(Outcome.CANCELLED, now)
+                    self.close()  # drop the connection, as a client that stops listening does
+                    return
+            if self.complete:
+                self._settle(Outcome.MISSING_DONE, now)
+        else:
+            self.body.extend(pieces)
+            if self.complete:
+                self._end(now)
+
+    # --- parsing ----------------------------------------------------------------------
+
+    def _parse_head(self, buf: bytes) -> bytes:
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _MAX_HEAD:
+                    raise ValueError("header section too long")
+                return buf
+            lines = buf[:end].decode("latin-1").split("\r\n")
+            buf = buf[end + 4 :]
+            version, _, rest = lines[0].partition(" ")
+            if not version.startswith("HTTP/1."):
+                raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+            status = int(rest[:3])
+            if 100 <= status < 200:
+                continue  # an interim response: the real one follows
+            head = {}
+            for line in lines[1:]:
+                name, sep, value = line.partition(":")
+                if not sep:
+                    raise ValueError(f"bad header line: {line[:80]!r}")
+                head[name.strip().lower()] = value.strip()
+            self.status, self.head = status, head
+            connection = head.get("connection", "").lower()
+            self.keep_alive = "close" not in connection and (version != "HTTP/1.0" or "keep-alive" in connection)
+            if "chunked" in head.get("transfer-encoding", "").lower():
+                self.mode, self.left = "chunked", -1
+            elif "content-length" in head:
+                self.mode, self.left = "length", int(head["content-length"])
+                self.complete = self.left == 0
+            else:
+                self.mode, self.keep_alive = "close", False
+            assert self.head_fut is not None
+            if not self.head_fut.done():
+                self.head_fut.set_result(None)
+            return buf
+
+    def _parse_body(self, buf: bytes) -> list[bytes]:
+        """The body bytes in ``buf`` (chunk framing removed); a partial frame is kept for later."""
+        if self.mode == "close":
+            return [buf] if buf else []
+        if self.mode == "length":
+            piece = buf[: self.left]
+            self.left -= len(piece)
+            self.complete = self.left == 0
+            return [piece] if piece else []
+        pieces, pos, n = [], 0, len(buf)
+        while pos < n and not self.complete:
+            if self.left > 0:  # inside a chunk's data
+                piece = buf[pos : pos + self.left]
+                pieces.append(piece)
+                pos += len(piece)
+                self.left -= len(piece)
+                if self.left == 0:
+                    self.left = -2  # its CRLF follows
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                if n - pos > _MAX_HEAD:
+                    raise ValueError("chunk size line too long")
+                break
+            line = buf[pos:eol]
+            pos = eol + 2
+            if self.left == -2:  # the CRLF after a chunk's data
+                if line:
+                    raise ValueError("chunk data longer than its size")
+                self.left = -1
+            elif self.trailers:
+                self.complete = not line
+            else:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+                if size == 0:
+                    self.trailers = True
+                else:
+                    self.left = size
+        self.buf = buf[pos:] if pos < n and not self.complete else b""
+        return pieces
+
+    # --- outcomes ---------------------------------------------------------------------
+
+    def _settle(self, outcome: Outcome, t: float) -> None:
+        if self.done_fut is not None and not self.done_fut.done():
+            self.done_fut.set_result((outcome, t))
+
+    def _end(self, t: float) -> None:
+        if self.done_fut is not None and not self.done_fut.done():
+            self.done_fut.set_result(t)
+
+    def _fail(self, error: BaseException) -> None:
+        for fut in (self.head_fut, self.done_fut):
+            if fut is not None and not fut.done():
+                fut.set_exception(error)
+                fut.exception()  # marked retrieved: nobody may be waiting on this one
+
+    def timed_out(self) -> None:
+        self._fail(asyncio.TimeoutError())
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.closed = True
+            self.transport.close()
+
+
+class Response:
+    """What ``async with pool.post(...)`` gives: status, then the body or the stream."""
+
+    def __init__(self, conn: _Connection):
+        self._conn = conn
+        self.status = conn.status
+
+    async def read(self) -> bytes:
+        """The whole body (non-streaming requests and error replies)."""
+        conn = self._conn
+        assert conn.done_fut is not None
+        if not conn.complete:
+            await conn.done_fut
+        return b"".join(conn.body)
+
+    async def stream(self, account: StreamAccount, cancel_after: int | None) -> tuple[Outcome, float]:
+        """Feed the SSE body to ``account`` as it arrives; (outcome, end time) as aiohttp's reader gives."""
+        conn = self._conn
+        assert conn.done_fut is not None
+        conn.cancel_after = cancel_after
+        conn.account = account
+        if conn.body:  # arrived with the headers, before anyone asked for a stream
+            pieces, conn.body = conn.body, []
+            account.feed(b"".join(pieces), conn.last)
+            if account.finished:
+                if account.fault is not None:
+                    conn.close()
+                    return account.fault, conn.last
+                return Outcome.OK, account.done_t or conn.last
+            if cancel_after is not None and account.tokens >= cancel_after:
+                conn.close()
+                return Outcome.CANCELLED, conn.last
+        if conn.complete:
+            return Outcome.MISSING_DONE, conn.last
+        return await conn.done_fut  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class _Post:
+    def __init__(self, pool: "Pool", wire: bytes):
+        self._pool, self._wire = pool, wire
+        self._conn: _Connection | None = None
+
+    async def __aenter__(self) -> Response:
+        conn = self._conn = await self._pool._acquire()
+        loop = asyncio.get_running_loop()
+        conn.head_fut, conn.done_fut = loop.create_future(), loop.create_future()
+        conn.sent = conn.last = self._pool.clock()
+        self._pool._busy(conn)
+        assert conn.transport is not None
+        try:
+            conn.transport.write(self._wire)
+            await conn.head_fut
+        except BaseException:
+            self._pool._release(conn, clean=False)
+            raise
+        return Response(conn)
+
+    async def __aexit__(self, *exc: object) -> None:
+        conn = self._conn
+        if conn is not None:
+            self._pool._release(conn, clean=exc[0] is None)
+
+
+class Pool:
+    """Keep-alive connections to one host, a watchdog for hangs, opened in advance by :meth:`warm`."""
+
+    def __init__(self, base_url: str, *, clock: Callable[[], float], read_timeout_s: float,
+                 total_timeout_s: float, keepalive_s: float):
+        url = URL(base_url)
+        self.host, self.port = url.host or "", url.port or 80
+        self.clock = clock
+        self._read_timeout_s, self._total_timeout_s, self._keepalive_s = read_timeout_s, total_timeout_s, keepalive_s
+        self._idle: list[_Connection] = []
+        self._active: set[_Connection] = set()
+        self._watchdog: asyncio.TimerHandle | None = None
+        # Hangs are seen within a tenth of the read timeout (aiohttp's per-read timer: exact).
+        self._tick_s = max(0.01, min(0.25, read_timeout_s / 10))
+
+    async def _open(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+        except OSError as e:
+            raise aiohttp.ClientOSError(e.errno, f"cannot connect to {self.host}:{self.port}: {e}") from e
+        conn.idle_since = self.clock()
+        return conn
+
+    async def warm(self, connections: int) -> None:
+        """Have ``connections`` fresh idle connections open (TCP setup is not server latency)."""
+        self._prune()
+        need = connections - len(self._idle)
+        if need <= 0:
+            return
+        opened = await asyncio.gather(*(self._open() for _ in range(need)), return_exceptions=True)
+        self._idle.extend(c for c in opened if isinstance(c, _Connection))
+
+    def post(self, wire: bytes) -> _Post:
+        return _Post(self, wire)
+
+    def _prune(self) -> None:
+        """Drop idle connections the server may be closing (idle for longer than keepalive_s)."""
+        now = self.clock()
+        keep = []
+        for conn in self._idle:
+            if conn.closed or now - conn.idle_since > self._keepalive_s:
+                conn.close()
+            else:
+                keep.append(conn)
+        self._idle = keep
+
+    async def _acquire(self) -> _Connection:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and self.clock() - conn.idle_since <= self._keepalive_s:
+                return conn
+            conn.close()
+        return await self._open()
+
+    def _busy(self, conn: _Connection) -> None:
+        self._active.add(conn)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(self._tick_s, self._watch)
+
+    def _release(self, conn: _Connection, *, clean: bool) -> None:
+        self._active.discard(conn)
+        if clean and conn.complete and conn.keep_alive and not conn.closed:
+            conn._reset()
+            conn.idle_since = self.clock()
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def _gone(self, conn: _Connection) -> None:
+        self._active.discard(conn)
+
+    def _watch(self) -> None:
+        """The one timer for hangs: no byte for read_timeout_s, or a request running past total_timeout_s."""
+        self._watchdog = None
+        now = self.clock()
+        for conn in list(self._active):
+            if now - conn.last > self._read_timeout_s or now - conn.sent > self._total_timeout_s:
+                self._active.discard(conn)
+                conn.timed_out()
+        if self._active:
+            self._watchdog = asyncio.get_running_loop().call_later(self._tick_s, self._watch)
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        for conn in [*self._idle, *self._active]:
+            conn.close()
+        self._idle.clear()
+        self._active.clear()
