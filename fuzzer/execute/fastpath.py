@@ -5,10 +5,12 @@ network read a task wake-up and a re-armed timer. A completion request needs non
 it: :class:`Pool` writes the request's pre-encoded bytes on a connection opened before
 t0, and its :class:`_Connection` (an :class:`asyncio.Protocol`) parses the status line,
 the headers and a Content-Length, chunked or read-until-close body from bytes as they
-arrive. A streaming body is fed to its :class:`~fuzzer.execute.sse.StreamAccount` inside
-``data_received`` with that read's clock stamp, so a stream costs one task wake-up in
-all, when it ends. One watchdog timer per pool stands for aiohttp's per-read and total
-timeouts. Failures are raised as the aiohttp exceptions the aiohttp path raises
+arrive. Each read of a streaming body is stamped in ``data_received`` and kept with its
+stamp; the pool feeds the kept reads to their :class:`~fuzzer.execute.sse.StreamAccount`
+once per loop iteration, after the iteration's reads were all stamped (parsing the
+events of one stream no longer delays the stamps of the others: in a burst of 1024
+streams that was most of the added TTFT). A stream costs one task wake-up in all, when
+it ends. One watchdog timer per pool stands for aiohttp's per-read and total timeouts. Failures are raised as the aiohttp exceptions the aiohttp path raises
 (:mod:`fuzzer.execute.http` handles both alike), so outcomes and their details agree.
 
 Only plain ``http://`` targets take this path; TLS, the /metrics sampler, /tokenize and
@@ -71,7 +73,8 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = True
         self.body: list[bytes] = []
-        self.account: StreamAccount | None = None
+        self.account: StreamAccount | None = None  # set for a streaming request
+        self.reads: list[tuple[bytes, float]] = []  # stream reads not yet fed to the account
         self.cancel_after: int | None = None
         self.head_fut: asyncio.Future[None] | None = None
         self.done_fut: asyncio.Future[Any] | None = None
@@ -87,10 +90,15 @@ class _Connection(asyncio.Protocol):
         self.pool._gone(self)
         if self.head_fut is None:
             return
+        if self.status is not None and self.mode == "close" and exc is None:  # the end of the body
+            self.complete = True
+            if self._streams():
+                self.reads.append((b"", self.pool.clock()))
+            else:
+                self._end(self.pool.clock())
+        self.drain()
         if self.status is None:
             self._fail(aiohttp.ServerDisconnectedError())
-        elif self.mode == "close" and exc is None:
-            self._end(self.pool.clock())
         else:
             why = f"{_CUT_OFF}: {exc!r}" if exc is not None else _CUT_OFF
             self._fail(aiohttp.ClientPayloadError(why))
@@ -114,25 +122,18 @@ class _Connection(asyncio.Protocol):
             self._fail(aiohttp.ClientConnectionError(f"bad HTTP response: {e}"))
             self.close()
             return
-        account = self.account
-        if account is not None and self.status is not None and self.status < 400:
-            if pieces:
-                account.feed(pieces[0] if len(pieces) == 1 else b"".join(pieces), now)
-                if account.finished:
-                    self._settle(account.fault or Outcome.OK, now if account.fault else account.done_t or now)
-                    if account.fault is not None:
-                        self.close()
-                    return
-                if self.cancel_after is not None and account.tokens >= self.cancel_after:
-                    self._settle(Outcome.CANCELLED, now)
-                    self.close()  # drop the connection, as a client that stops listening does
-                    return
-            if self.complete:
-                self._settle(Outcome.MISSING_DONE, now)
+        if self._streams():
+            if pieces or self.complete:
+                if not self.reads:
+                    self.pool._keep(self)
+                self.reads.append((pieces[0] if len(pieces) == 1 else b"".join(pieces), now))
         else:
             self.body.extend(pieces)
             if self.complete:
                 self._end(now)
+
+    def _streams(self) -> bool:
+        return self.account is not None and self.status is not None and self.status < 400
 
     # --- parsing ----------------------------------------------------------------------
 
@@ -215,6 +216,28 @@ class _Connection(asyncio.Protocol):
 
     # --- outcomes ---------------------------------------------------------------------
 
+    def drain(self) -> None:
+        """Feed the kept reads to the account, each with its stamp; settle the stream if it ended."""
+        reads, self.reads = self.reads, []
+        account = self.account
+        if account is None or self.done_fut is None or self.done_fut.done():
+            return
+        for data, now in reads:
+            account.feed(data, now)
+            if account.finished:
+                if account.fault is not None:
+                    self._settle(account.fault, now)
+                    self.close()
+                else:
+                    self._settle(Outcome.OK, account.done_t or now)
+                return
+            if self.cancel_after is not None and account.tokens >= self.cancel_after:
+                self._settle(Outcome.CANCELLED, now)
+                self.close()  # drop the connection, as a client that stops listening does
+                return
+        if self.complete and reads:
+            self._settle(Outcome.MISSING_DONE, reads[-1][1])
+
     def _settle(self, outcome: Outcome, t: float) -> None:
         if self.done_fut is not None and not self.done_fut.done():
             self.done_fut.set_result((outcome, t))
@@ -230,6 +253,7 @@ class _Connection(asyncio.Protocol):
                 fut.exception()  # marked retrieved: nobody may be waiting on this one
 
     def timed_out(self) -> None:
+        self.drain()
         self._fail(asyncio.TimeoutError())
         self.close()
 
@@ -254,25 +278,11 @@ class Response:
             await conn.done_fut
         return b"".join(conn.body)
 
-    async def stream(self, account: StreamAccount, cancel_after: int | None) -> tuple[Outcome, float]:
-        """Feed the SSE body to ``account`` as it arrives; (outcome, end time) as aiohttp's reader gives."""
+    async def stream(self) -> tuple[Outcome, float]:
+        """(outcome, end time) of the SSE body, as aiohttp's reader gives them; the account was fed."""
         conn = self._conn
         assert conn.done_fut is not None
-        conn.cancel_after = cancel_after
-        conn.account = account
-        if conn.body:  # arrived with the headers, before anyone asked for a stream
-            pieces, conn.body = conn.body, []
-            account.feed(b"".join(pieces), conn.last)
-            if account.finished:
-                if account.fault is not None:
-                    conn.close()
-                    return account.fault, conn.last
-                return Outcome.OK, account.done_t or conn.last
-            if cancel_after is not None and account.tokens >= cancel_after:
-                conn.close()
-                return Outcome.CANCELLED, conn.last
-        if conn.complete:
-            return Outcome.MISSING_DONE, conn.last
+        conn.drain()
         return await conn.done_fut  # type: ignore[no-any-return]
 
     def close(self) -> None:
@@ -280,14 +290,15 @@ class Response:
 
 
 class _Post:
-    def __init__(self, pool: "Pool", wire: bytes):
-        self._pool, self._wire = pool, wire
+    def __init__(self, pool: "Pool", wire: bytes, account: StreamAccount | None, cancel_after: int | None):
+        self._pool, self._wire, self._account, self._cancel_after = pool, wire, account, cancel_after
         self._conn: _Connection | None = None
 
     async def __aenter__(self) -> Response:
         conn = self._conn = await self._pool._acquire()
         loop = asyncio.get_running_loop()
         conn.head_fut, conn.done_fut = loop.create_future(), loop.create_future()
+        conn.account, conn.cancel_after = self._account, self._cancel_after
         conn.sent = conn.last = self._pool.clock()
         self._pool._busy(conn)
         assert conn.transport is not None
@@ -317,6 +328,8 @@ class Pool:
         self._idle: list[_Connection] = []
         self._active: set[_Connection] = set()
         self._watchdog: asyncio.TimerHandle | None = None
+        self._pending: list[_Connection] = []  # connections with stream reads to feed
+        self._drainer: asyncio.Handle | None = None
         # Hangs are seen within a tenth of the read timeout (aiohttp's per-read timer: exact).
         self._tick_s = max(0.01, min(0.25, read_timeout_s / 10))
 
@@ -338,8 +351,20 @@ class Pool:
         opened = await asyncio.gather(*(self._open() for _ in range(need)), return_exceptions=True)
         self._idle.extend(c for c in opened if isinstance(c, _Connection))
 
-    def post(self, wire: bytes) -> _Post:
-        return _Post(self, wire)
+    def post(self, wire: bytes, account: StreamAccount | None = None, cancel_after: int | None = None) -> _Post:
+        """``async with pool.post(...) as response``; a streaming request's body goes to ``account``."""
+        return _Post(self, wire, account, cancel_after)
+
+    def _keep(self, conn: _Connection) -> None:
+        self._pending.append(conn)
+        if self._drainer is None:
+            self._drainer = asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drainer = None
+        pending, self._pending = self._pending, []
+        for conn in pending:
+            conn.drain()
 
     def _prune(self) -> None:
         """Drop idle connections the server may be closing (idle for longer than keepalive_s)."""
@@ -389,6 +414,9 @@ class Pool:
             self._watchdog = asyncio.get_running_loop().call_later(self._tick_s, self._watch)
 
     def close(self) -> None:
+        if self._drainer is not None:
+            self._drainer.cancel()
+            self._drainer = None
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None

@@ -452,7 +452,7 @@ class HttpTarget:
         detail: str | None = None
         try:
             if self._fast is not None and plan.wire is not None:
-                post: Any = self._fast.post(plan.wire)
+                post: Any = self._fast.post(plan.wire, account, r.cancel_after_tokens)
             else:
                 post = self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout)
             async with post as resp:
@@ -483,7 +483,7 @@ class HttpTarget:
         self, resp: aiohttp.ClientResponse | fastpath.Response, account: StreamAccount, r: Request
     ) -> tuple[Outcome, float]:
         if isinstance(resp, fastpath.Response):
-            return await resp.stream(account, r.cancel_after_tokens)
+            return await resp.stream()
         clock = self._clock
         content = resp.content
         cancel_after = r.cancel_after_tokens
