@@ -33,6 +33,9 @@ from fuzzer.execution import Outcome
 ENV = "FUZZ_HTTP_CLIENT"
 _MAX_HEAD = 1 << 16
 _CUT_OFF = "Response payload is not completed"
+# Parsing kept stream reads runs in slices this long, so a read arriving meanwhile waits at
+# most about this long for its stamp (a burst of 1024 streams is ~150 ms of parsing).
+_SLICE_S = 0.0005
 
 
 def enabled() -> bool:
@@ -289,31 +292,50 @@ class Response:
         self._conn.close()
 
 
-class _Post:
-    def __init__(self, pool: "Pool", wire: bytes, account: StreamAccount | None, cancel_after: int | None):
-        self._pool, self._wire, self._account, self._cancel_after = pool, wire, account, cancel_after
-        self._conn: _Connection | None = None
+class Post:
+    """One request: ``async with`` it for the :class:`Response`. :meth:`Pool.start` writes it at once."""
 
-    async def __aenter__(self) -> Response:
-        conn = self._conn = await self._pool._acquire()
+    def __init__(self, pool: "Pool", wire: bytes, account: StreamAccount | None, cancel_after: int | None):
+        self._pool, self._wire, self.account, self._cancel_after = pool, wire, account, cancel_after
+        self._conn: _Connection | None = None
+        self._released = False
+        #: When the request was written (the pool's clock).
+        self.sent: float | None = None
+
+    def _begin(self, conn: _Connection) -> None:
+        self._conn = conn
         loop = asyncio.get_running_loop()
         conn.head_fut, conn.done_fut = loop.create_future(), loop.create_future()
-        conn.account, conn.cancel_after = self._account, self._cancel_after
-        conn.sent = conn.last = self._pool.clock()
+        conn.account, conn.cancel_after = self.account, self._cancel_after
+        conn.sent = conn.last = self.sent = self._pool.clock()
         self._pool._busy(conn)
         assert conn.transport is not None
+        conn.transport.write(self._wire)
+
+    async def __aenter__(self) -> Response:
+        if self._conn is None:
+            self._begin(await self._pool._acquire())
+        conn = self._conn
+        assert conn is not None and conn.head_fut is not None
         try:
-            conn.transport.write(self._wire)
             await conn.head_fut
         except BaseException:
-            self._pool._release(conn, clean=False)
+            self._release(clean=False)
             raise
         return Response(conn)
 
     async def __aexit__(self, *exc: object) -> None:
-        conn = self._conn
-        if conn is not None:
-            self._pool._release(conn, clean=exc[0] is None)
+        self._release(clean=exc[0] is None)
+
+    def _release(self, *, clean: bool) -> None:
+        if self._conn is not None and not self._released:
+            self._released = True
+            self._pool._release(self._conn, clean=clean)
+
+    def abandon(self, _task: object = None) -> None:
+        """Close the connection unless the request was read and released (a task's done callback:
+        a task cancelled before its first step never enters the ``async with``)."""
+        self._release(clean=False)
 
 
 class Pool:
@@ -351,9 +373,18 @@ class Pool:
         opened = await asyncio.gather(*(self._open() for _ in range(need)), return_exceptions=True)
         self._idle.extend(c for c in opened if isinstance(c, _Connection))
 
-    def post(self, wire: bytes, account: StreamAccount | None = None, cancel_after: int | None = None) -> _Post:
+    def post(self, wire: bytes, account: StreamAccount | None = None, cancel_after: int | None = None) -> Post:
         """``async with pool.post(...) as response``; a streaming request's body goes to ``account``."""
-        return _Post(self, wire, account, cancel_after)
+        return Post(self, wire, account, cancel_after)
+
+    def start(self, wire: bytes, account: StreamAccount | None, cancel_after: int | None) -> Post | None:
+        """The request written now, on an idle connection, before any task exists; None when none is open."""
+        self._prune()
+        if not self._idle:
+            return None
+        post = Post(self, wire, account, cancel_after)
+        post._begin(self._idle.pop())
+        return post
 
     def _keep(self, conn: _Connection) -> None:
         self._pending.append(conn)
@@ -361,10 +392,17 @@ class Pool:
             self._drainer = asyncio.get_running_loop().call_soon(self._drain)
 
     def _drain(self) -> None:
+        """Feed kept reads for at most _SLICE_S, then let the loop stamp new reads before the rest."""
         self._drainer = None
-        pending, self._pending = self._pending, []
-        for conn in pending:
-            conn.drain()
+        pending, end, done = self._pending, self.clock() + _SLICE_S, 0
+        while done < len(pending):
+            pending[done].drain()
+            done += 1
+            if self.clock() > end:
+                break
+        self._pending = pending[done:]
+        if self._pending:
+            self._drainer = asyncio.get_running_loop().call_soon(self._drain)
 
     def _prune(self) -> None:
         """Drop idle connections the server may be closing (idle for longer than keepalive_s)."""

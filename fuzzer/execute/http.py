@@ -35,6 +35,7 @@ from fuzzer.errors import TargetError
 from fuzzer.execute import adapters, clientlag, detection, fastpath, scope
 from fuzzer.execute import prompts as prompt_builder
 from fuzzer.execute.adapters import Adapter, ServerInfo
+from fuzzer.execute.harness import LATENESS_WARN_S, result_warnings  # noqa: F401 (LATENESS_WARN_S: public)
 from fuzzer.execute.metrics import (
     DEFAULT_INTERVAL_S,
     Sampler,
@@ -66,8 +67,6 @@ _START_DELAY_S = 0.005
 # asyncio timers fire with ~1 ms granularity: sleep until this close to a send
 # time, then yield to the loop until it is due.
 _SPIN_S = 0.0015
-# A request sent later than this after its schedule gets a harness warning.
-LATENESS_WARN_S = 0.005
 # Idle pooled connections are dropped by the client after this long, before the server
 # drops them: llama-server (cpp-httplib) and uvicorn (vLLM, SGLang) close an idle
 # keep-alive connection after 5 s, and a request written onto a connection the server is
@@ -328,7 +327,12 @@ class HttpTarget:
             sends: list[asyncio.Task[RequestResult]] = []
             for plan in plans:
                 await self._sleep_until(t0 + plan.scheduled_s)
-                sends.append(tasks.create_task(self._send(plan, t0)))
+                # The hot path writes the request at once; its task only reads the answer.
+                post = self._fast.start(plan.wire, StreamAccount() if plan.request.stream else None,
+                                        plan.request.cancel_after_tokens) if self._fast and plan.wire else None
+                sends.append(task := tasks.create_task(self._send(plan, t0, post)))
+                if post is not None:
+                    task.add_done_callback(post.abandon)
             if sends:  # asyncio.wait refuses an empty set
                 await asyncio.wait(sends)
             duration_s = self._clock() - t0
@@ -341,7 +345,7 @@ class HttpTarget:
         results = [send.result() for send in sends]
         if failed_scrapes:
             warnings.append(f"{failed_scrapes} /metrics scrapes failed during the execution")
-        warnings.extend(_result_warnings(trace, results))
+        warnings.extend(result_warnings(trace, results))
         lag_warning = clientlag.warning(client_lag_s)
         if lag_warning:
             warnings.append(lag_warning)
@@ -438,22 +442,22 @@ class HttpTarget:
                 return
             await self._sleep(remaining - _SPIN_S if remaining > _SPIN_S else 0)
 
-    async def _send(self, plan: _Planned, t0: float) -> RequestResult:
-        """Send one request and read its answer; every failure becomes an outcome."""
+    async def _send(self, plan: _Planned, t0: float, post: Any = None) -> RequestResult:
+        """Send one request (``post``: already written on the hot path) and read its answer; every failure becomes an outcome."""
         assert self._session is not None
         r = plan.request
         clock = self._clock
-        sent = clock()
-        account = StreamAccount() if r.stream else None
+        sent = clock() if post is None else post.sent
+        account = (StreamAccount() if r.stream else None) if post is None else post.account
         status: int | None = None
         end: float | None = None
         body: Any = None
         outcome = Outcome.OK
         detail: str | None = None
         try:
-            if self._fast is not None and plan.wire is not None:
-                post: Any = self._fast.post(plan.wire, account, r.cancel_after_tokens)
-            else:
+            if post is None and self._fast is not None and plan.wire is not None:
+                post = self._fast.post(plan.wire, account, r.cancel_after_tokens)
+            if post is None:
                 post = self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout)
             async with post as resp:
                 status = resp.status
@@ -576,19 +580,3 @@ class HttpTarget:
             detail=detail,
         )
 
-
-def _result_warnings(trace: Trace, results: list[RequestResult]) -> list[str]:
-    """Client-side trouble: late dispatches, and prompts the server counted differently."""
-    warnings = []
-    late = [r for r in results if r.dispatch_lateness_s > LATENESS_WARN_S]
-    if late:
-        worst = max(r.dispatch_lateness_s for r in late)
-        warnings.append(
-            f"{len(late)} request(s) left more than {LATENESS_WARN_S * 1000:g} ms late "
-            f"(worst {worst * 1000:.1f} ms): client lag, not server latency"
-        )
-    for r in results:
-        want = trace.request(r.request_id).prompt_tokens
-        if r.prompt_tokens is not None and r.prompt_tokens != want:
-            warnings.append(f"{r.request_id}: the server counted {r.prompt_tokens} prompt tokens, the trace asked {want}")
-    return warnings
