@@ -379,11 +379,11 @@ class Pool:
 
     def start(self, wire: bytes, account: StreamAccount | None, cancel_after: int | None) -> Post | None:
         """The request written now, on an idle connection, before any task exists; None when none is open."""
-        self._prune()
-        if not self._idle:
+        conn = self._take()
+        if conn is None:
             return None
         post = Post(self, wire, account, cancel_after)
-        post._begin(self._idle.pop())
+        post._begin(conn)
         return post
 
     def _keep(self, conn: _Connection) -> None:
@@ -415,13 +415,17 @@ class Pool:
                 keep.append(conn)
         self._idle = keep
 
-    async def _acquire(self) -> _Connection:
+    def _take(self) -> _Connection | None:
+        """The most recently used idle connection still fit to use, or None."""
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and self.clock() - conn.idle_since <= self._keepalive_s:
                 return conn
             conn.close()
-        return await self._open()
+        return None
+
+    async def _acquire(self) -> _Connection:
+        return self._take() or await self._open()
 
     def _busy(self, conn: _Connection) -> None:
         self._active.add(conn)
