@@ -19,6 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from yarl import URL
+
 from fuzzer import trace as tf
 from fuzzer.execute import fastpath
 from fuzzer.execute.http import HttpTarget
@@ -222,3 +224,51 @@ def _result(r) -> tuple:
 def test_a_misbehaving_server_gives_the_same_results_through_both_paths(response):
     fast, slow = asyncio.run(_both_paths(response[1], response[2]))
     assert fast == slow
+
+
+# --- the pool ---------------------------------------------------------------------------------
+
+
+async def _post(pool: fastpath.Pool, wire: bytes) -> tuple[int, bytes]:
+    async with pool.post(wire) as response:
+        return response.status, await response.read()
+
+
+async def test_connections_are_reused_dropped_when_stale_and_refusals_are_client_errors(unused_tcp_port):
+    import aiohttp
+
+    opened = []
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport):
+            opened.append(transport)
+            self.transport = transport
+
+        def data_received(self, data):
+            if data.endswith(b"}"):
+                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(Echo, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    now = [0.0]
+    pool = fastpath.Pool(url, clock=lambda: now[0], read_timeout_s=1, total_timeout_s=5, keepalive_s=4)
+    wire = fastpath.encode_post(URL(url + "/v1/completions"), {"Content-Type": "application/json"}, b"{}")
+    assert wire.startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+    try:
+        await pool.warm(2)
+        assert len(opened) == 2
+        assert await _post(pool, wire) == (200, b"{}")
+        assert await _post(pool, wire) == (200, b"{}")
+        assert len(opened) == 2  # kept alive and reused
+        now[0] = 10.0  # idle longer than keepalive_s: the server may be closing it
+        assert await _post(pool, wire) == (200, b"{}")
+        assert len(opened) == 3
+    finally:
+        pool.close()
+        server.close()
+    refused = fastpath.Pool(f"http://127.0.0.1:{unused_tcp_port}", clock=lambda: 0.0, read_timeout_s=1,
+                            total_timeout_s=5, keepalive_s=4)
+    with pytest.raises(aiohttp.ClientOSError):
+        await _post(refused, wire)
+    assert fastpath.usable("http://h:1/v1") and not fastpath.usable("https://h") and not fastpath.usable("http://[::1]:8")
