@@ -18,7 +18,6 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from yarl import URL
 
 from fuzzer import trace as tf
