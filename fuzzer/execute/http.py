@@ -32,7 +32,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from fuzzer.errors import TargetError
-from fuzzer.execute import adapters, clientlag, detection, fastpath, scope
+from fuzzer.execute import adapters, clientlag, detection, fastpath, gcquiet, scope
 from fuzzer.execute import prompts as prompt_builder
 from fuzzer.execute.adapters import Adapter, ServerInfo
 from fuzzer.execute.harness import LATENESS_WARN_S, result_warnings  # noqa: F401 (LATENESS_WARN_S: public)
@@ -313,7 +313,7 @@ class HttpTarget:
         # closed: the server sees an abort) and the sampler and the lag ticker stopped
         # before the exception leaves execute(). A request's failure is its outcome, never
         # an exception, so it does not cancel its siblings.
-        async with scope.task_scope() as tasks:
+        async with scope.task_scope() as tasks, gcquiet.frozen_heap():
             sampler = None
             t0 = self._clock() + _START_DELAY_S
             started_at = self._wall_clock() + _START_DELAY_S
