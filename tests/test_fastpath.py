@@ -271,3 +271,33 @@ async def test_connections_are_reused_dropped_when_stale_and_refusals_are_client
     with pytest.raises(aiohttp.ClientOSError):
         await _post(refused, wire)
     assert fastpath.usable("http://h:1/v1") and not fastpath.usable("https://h") and not fastpath.usable("http://[::1]:8")
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        (b"HTTP/1.1 204 No Content\r\n\r\n", (204, b"")),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", (200, b"{}")),
+        (b"HTTP/1.1 500 Boom\r\nTransfer-Encoding: chunked\r\n\r\n4;x=y\r\nboom\r\n0\r\nTrailer: t\r\n\r\n", (500, b"boom")),
+        (b"HTTP/1.0 200 OK\r\n\r\nuntil close", (200, b"until close")),
+    ],
+    ids=["no-content", "interim", "chunked-error-with-trailer", "until-close"],
+)
+async def test_bodies_without_length_interim_replies_and_trailers(reply, expected):
+    class Reply(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.transport.write(reply)
+            if b"until close" in reply:
+                self.transport.close()
+
+    server = await asyncio.get_running_loop().create_server(Reply, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pool = fastpath.Pool(url, clock=lambda: 0.0, read_timeout_s=1, total_timeout_s=5, keepalive_s=4)
+    try:
+        assert await _post(pool, fastpath.encode_post(URL(url + "/x"), {}, b"{}")) == expected
+    finally:
+        pool.close()
+        server.close()

@@ -164,10 +164,14 @@ class _Connection(asyncio.Protocol):
             self.status, self.head = status, head
             connection = head.get("connection", "").lower()
             self.keep_alive = "close" not in connection and (version != "HTTP/1.0" or "keep-alive" in connection)
-            if "chunked" in head.get("transfer-encoding", "").lower():
+            if status in (204, 304):  # no body, whatever the headers say
+                self.mode, self.complete = "length", True
+            elif "chunked" in head.get("transfer-encoding", "").lower():
                 self.mode, self.left = "chunked", -1
             elif "content-length" in head:
                 self.mode, self.left = "length", int(head["content-length"])
+                if self.left < 0:
+                    raise ValueError(f"negative Content-Length: {self.left}")
                 self.complete = self.left == 0
             else:
                 self.mode, self.keep_alive = "close", False
@@ -419,7 +423,7 @@ class Pool:
         """The most recently used idle connection still fit to use, or None."""
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and self.clock() - conn.idle_since <= self._keepalive_s:
+            if not conn.closed and not conn.transport.is_closing() and self.clock() - conn.idle_since <= self._keepalive_s:  # type: ignore[union-attr]
                 return conn
             conn.close()
         return None
