@@ -289,7 +289,8 @@ class Response:
         """(outcome, end time) of the SSE body, as aiohttp's reader gives them; the account was fed."""
         conn = self._conn
         assert conn.done_fut is not None
-        conn.drain()
+        # The pool's slices feed the kept reads (feeding them here, in the task woken by the
+        # headers, would delay the stamps of every read arriving meanwhile).
         return await conn.done_fut  # type: ignore[no-any-return]
 
     def close(self) -> None:
