@@ -7,7 +7,9 @@ detects the server kind, asks which features it accepts, picks a prompt counter
 1. builds fresh prompts of exact length and pre-encodes every request body;
 2. waits at the idle barrier (running + waiting = 0 on /metrics);
 3. opens as many keep-alive connections as the trace has requests (TCP setup is
-   not server latency) and starts the /metrics sampler;
+   not server latency) and starts the /metrics sampler; over plain http:// the
+   completion requests take the hot path (:mod:`fuzzer.execute.fastpath`), everything
+   else aiohttp;
 4. sends request *i* at ``t0 + at_ms`` on an absolute schedule, stamping the
    actual send (dispatch lateness = sent - scheduled), and reads each stream
    with a ``perf_counter`` stamp per network read;
@@ -579,4 +581,3 @@ class HttpTarget:
             http_status=status,
             detail=detail,
         )
-
