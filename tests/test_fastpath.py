@@ -301,3 +301,51 @@ async def test_bodies_without_length_interim_replies_and_trailers(reply, expecte
     finally:
         pool.close()
         server.close()
+
+
+async def test_the_watchdog_times_out_silence_and_trickles_and_an_unstarted_task_closes_its_connection():
+    import time
+
+    class Trickle(asyncio.Protocol):
+        """``/silent``: headers, then nothing; ``/trickle``: a byte of chunk every 20 ms, forever."""
+
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def data_received(self, data):
+            self.transport.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            if b"/trickle" in data:
+                asyncio.ensure_future(self.trickle())
+
+        async def trickle(self):
+            while not self.transport.is_closing():
+                self.transport.write(b"1\r\n:\r\n")
+                await asyncio.sleep(0.02)
+
+    server = await asyncio.get_running_loop().create_server(Trickle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    pool = fastpath.Pool(url, clock=time.perf_counter, read_timeout_s=0.2, total_timeout_s=0.5, keepalive_s=4)
+    try:
+        for path, at_least in (("/silent", 0.2), ("/trickle", 0.5)):
+            start = time.perf_counter()
+            with pytest.raises(asyncio.TimeoutError):
+                async with pool.post(fastpath.encode_post(URL(url + path), {}, b"{}"), StreamAccount()) as response:
+                    await response.stream()
+            assert at_least <= time.perf_counter() - start < at_least + 0.3
+        await pool.warm(1)
+        post = pool.start(fastpath.encode_post(URL(url + "/silent"), {}, b"{}"), StreamAccount(), None)
+        assert post is not None and post.sent is not None
+
+        async def never_started():
+            async with post:
+                pass
+
+        task = asyncio.ensure_future(never_started())
+        task.add_done_callback(post.abandon)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert post._conn.closed and not pool._active
+    finally:
+        pool.close()
+        server.close()
