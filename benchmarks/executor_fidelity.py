@@ -26,7 +26,7 @@ client CPU (time.process_time around each burst: C x (8 tokens + usage + [DONE])
 ours includes its idle barrier, prompt building and /metrics sampler). Then events per
 CPU-second on long streams, end to end.
 
-    .venv/bin/python benchmarks/executor_fidelity.py [--quick] [--profile]
+    .venv/bin/python benchmarks/executor_fidelity.py [--quick] [--profile C] [--uvloop]
 """
 
 from __future__ import annotations
@@ -360,6 +360,7 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--profile", metavar="C", type=int, help="profile ours at concurrency C and print the top")
+    parser.add_argument("--uvloop", action="store_true", help="run every client on uvloop's event loop (pip install uvloop)")
     args = parser.parse_args()
     if args.serve:
         serve()
@@ -373,9 +374,15 @@ def main() -> None:
             return
         repeats = {c: max(1, n // 4) for c, n in REPEATS.items()} if args.quick else REPEATS
         started = time.perf_counter()
-        cells = asyncio.run(fidelity(url, host, port, repeats))
-        eps, events = asyncio.run(events_per_second(url))
-        eps_aiohttp, _ = asyncio.run(events_per_second(url, client="aiohttp"))
+        if args.uvloop:
+            import uvloop
+
+            run = uvloop.run
+        else:
+            run = asyncio.run
+        cells = run(fidelity(url, host, port, repeats))
+        eps, events = run(events_per_second(url))
+        eps_aiohttp, _ = run(events_per_second(url, client="aiohttp"))
         report(cells, eps, eps_aiohttp, events, time.perf_counter() - started)
     finally:
         proc.terminate()
