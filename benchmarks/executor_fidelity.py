@@ -5,13 +5,15 @@ keep-alive, chunked SSE). For every completion it logs, on the shared
 CLOCK_MONOTONIC, when it had read the whole request and when it had written the
 first event. A client's TTFT minus that server-side TTFT is the TTFT the client
 adds. C streaming requests are planned for the same instant (C = 1, 64, 256,
-1024); three clients run interleaved in the same run:
+1024); four clients run interleaved in the same run:
 
   raw    hand-written HTTP on asyncio streams, connections opened in advance:
          the floor on this machine;
   ours   fuzzer.execute.http.HttpTarget.execute (the real thing: idle barrier,
          prompts, warm-up and the /metrics sampler included; only the send and
-         receive path is timed);
+         receive path is timed), on its hot path (fuzzer.execute.fastpath);
+  aiohttp the same executor with FUZZ_HTTP_CLIENT=aiohttp (completion requests
+         through aiohttp's ClientSession, as before issue 19);
   vllm   a reimplementation, from its documented behaviour, of the request
          function `vllm bench serve` uses (the benchmark clients' documented behaviour): one
          ClientSession(trust_env=True), TCPConnector(limit=0), no warm-up, the
@@ -19,9 +21,12 @@ adds. C streaming requests are planned for the same instant (C = 1, 64, 256,
          UTF-8 decoder + split on "\\n\\n", first chunk with choices = TTFT.
          vLLM is not installed here; no vLLM code was copied.
 
-Then SSE events parsed per second of client CPU (one core), end to end.
+Per cell: added TTFT and dispatch lateness (p50 / p99) and SSE events per second of
+client CPU (time.process_time around each burst: C x (8 tokens + usage + [DONE]) events;
+ours includes its idle barrier, prompt building and /metrics sampler). Then events per
+CPU-second on long streams, end to end.
 
-    .venv/bin/python benchmarks/executor_fidelity.py [--quick] [--profile]
+    .venv/bin/python benchmarks/executor_fidelity.py [--quick] [--profile C] [--uvloop]
 """
 
 from __future__ import annotations
@@ -38,17 +43,22 @@ import sys
 import time
 from pathlib import Path
 
+import contextlib
+
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fuzzer import trace as tf  # noqa: E402
+from fuzzer.execute import fastpath  # noqa: E402
 from fuzzer.execute.http import HttpTarget  # noqa: E402
 
+CLIENTS = ("raw", "ours", "aiohttp", "vllm")
+
 CONCURRENCIES = (1, 64, 256, 1024)
-#: Bursts per client and concurrency: about 60-2000 samples per cell, a few minutes in all.
-REPEATS = {1: 40, 64: 6, 256: 3, 1024: 2}
+#: Bursts per client and concurrency: about 40-4000 samples per cell, about a minute in all.
+REPEATS = {1: 40, 64: 8, 256: 6, 1024: 4}
 #: Events per stream: a first token, more tokens, usage, [DONE].
 TOKENS = 8
 PROMPT_TOKENS = 16
@@ -270,39 +280,76 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
+@contextlib.contextmanager
+def client_env(value: str | None):
+    """FUZZ_HTTP_CLIENT set to ``value`` (None: unset) while a target starts."""
+    old = os.environ.pop(fastpath.ENV, None)
+    if value is not None:
+        os.environ[fastpath.ENV] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(fastpath.ENV, None)
+        if old is not None:
+            os.environ[fastpath.ENV] = old
+
+
+async def started_target(url: str, seed: int, client: str | None) -> HttpTarget:
+    target = HttpTarget(url, rng=random.Random(seed), idle_timeout_s=5)
+    with client_env(client):
+        await target.start()
+    return target
+
+
 async def fidelity(url: str, host: str, port: int, repeats: dict[int, int]) -> dict:
     cells: dict = {}
-    async with HttpTarget(url, rng=random.Random(1), idle_timeout_s=5) as target:
+    fast = await started_target(url, 1, None)
+    slow = await started_target(url, 4, "aiohttp")
+    assert fast._fast is not None and slow._fast is None
+    try:
         for c in CONCURRENCIES:
-            order = ["raw", "ours", "vllm"]
+            order = list(CLIENTS)
             for rep in range(repeats[c]):
                 random.Random(rep).shuffle(order)  # interleaved, in a varying order
                 for client in order:
                     await server_log(url)  # drop what earlier clients left
                     tag = f"{client}{c}r{rep}"
+                    cpu = time.process_time()
                     if client == "raw":
                         got = await raw_burst(host, port, c, tag)
                     elif client == "ours":
-                        got = await ours_burst(target, c)
+                        got = await ours_burst(fast, c)
+                    elif client == "aiohttp":
+                        got = await ours_burst(slow, c)
                     else:
                         got = await vllm_burst(url, c, tag)
+                    cpu = time.process_time() - cpu
                     server = await server_log(url)
-                    cell = cells.setdefault((client, c), {"added": [], "late": []})
+                    cell = cells.setdefault((client, c), {"added": [], "late": [], "cpu": 0.0, "events": 0})
                     for xid, ttft, late in got:
                         cell["added"].append(ttft - server[xid])
                         cell["late"].append(late)
+                    cell["cpu"] += cpu
+                    cell["events"] += len(got) * (TOKENS + 2)
                     await asyncio.sleep(0.05)
+    finally:
+        await fast.aclose()
+        await slow.aclose()
     return cells
 
 
-async def events_per_second(url: str, *, streams: int = 8, tokens: int = 4000) -> tuple[float, int]:
+async def events_per_second(url: str, *, streams: int = 8, tokens: int = 4000,
+                            client: str | None = None) -> tuple[float, int]:
     trace = tf.from_dict({"requests": [{"id": f"e{i}", "at_ms": 0, "prompt_tokens": PROMPT_TOKENS, "max_tokens": tokens}
                                        for i in range(streams)]})
-    async with HttpTarget(url, rng=random.Random(2), idle_timeout_s=5) as target:
+    target = await started_target(url, 2, client)
+    try:
         await target.execute(trace)  # warm
         cpu = time.process_time()
         result = await target.execute(trace)
         cpu = time.process_time() - cpu
+    finally:
+        await target.aclose()
     assert not result.failures
     events = sum(len(r.token_times_s) + 2 for r in result.requests)  # tokens + usage + [DONE]
     return events / cpu, events
@@ -313,6 +360,7 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--profile", metavar="C", type=int, help="profile ours at concurrency C and print the top")
+    parser.add_argument("--uvloop", action="store_true", help="run every client on uvloop's event loop (pip install uvloop)")
     args = parser.parse_args()
     if args.serve:
         serve()
@@ -326,46 +374,79 @@ def main() -> None:
             return
         repeats = {c: max(1, n // 4) for c, n in REPEATS.items()} if args.quick else REPEATS
         started = time.perf_counter()
-        cells = asyncio.run(fidelity(url, host, port, repeats))
-        eps, events = asyncio.run(events_per_second(url))
-        report(cells, eps, events, time.perf_counter() - started)
+        if args.uvloop:
+            import uvloop
+
+            run = uvloop.run
+        else:
+            run = asyncio.run
+        cells = run(fidelity(url, host, port, repeats))
+        eps, events = run(events_per_second(url))
+        eps_aiohttp, _ = run(events_per_second(url, client="aiohttp"))
+        report(cells, eps, eps_aiohttp, events, time.perf_counter() - started)
     finally:
         proc.terminate()
         proc.wait()
 
 
-def report(cells: dict, eps: float, events: int, wall_s: float) -> None:
-    print(f"client-added TTFT and dispatch lateness, ms (p50 / p99); {os.cpu_count()} CPUs, {wall_s:.0f} s")
-    print("| C | raw floor: added TTFT | ours: added TTFT | vLLM client: added TTFT | raw: lateness | ours: lateness | vLLM: lateness | samples |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+def report(cells: dict, eps: float, eps_aiohttp: float, events: int, wall_s: float) -> None:
+    load = os.getloadavg()
+    print(f"client-added TTFT and dispatch lateness, ms (p50 / p99); {os.cpu_count()} CPUs, {wall_s:.0f} s, "
+          f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    names = {"raw": "raw floor", "ours": "ours (hot path)", "aiohttp": "ours via aiohttp", "vllm": "vLLM client"}
+    print("| C | " + " | ".join(f"{names[k]}: added TTFT" for k in CLIENTS) + " | "
+          + " | ".join(f"{k}: lateness" for k in CLIENTS) + " | "
+          + " | ".join(f"{k}: events/CPU-s" for k in CLIENTS) + " | ours/raw TTFT p50, p99 | vLLM/ours p50 | samples |")
+    print("|---:" * (2 + 3 * len(CLIENTS) + 2) + "|")
     for c in CONCURRENCIES:
         row = [str(c)]
         for key in ("added", "late"):
-            for client in ("raw", "ours", "vllm"):
+            for client in CLIENTS:
                 v = [x * 1000 for x in cells[(client, c)][key]]
                 row.append(f"{pct(v, 50):.2f} / {pct(v, 99):.2f}")
-        row.append(str(len(cells[("ours", c)]["added"])))
+        for client in CLIENTS:
+            cell = cells[(client, c)]
+            row.append(f"{cell['events'] / max(cell['cpu'], 1e-9):,.0f}")
+        ours, raw, vllm = (cells[(k, c)]["added"] for k in ("ours", "raw", "vllm"))
+        row.append(f"{pct(ours, 50) / pct(raw, 50):.2f}x, {pct(ours, 99) / pct(raw, 99):.2f}x")
+        row.append(f"{pct(vllm, 50) / pct(ours, 50):.1f}x")
+        row.append(str(len(ours)))
         print("| " + " | ".join(row) + " |")
-    print("ratios ours/raw (p50, p99): " + "; ".join(
-        f"C={c}: TTFT {pct(cells[('ours', c)]['added'], 50) / pct(cells[('raw', c)]['added'], 50):.2f}x,"
-        f" {pct(cells[('ours', c)]['added'], 99) / pct(cells[('raw', c)]['added'], 99):.2f}x;"
-        f" lateness p99 {pct(cells[('ours', c)]['late'], 99) / max(1e-9, pct(cells[('raw', c)]['late'], 99)):.2f}x"
-        for c in CONCURRENCIES))
-    print(f"SSE events parsed per second of client CPU (ours, end to end, {events} events): {eps:,.0f}")
+    print(f"SSE events parsed per second of client CPU (end to end, {events} events): "
+          f"ours {eps:,.0f}; via aiohttp {eps_aiohttp:,.0f}")
 
 
 def profile(url: str, c: int) -> None:
+    """cProfile of ours over C-request bursts, from the end of the connection warm-up to the last
+    answer (the window TTFT and lateness are measured in; prompts, the idle barrier and the
+    warm-up are left out)."""
     import cProfile
     import pstats
 
+    from fuzzer.execute import clientlag
+    from fuzzer.execute import http as executor
+
+    prof = cProfile.Profile()
+    warm, stop = executor.HttpTarget._warm, clientlag.LagMonitor.stop
+
+    async def warm_then_profile(self, connections):
+        await warm(self, connections)
+        prof.enable()
+
+    async def stop_profiling(self):
+        prof.disable()
+        return await stop(self)
+
     async def run():
-        async with HttpTarget(url, rng=random.Random(3), idle_timeout_s=5) as target:
+        target = await started_target(url, 3, os.environ.get(fastpath.ENV))
+        try:
             await ours_burst(target, c)
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(3):
+            executor.HttpTarget._warm, clientlag.LagMonitor.stop = warm_then_profile, stop_profiling
+            for _ in range(4):
                 await ours_burst(target, c)
-            prof.disable()
+        finally:
+            executor.HttpTarget._warm, clientlag.LagMonitor.stop = warm, stop
+            await target.aclose()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
     asyncio.run(run())

@@ -7,7 +7,9 @@ detects the server kind, asks which features it accepts, picks a prompt counter
 1. builds fresh prompts of exact length and pre-encodes every request body;
 2. waits at the idle barrier (running + waiting = 0 on /metrics);
 3. opens as many keep-alive connections as the trace has requests (TCP setup is
-   not server latency) and starts the /metrics sampler;
+   not server latency) and starts the /metrics sampler; over plain http:// the
+   completion requests take the hot path (:mod:`fuzzer.execute.fastpath`), everything
+   else aiohttp;
 4. sends request *i* at ``t0 + at_ms`` on an absolute schedule, stamping the
    actual send (dispatch lateness = sent - scheduled), and reads each stream
    with a ``perf_counter`` stamp per network read;
@@ -32,9 +34,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from fuzzer.errors import TargetError
-from fuzzer.execute import adapters, clientlag, detection, scope
+from fuzzer.execute import adapters, clientlag, detection, fastpath, gcquiet, scope
 from fuzzer.execute import prompts as prompt_builder
 from fuzzer.execute.adapters import Adapter, ServerInfo
+from fuzzer.execute.harness import LATENESS_WARN_S, result_warnings  # noqa: F401 (LATENESS_WARN_S: public)
 from fuzzer.execute.metrics import (
     DEFAULT_INTERVAL_S,
     Sampler,
@@ -66,8 +69,6 @@ _START_DELAY_S = 0.005
 # asyncio timers fire with ~1 ms granularity: sleep until this close to a send
 # time, then yield to the loop until it is due.
 _SPIN_S = 0.0015
-# A request sent later than this after its schedule gets a harness warning.
-LATENESS_WARN_S = 0.005
 # Idle pooled connections are dropped by the client after this long, before the server
 # drops them: llama-server (cpp-httplib) and uvicorn (vLLM, SGLang) close an idle
 # keep-alive connection after 5 s, and a request written onto a connection the server is
@@ -92,6 +93,7 @@ class _Planned:
     body: bytes
     headers: CIMultiDict[str]
     scheduled_s: float
+    wire: bytes | None = None  # the whole request, pre-encoded for the hot path (fuzzer.execute.fastpath)
 
 
 class HttpTarget:
@@ -136,6 +138,8 @@ class HttpTarget:
         self._sleep = sleep
         self._speed_check = speed_check
         self._session: aiohttp.ClientSession | None = None
+        self._fast: fastpath.Pool | None = None
+        self._timeouts = (timeout_s, total_timeout_s)
         self._adapter: Adapter | None = None
         self._scraper: Scraper | None = None
         self._counter: prompt_builder.TokenCounter | None = None
@@ -174,6 +178,9 @@ class HttpTarget:
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
         )
+        if fastpath.enabled() and fastpath.usable(self.base_url):
+            self._fast = fastpath.Pool(self.base_url, clock=self._clock, read_timeout_s=self._timeouts[0],
+                                       total_timeout_s=self._timeouts[1], keepalive_s=_KEEPALIVE_S)
         try:
             fp = await detection.fingerprint(self._session, self.base_url, headers=self._headers)
             kind = detection.detect(fp) if self._server == "auto" else self._server
@@ -206,6 +213,9 @@ class HttpTarget:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._fast is not None:
+            self._fast.close()
+            self._fast = None
         self.info = None
 
     async def _choose_counter(self) -> None:
@@ -305,7 +315,7 @@ class HttpTarget:
         # closed: the server sees an abort) and the sampler and the lag ticker stopped
         # before the exception leaves execute(). A request's failure is its outcome, never
         # an exception, so it does not cancel its siblings.
-        async with scope.task_scope() as tasks:
+        async with scope.task_scope() as tasks, gcquiet.frozen_heap():
             sampler = None
             t0 = self._clock() + _START_DELAY_S
             started_at = self._wall_clock() + _START_DELAY_S
@@ -319,7 +329,12 @@ class HttpTarget:
             sends: list[asyncio.Task[RequestResult]] = []
             for plan in plans:
                 await self._sleep_until(t0 + plan.scheduled_s)
-                sends.append(tasks.create_task(self._send(plan, t0)))
+                # The hot path writes the request at once; its task only reads the answer.
+                post = self._fast.start(plan.wire, StreamAccount() if plan.request.stream else None,
+                                        plan.request.cancel_after_tokens) if self._fast and plan.wire else None
+                sends.append(task := tasks.create_task(self._send(plan, t0, post)))
+                if post is not None:
+                    task.add_done_callback(post.abandon)
             if sends:  # asyncio.wait refuses an empty set
                 await asyncio.wait(sends)
             duration_s = self._clock() - t0
@@ -332,7 +347,7 @@ class HttpTarget:
         results = [send.result() for send in sends]
         if failed_scrapes:
             warnings.append(f"{failed_scrapes} /metrics scrapes failed during the execution")
-        warnings.extend(_result_warnings(trace, results))
+        warnings.extend(result_warnings(trace, results))
         lag_warning = clientlag.warning(client_lag_s)
         if lag_warning:
             warnings.append(lag_warning)
@@ -401,12 +416,16 @@ class HttpTarget:
                 body["stream_options"] = {"include_usage": True}
             xid = f"{r.id}-{suffix}"
             headers = CIMultiDict({"Content-Type": "application/json", "X-Request-Id": xid, **self._headers})
-            plans.append(_Planned(r, xid, urls[r.api], json.dumps(body).encode(), headers, r.at_ms / 1000.0))
+            data = json.dumps(body).encode()
+            wire = fastpath.encode_post(urls[r.api], headers, data) if self._fast is not None else None
+            plans.append(_Planned(r, xid, urls[r.api], data, headers, r.at_ms / 1000.0, wire))
         return plans, warnings
 
     async def _warm(self, connections: int) -> None:
         """Open ``connections`` keep-alive connections now, so no request pays for TCP setup."""
         assert self._session is not None and self._adapter is not None
+        if self._fast is not None:
+            return await self._fast.warm(connections)
         url = self.base_url + self._adapter.health_path
 
         async def touch() -> None:
@@ -425,20 +444,24 @@ class HttpTarget:
                 return
             await self._sleep(remaining - _SPIN_S if remaining > _SPIN_S else 0)
 
-    async def _send(self, plan: _Planned, t0: float) -> RequestResult:
-        """Send one request and read its answer; every failure becomes an outcome."""
+    async def _send(self, plan: _Planned, t0: float, post: Any = None) -> RequestResult:
+        """Send one request (``post``: already written on the hot path) and read its answer; every failure becomes an outcome."""
         assert self._session is not None
         r = plan.request
         clock = self._clock
-        sent = clock()
-        account = StreamAccount() if r.stream else None
+        sent = clock() if post is None else post.sent
+        account = (StreamAccount() if r.stream else None) if post is None else post.account
         status: int | None = None
         end: float | None = None
         body: Any = None
         outcome = Outcome.OK
         detail: str | None = None
         try:
-            async with self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout) as resp:
+            if post is None and self._fast is not None and plan.wire is not None:
+                post = self._fast.post(plan.wire, account, r.cancel_after_tokens)
+            if post is None:
+                post = self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout)
+            async with post as resp:
                 status = resp.status
                 if status >= 400:
                     raw = await resp.read()
@@ -463,8 +486,10 @@ class HttpTarget:
         return self._result(plan, t0, sent, status, end, outcome, detail, account, body)
 
     async def _read_stream(
-        self, resp: aiohttp.ClientResponse, account: StreamAccount, r: Request
+        self, resp: aiohttp.ClientResponse | fastpath.Response, account: StreamAccount, r: Request
     ) -> tuple[Outcome, float]:
+        if isinstance(resp, fastpath.Response):
+            return await resp.stream()
         clock = self._clock
         content = resp.content
         cancel_after = r.cancel_after_tokens
@@ -556,20 +581,3 @@ class HttpTarget:
             http_status=status,
             detail=detail,
         )
-
-
-def _result_warnings(trace: Trace, results: list[RequestResult]) -> list[str]:
-    """Client-side trouble: late dispatches, and prompts the server counted differently."""
-    warnings = []
-    late = [r for r in results if r.dispatch_lateness_s > LATENESS_WARN_S]
-    if late:
-        worst = max(r.dispatch_lateness_s for r in late)
-        warnings.append(
-            f"{len(late)} request(s) left more than {LATENESS_WARN_S * 1000:g} ms late "
-            f"(worst {worst * 1000:.1f} ms): client lag, not server latency"
-        )
-    for r in results:
-        want = trace.request(r.request_id).prompt_tokens
-        if r.prompt_tokens is not None and r.prompt_tokens != want:
-            warnings.append(f"{r.request_id}: the server counted {r.prompt_tokens} prompt tokens, the trace asked {want}")
-    return warnings

@@ -79,16 +79,21 @@ class StreamAccount:
                 data = data[:-1]
             self._buffer = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if hold else b"")
         else:
-            self._buffer += data
+            self._buffer = self._buffer + data if self._buffer else data
+        buffer, pos = self._buffer, 0
         while not self.finished:
-            end = self._buffer.find(b"\n\n")
+            end = buffer.find(b"\n\n", pos)
             if end < 0:
-                return
-            block = self._buffer[:end]
-            self._buffer = self._buffer[end + 2 :]
+                break
+            block = buffer[pos:end]
+            pos = end + 2
             self._event(block, now)
+        self._buffer = buffer[pos:] if pos else buffer
 
     def _event(self, block: bytes, now: float) -> None:
+        if block[:6] == b"data: " and b"\n" not in block:  # the usual event: one data line
+            self._payload(block[6:], now)
+            return
         data_lines = []
         for line in block.split(b"\n"):
             if not line or line[:1] == b":":
@@ -99,9 +104,10 @@ class StreamAccount:
             elif name not in _SSE_FIELDS:
                 self._fail(Outcome.MALFORMED, f"not an SSE line: {line[:80]!r}")
                 return
-        if not data_lines:
-            return
-        payload = b"\n".join(data_lines)
+        if data_lines:
+            self._payload(b"\n".join(data_lines), now)
+
+    def _payload(self, payload: bytes, now: float) -> None:
         if self.first_event_t is None:
             self.first_event_t = now
         self.events += 1
