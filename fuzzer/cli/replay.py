@@ -18,6 +18,7 @@ from fuzzer.cli import EXIT_FINDING
 from fuzzer.cli._calibration import calibration_for
 from fuzzer.cli._console import err, out
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
+from fuzzer.cli._launch import launch_options, resolve
 from fuzzer.cli._target import API_KEY_ENV, open_target, sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.execute.adapters import ServerInfo
@@ -49,8 +50,10 @@ EXIT_INTERRUPTED = 130
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds without a byte from the server before a request counts as hung.")
 @click.option("--pathologies", default=None, help="Built-in simulator only: pathologies to plant ('all', 'a,b').")
+@launch_options
 @json_option
-def command(trace_path, target, runs, db_path, server, model, api_key_env, seed, timeout_s, pathologies, as_json) -> None:
+def command(trace_path, target, launch, target_file, runs, db_path, server, model, api_key_env, seed, timeout_s, pathologies,
+            as_json) -> None:
     """Replay TRACE.json, show every request and the oracle's verdict; exit 1 on a finding.
 
     Requests are sent open-loop at their at_ms offsets. Without --target the
@@ -65,12 +68,14 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
         fuzz replay corpus/vllm-37308.json --runs 5
         fuzz replay trace.json --target http://127.0.0.1:8000 --json
         fuzz replay corpus/n-logprobs.json --pathologies logprobs-batch-cost
+        fuzz replay trace.json --launch "llama-server -m tiny.gguf --port {port} --metrics"
     """
+    managed = resolve(target, launch, target_file)
     trace = trace_format.load(trace_path)
     planted: tuple[str, ...] = ()
     if pathologies is not None:
-        if target is not None:
-            raise ConfigError("--pathologies applies to the built-in simulator only; drop it or drop --target")
+        if target is not None or managed is not None:
+            raise ConfigError("--pathologies applies to the built-in simulator only; drop it or drop --target / --launch")
         from fuzzer.sim.pathologies import parse  # noqa: PLC0415
 
         planted = parse(pathologies)
@@ -79,7 +84,8 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
     try:
         with Store.open(db_path) if db_path is not None else contextlib.nullcontext() as store:
             info, exam, results = asyncio.run(
-                _replay(trace, target, runs, server, model, api_key_env, seed, timeout_s, store, planted)
+                _replay(trace, target, runs, server, model, api_key_env, seed, timeout_s, store, planted,
+                        launch=managed.spec if managed else None)
             )
     except KeyboardInterrupt:
         kept = f"; the executions made so far are stored in {db_path}" if db_path is not None else ""
@@ -112,13 +118,13 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
 
 async def _replay(
     trace: Trace, target: str | None, runs: int, server: str, model: str | None, api_key_env: str,
-    seed: int, timeout_s: float, store: Store | None, planted: tuple[str, ...],
+    seed: int, timeout_s: float, store: Store | None, planted: tuple[str, ...], launch=None,
 ) -> tuple[ServerInfo, Examination, list[ExecutionResult]]:
-    identity = target or sim_key(planted)
+    identity = launch.identity if launch is not None else target or sim_key(planted)
     # The simulator keeps its default seed (its noise); --seed is the prompt text's.
     async with open_target(
         target, server=server, model=model, pathologies=planted, prompt_seed=seed, timeout_s=timeout_s,
-        api_key_env=api_key_env,
+        api_key_env=api_key_env, launch=launch,
     ) as http:
         info = http.info
         assert info is not None
