@@ -51,3 +51,9 @@ def wait_until(predicate, timeout_s: float = 30.0, every_s: float = 0.1) -> bool
             return True
         time.sleep(every_s)
     return predicate()
+
+
+def dying_command(mark: str, speed: float = 20.0) -> str:
+    """``tests/dying_server.py``: the simulator, killed once it finished the request $DIE_ON."""
+    return shlex.join([sys.executable, str(ROOT / "tests" / "dying_server.py"), "--host", "127.0.0.1",
+                       "--port", "{port}", "--speed", str(speed), "--seed", mark])

@@ -58,6 +58,8 @@ class LaunchSpec:
     log_file: str | None = None
     #: A fixed port (the command has no ``{port}``); None: a free one is chosen.
     port: int | None = None
+    #: Deaths within ten minutes before the server counts as crash-looping (fuzzer.execute.managed).
+    max_restarts: int = 5
 
     @classmethod
     def parse(cls, text: str, **options) -> "LaunchSpec":
@@ -128,6 +130,7 @@ class ManagedServer:
         self._log = None
         self._log_path: str | None = None
         self._temporary_log = False
+        self._log_from = 0
         self._keep_log = False
         #: Exit status of the last server that died on its own (None while none did).
         self.died_with: int | None = None
@@ -164,6 +167,8 @@ class ManagedServer:
             raise LaunchError(f"port {self.port} is already in use on 127.0.0.1 (another server?); "
                               f"stop it or let the fuzzer choose one with {PLACEHOLDER}")
         self._open_log()
+        self._log.flush()
+        self._log_from = os.fstat(self._log.fileno()).st_size  # tail() reads this life's lines only
         argv = self.argv()
         env = {**os.environ, **{k: v.replace(PLACEHOLDER, str(self.port)) for k, v in self.spec.env.items()}}
         try:
@@ -239,7 +244,7 @@ class ManagedServer:
             return []
         try:
             with open(self._log_path, "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+                f.seek(max(self._log_from, os.fstat(f.fileno()).st_size - 64 * 1024))
                 text = f.read().decode(errors="replace")
         except OSError:
             return []

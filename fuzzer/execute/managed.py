@@ -14,18 +14,22 @@ from collections import deque
 from dataclasses import replace
 from typing import Awaitable, Callable
 
-from fuzzer.errors import FuzzError
+from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute.launch import ManagedServer
 from fuzzer.execute.recovery import backoff
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.trace import Trace
 
-#: Deaths within WINDOW_S before the server counts as crash-looping.
-MAX_RESTARTS = 5
+#: Deaths within WINDOW_S before the server counts as crash-looping: LaunchSpec.max_restarts.
 WINDOW_S = 600.0
 #: Log lines quoted in an execution that killed the server.
 LOG_LINES = 20
 SERVER_DIED = "server died"
+
+
+def server_death(result: ExecutionResult) -> str | None:
+    """The note a ManagedTarget added when the server died during ``result`` (its log's last lines), or None."""
+    return next((w for w in result.warnings if w.startswith(SERVER_DIED)), None)
 
 
 class CrashLoop(FuzzError):
@@ -42,7 +46,7 @@ class ManagedTarget:
         *,
         sleep: Callable[[float], Awaitable[None]],
         clock: Callable[[], float] = time.monotonic,
-        max_restarts: int = MAX_RESTARTS,
+        max_restarts: int | None = None,
         window_s: float = WINDOW_S,
         on_restart: Callable[[str], None] = lambda note: None,
     ):
@@ -50,7 +54,7 @@ class ManagedTarget:
         self.server = server
         self._sleep = sleep
         self._clock = clock
-        self._max_restarts = max_restarts
+        self._max_restarts = server.spec.max_restarts if max_restarts is None else max_restarts
         self._window_s = window_s
         self._on_restart = on_restart
         self._deaths: deque[float] = deque()
@@ -63,7 +67,15 @@ class ManagedTarget:
 
     async def execute(self, trace: Trace) -> ExecutionResult:
         await self.ensure_up()
-        result = await self._target.execute(trace)
+        try:
+            result = await self._target.execute(trace)
+        except TargetError:
+            # Nothing was measured (the server could not even be asked): when it died just
+            # before, start it again and run the trace once more.
+            if not await self._died():
+                raise
+            await self.ensure_up()
+            result = await self._target.execute(trace)
         if not self.server.alive:
             result = replace(result, warnings=result.warnings + (self.death_note(),))
         else:
@@ -96,6 +108,15 @@ class ManagedTarget:
         await self._sleep(wait)
         await self.server.restart()
         self.restarts += 1
+
+    async def _died(self, grace_s: float = 1.0) -> bool:
+        """Whether the server is dead, giving a dying one ``grace_s`` to finish exiting."""
+        deadline = self._clock() + grace_s
+        while self.server.alive:
+            if self._clock() >= deadline:
+                return False
+            await self._sleep(0.05)
+        return True
 
     async def aclose(self) -> None:  # the caller owns the server and the HTTP target
         return None

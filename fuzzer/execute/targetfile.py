@@ -5,6 +5,7 @@
     timeout = 120                                  # seconds to wait for ready (default 600)
     log_file = "server.log"                        # optional, default a temporary file
     port = 8000                                    # optional: a fixed port instead of {port}
+    max_restarts = 5                               # deaths in 10 minutes before a crash loop stops
     [env]
     OMP_NUM_THREADS = "1"
     [variants]                                     # optional: configurations for replay --variant
@@ -22,7 +23,7 @@ from typing import Any, Mapping
 
 from fuzzer.execute.launch import DEFAULT_READY_TIMEOUT_S, LaunchError, LaunchSpec
 
-KEYS = {"command", "env", "ready_url", "timeout", "log_file", "port", "variants"}
+KEYS = {"command", "env", "ready_url", "timeout", "log_file", "port", "max_restarts", "variants"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ def parse(data: Mapping[str, Any], source: str = "target file") -> TargetFile:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise LaunchError(f"{source}: 'port' must be a port number (1-65535), got {port!r}")
         options["port"] = port
+    if "max_restarts" in data:
+        n = data["max_restarts"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise LaunchError(f"{source}: 'max_restarts' must be a whole number >= 0, got {n!r}")
+        options["max_restarts"] = n
     if isinstance(command, str):
         spec = LaunchSpec.parse(command, **options)
     elif isinstance(command, list) and command and all(isinstance(a, str) for a in command):
