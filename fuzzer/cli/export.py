@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from fuzzer.cli._console import out
+from fuzzer.cli._launch import launch_options
 from fuzzer.cli._options import db_option
+from fuzzer.cli._variants import variant_option
 
 
 @click.command("export")
@@ -19,7 +21,11 @@ from fuzzer.cli._options import db_option
     type=click.Path(file_okay=False),
     help="Folder to write <out>/<ID>/ into.",
 )
-def command(finding_id, db_path, out_dir) -> None:
+@launch_options
+@variant_option
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Runs of the finding's trace on each configuration (with --variant).")
+def command(finding_id, db_path, out_dir, launch, target_file, variants, runs) -> None:
     """Write repro.py, report.md, timeline.png and trace.json for FINDING_ID.
 
     repro.py needs only Python 3.9+ and exits 1 when the finding reproduces, 0 when
@@ -28,12 +34,23 @@ def command(finding_id, db_path, out_dir) -> None:
     \b
     Example:
         fuzz export 3 --db night.db --out findings/
+        fuzz export 3 --db night.db --launch "vllm serve M --port {port}" --variant no-caching="--no-enable-prefix-caching"
+
+    With --variant, report.md gets a table "configuration -> reproduced k/n, effect": the
+    finding's trace on the launch command (--launch, --target-file, or the command the
+    finding was found on) and on each variant, each started fresh and calibrated.
     """
     from fuzzer.report.export import export_finding  # noqa: PLC0415 - scipy/matplotlib only for this command
     from fuzzer.store import Store  # noqa: PLC0415
 
     with Store.open(db_path, create=False) as store:
+        from fuzzer.cli._variant_export import configurations_section  # noqa: PLC0415
+
+        extra = configurations_section(store, store.get_finding(finding_id), launch=launch, target_file=target_file,
+                                       variants=variants, runs=runs)
         folder = export_finding(store, finding_id, out_dir)
+        if extra:
+            (folder / "report.md").write_text((folder / "report.md").read_text() + "\n" + extra)
     names = sorted(p.name for p in folder.iterdir())
     out.print(f"wrote {folder}/: {', '.join(names)}")
     if "timeline.png" not in names:
