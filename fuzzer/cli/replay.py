@@ -165,6 +165,8 @@ class _Recorder:
         self._target_id = target_id
         self.name = target.name
         self.results: list[ExecutionResult] = []
+        if hasattr(target, "fresh_start"):  # a launched server: a cold start is checked on fresh ones too
+            self.fresh_start = target.fresh_start
 
     async def execute(self, trace: Trace) -> ExecutionResult:
         result = await self._target.execute(trace)

@@ -61,6 +61,7 @@ class ManagedTarget:
         self._waits = backoff()
         self.name = target.name
         self.restarts = 0
+        self.fresh_starts = 0
 
     def __getattr__(self, name: str):  # info, kv_cache, ...: the HTTP target's
         return getattr(self._target, name)
@@ -108,6 +109,11 @@ class ManagedTarget:
         await self._sleep(wait)
         await self.server.restart()
         self.restarts += 1
+
+    async def fresh_start(self) -> None:
+        """Stop the server and start it again (a fresh server for a cold-start check); not a death."""
+        await self.server.restart()
+        self.fresh_starts += 1
 
     async def _died(self, grace_s: float = 1.0) -> bool:
         """Whether the server is dead, giving a dying one ``grace_s`` to finish exiting."""

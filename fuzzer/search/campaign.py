@@ -557,6 +557,9 @@ class _CampaignTarget:
         idle = getattr(target, "idle", None)
         if idle is not None:
             self.idle = idle
+        fresh_start = getattr(target, "fresh_start", None)  # a launched server: cold starts confirmed fresh too
+        if fresh_start is not None:
+            self.fresh_start = fresh_start
 
     async def execute(self, trace: Trace) -> ExecutionResult:
         return await self._run(trace)
