@@ -37,7 +37,7 @@ def test_a_variant_without_a_launch_command_is_one_line(tmp_path):
     result = CliRunner().invoke(cli, ["replay", str(CORPUS / "n-logprobs.json"), "--variant", "a=-np 1"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: --variant needs --launch or --target-file: a variant is the launch command plus arguments"]
+        "error: --variant and --compare need --launch or --target-file: they are run beside the launch command"]
 
 
 def _effect(text: str) -> float:
@@ -60,7 +60,7 @@ def test_replay_runs_the_trace_on_every_configuration(tmp_path):
     assert heavy["base"]["reproduces"] and int(heavy["base"]["reproduced"].split("/")[0]) >= 2
     # Without the planted pathology the same request is far less slow (the outcome differs).
     assert _effect(heavy["base"]["effect"]) > 3 * _effect(heavy["fixed"]["effect"])
-    assert heavy["broken"]["effect"].startswith("did not start:")
+    assert heavy["broken"]["effect"].startswith("did not run:")
     assert not servers_with(mark)
 
 
@@ -70,8 +70,12 @@ def test_export_adds_the_configuration_table_to_the_report(tmp_path):
     seeds.mkdir()
     shutil.copy(CORPUS / "n-logprobs.json", seeds)
     db = str(tmp_path / "e.db")
+    # Calibrated first, so that the campaign's 30 s go to the seed and its confirmation on a loaded machine.
+    proc = subprocess.run([FUZZ, "calibrate", "--launch", _sim(mark, "logprobs-batch-cost"), "--db", db],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
     proc = subprocess.run([FUZZ, "campaign", "--launch", _sim(mark, "logprobs-batch-cost"), "--corpus", str(seeds),
-                           "--db", db, "--duration", "20s", "--seed", "3"], capture_output=True, text=True, timeout=300)
+                           "--db", db, "--duration", "30s", "--seed", "3"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "new finding 1" in proc.stdout, proc.stdout
 
@@ -91,4 +95,18 @@ def test_export_adds_the_configuration_table_to_the_report(tmp_path):
     fixed = next(ln for ln in table.splitlines() if ln.startswith("| fixed | `--pathologies none` |"))
     assert int(base.split("|")[3].split("/")[0]) >= 2
     assert _effect(base.split("|")[4].strip()) > 3 * _effect(fixed.split("|")[4].strip())
+    assert not servers_with(mark)
+
+
+def test_compare_runs_the_trace_on_two_launch_commands_and_says_where_it_reproduces(tmp_path):
+    mark = marker()
+    proc = subprocess.run(
+        [FUZZ, "replay", str(CORPUS / "n-logprobs.json"), "--launch", _sim(mark, "logprobs-batch-cost"),
+         "--compare", _sim(mark, "none"), "--runs", "3", "--seed", "1", "--db", str(tmp_path / "c.db")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "configuration compare: " in proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("e2e-outlier on heavy: reproduces on "))
+    assert "base" in line.split("reproduces on ")[1]
     assert not servers_with(mark)

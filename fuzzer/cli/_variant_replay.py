@@ -24,10 +24,11 @@ EXIT_INTERRUPTED = 130
 
 def replay_variants(
     trace: Trace, spec: LaunchSpec, variants: Mapping[str, str], *, runs: int, seed: int, db_path: str | None,
-    server: str, model: str | None, timeout_s: float, api_key_env: str, as_json: bool,
+    server: str, model: str | None, timeout_s: float, api_key_env: str, as_json: bool, compare: str | None = None,
 ) -> int:
-    """Run ``trace`` on the launch command and each variant; print configuration -> reproduced k/n, effect."""
-    configs = configurations(spec, variants)
+    """Run ``trace`` on the launch command, each variant and ``compare``'s command; print
+    configuration -> reproduced k/n, effect."""
+    configs = configurations(spec, variants, compare)
 
     def launched(s: LaunchSpec):
         return open_target(None, server=server, model=model, prompt_seed=seed, timeout_s=timeout_s,
@@ -46,7 +47,7 @@ def replay_variants(
     table_rows = rows(outcomes, finding_keys(outcomes))
     if as_json:
         out.print_json(json.dumps({
-            "configurations": [{"name": o.configuration.name, "args": o.configuration.args, "error": o.error,
+            "configurations": [{"name": o.configuration.name, "args": o.configuration.args, "error": o.error, "note": o.note,
                                 "findings": [v.to_dict() for v in o.findings]} for o in outcomes],
             "table": [r.__dict__ for r in table_rows],
         }))
@@ -56,10 +57,16 @@ def replay_variants(
             table.add_column(name)
         for r in table_rows:
             table.add_row(r.configuration, r.args or "-", r.finding, r.reproduced, r.effect)
+        if compare is not None:
+            for label in dict.fromkeys(r.finding for r in table_rows):
+                where = [r.configuration for r in table_rows if r.finding == label and r.reproduces]
+                out.print(f"{label}: reproduces on {', '.join(where) or 'neither'}")
         out.print(table)
         if not table_rows:
             out.print("no confirmed finding on any configuration")
         for o in outcomes:
             if o.error is not None:
-                out.print(f"configuration {o.configuration.name} did not start: {o.error}")
+                out.print(f"configuration {o.configuration.name} did not run: {o.error}")
+            elif o.note is not None:
+                out.print(f"configuration {o.configuration.name}: {o.note}")
     return EXIT_FINDING if any(o.findings for o in outcomes) else EXIT_OK

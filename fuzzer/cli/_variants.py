@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import click
 import numpy as np
 
-from fuzzer.errors import ConfigError
+from fuzzer.errors import ConfigError, FuzzError
 from fuzzer.execute.launch import LaunchError, LaunchSpec
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.verdict import Verdict
@@ -61,8 +61,25 @@ class Configuration:
     spec: LaunchSpec
 
 
-def configurations(spec: LaunchSpec, variants: Mapping[str, str]) -> list[Configuration]:
-    return [Configuration(BASE, "", spec)] + [Configuration(n, a, spec.with_args(a)) for n, a in variants.items()]
+COMPARE = "compare"
+
+compare_option = click.option(
+    "--compare",
+    "compare",
+    metavar="CMD",
+    default=None,
+    help="Another launch command (another version) to run the trace on too, with {port}; says where it reproduces.",
+)
+
+
+def configurations(spec: LaunchSpec, variants: Mapping[str, str], compare: str | None = None) -> list[Configuration]:
+    """The launch command (``base``), each variant, and ``--compare``'s command (``compare``)."""
+    configs = [Configuration(BASE, "", spec)] + [Configuration(n, a, spec.with_args(a)) for n, a in variants.items()]
+    if compare is not None:
+        other = LaunchSpec.parse(compare, env=spec.env, ready_url=spec.ready_url, timeout_s=spec.timeout_s,
+                                 log_file=spec.log_file, max_restarts=spec.max_restarts)
+        configs.append(Configuration(COMPARE, compare, other))
+    return configs
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,8 @@ class Outcome:
     configuration: Configuration
     verdicts: tuple[Verdict, ...] = ()
     error: str | None = None
+    #: How it was judged when not as usual (its own calibration failed).
+    note: str | None = None
 
     @property
     def findings(self) -> tuple[Verdict, ...]:
@@ -87,17 +106,27 @@ async def run_configurations(
     from fuzzer.oracle.confirm import examine  # noqa: PLC0415
 
     outcomes = []
+    base_calibration = None
     for config in configs:
         on_start(config)
+        note = None
         try:
             async with open_target(config.spec) as target:
                 keys = calibration_keys(config.spec.identity, target.info.model if target.info else None)
-                calibration = await calibration_for(target, store, keys, seed=seed)
+                try:
+                    calibration = await calibration_for(target, store, keys, seed=seed)
+                except FuzzError as e:
+                    if base_calibration is None or isinstance(e, LaunchError):
+                        raise
+                    # Some knobs defeat the calibration's probes (one slot: no batch to measure).
+                    calibration, note = base_calibration, f"judged by the base calibration (its own failed: {e})"
+                if base_calibration is None:
+                    base_calibration = calibration
                 exam = await examine(target, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
-        except LaunchError as e:
+        except FuzzError as e:
             outcomes.append(Outcome(config, error=str(e)))
             continue
-        outcomes.append(Outcome(config, tuple(exam.verdicts)))
+        outcomes.append(Outcome(config, tuple(exam.verdicts), note=note))
     return outcomes
 
 
@@ -133,7 +162,7 @@ def rows(outcomes: Sequence[Outcome], keys: Sequence[Key]) -> list[Row]:
         for kind, request in keys:
             label = f"{kind} on {request or 'the execution'}"
             if o.error is not None:
-                out.append(Row(c.name, c.args, label, "-", f"did not start: {o.error}", False))
+                out.append(Row(c.name, c.args, label, "-", f"did not run: {o.error}", False))
                 continue
             same = [v for v in o.verdicts if v.request_id == request]
             match = next((v for v in same if v.kind is kind), None)

@@ -19,7 +19,7 @@ from fuzzer.cli._calibration import calibration_for
 from fuzzer.cli._console import err, out
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
 from fuzzer.cli._launch import launch_options, resolve
-from fuzzer.cli._variants import parse_variants, variant_option
+from fuzzer.cli._variants import compare_option, parse_variants, variant_option
 from fuzzer.cli._target import API_KEY_ENV, open_target, sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.execute.adapters import ServerInfo
@@ -53,8 +53,9 @@ EXIT_INTERRUPTED = 130
 @click.option("--pathologies", default=None, help="Built-in simulator only: pathologies to plant ('all', 'a,b').")
 @launch_options
 @variant_option
+@compare_option
 @json_option
-def command(trace_path, target, launch, target_file, variants, runs, db_path, server, model, api_key_env, seed, timeout_s,
+def command(trace_path, target, launch, target_file, variants, compare, runs, db_path, server, model, api_key_env, seed, timeout_s,
             pathologies, as_json) -> None:
     """Replay TRACE.json, show every request and the oracle's verdict; exit 1 on a finding.
 
@@ -72,10 +73,12 @@ def command(trace_path, target, launch, target_file, variants, runs, db_path, se
         fuzz replay corpus/n-logprobs.json --pathologies logprobs-batch-cost
         fuzz replay trace.json --launch "llama-server -m tiny.gguf --port {port} --metrics"
         fuzz replay trace.json --launch "llama-server -m tiny.gguf --port {port} --metrics" --variant np1="-np 1"
+        fuzz replay trace.json --launch "old/llama-server --port {port}" --compare "new/llama-server --port {port}"
 
     With --variant (or a target file's [variants]) the trace runs on the launch command
     and on each variant, each started fresh and calibrated, and a table says per
-    configuration how often each finding reproduced and its effect.
+    configuration how often each finding reproduced and its effect. --compare CMD runs
+    it on another command too (another version) and says where each finding reproduces.
     """
     managed = resolve(target, launch, target_file)
     trace = trace_format.load(trace_path)
@@ -89,14 +92,15 @@ def command(trace_path, target, launch, target_file, variants, runs, db_path, se
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 32)
     variants = parse_variants(variants, managed.variants if managed else None)
-    if variants:
+    if variants or compare is not None:
         if managed is None:
-            raise ConfigError("--variant needs --launch or --target-file: a variant is the launch command plus arguments")
+            raise ConfigError("--variant and --compare need --launch or --target-file: they are run beside the "
+                              "launch command")
         from fuzzer.cli._variant_replay import replay_variants  # noqa: PLC0415
 
         raise SystemExit(replay_variants(trace, managed.spec, variants, runs=runs, seed=seed, db_path=db_path,
                                          server=server, model=model, timeout_s=timeout_s, api_key_env=api_key_env,
-                                         as_json=as_json))
+                                         as_json=as_json, compare=compare))
     try:
         with Store.open(db_path) if db_path is not None else contextlib.nullcontext() as store:
             info, exam, results = asyncio.run(
