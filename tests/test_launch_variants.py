@@ -97,6 +97,13 @@ def test_export_adds_the_configuration_table_to_the_report(tmp_path):
     assert _effect(base.split("|")[4].strip()) > 3 * _effect(fixed.split("|")[4].strip())
     assert not servers_with(mark)
 
+    # fuzz minimize starts the command the finding was found on again (no --target, no --launch).
+    proc = subprocess.run([FUZZ, "minimize", "1", "--db", db, "--max-execs", "3"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "next: fuzz export 1" in proc.stdout
+    assert not servers_with(mark)
+
 
 def test_compare_runs_the_trace_on_two_launch_commands_and_says_where_it_reproduces(tmp_path):
     mark = marker()
