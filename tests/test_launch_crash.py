@@ -109,6 +109,7 @@ def test_replay_names_the_crash_and_quotes_the_servers_log(calibrated, tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert "FINDING crash on the execution, reproduced 3/3" in proc.stdout
     assert "exited with status 134 during this execution" in proc.stdout and FATAL in proc.stdout
+    assert "FINDING leak" not in proc.stdout  # a dead server cannot return to idle: that is the crash, not a leak
     with Store.open(str(db)) as store:
         killers = [store.get_execution(i) for i in store.execution_ids()]
         assert sum(any(w.startswith("server died") for w in x.warnings) for x in killers) == 3

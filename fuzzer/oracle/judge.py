@@ -240,8 +240,8 @@ def shows_failure(kind: FindingKind, result: ExecutionResult, request_id: str | 
     """
     if kind is FindingKind.CRASH:
         return crashed(result)
-    if kind is FindingKind.LEAK:
-        return result.idle_after is False
+    if kind is FindingKind.LEAK:  # a server that died cannot return to idle: that is the crash
+        return result.idle_after is False and server_death(result) is None
     return any(failure_kind(r.outcome) is kind and request_id in (None, r.request_id) for r in result.requests)
 
 
