@@ -179,3 +179,26 @@ def _wait_ready(pid: int) -> None:
             return True
         return f"pid={pid}," in out
     wait_until(listening, 30.0)
+
+
+@pytest.mark.parametrize("sig, command", [
+    (signal.SIGTERM, "campaign"), (signal.SIGINT, "replay"), (signal.SIGTERM, "calibrate"),
+])
+def test_a_signal_while_waiting_for_ready_stops_the_server_at_once(sig, command, tmp_path):
+    mark = marker()
+    never = f"{PY} -c 'import time; time.sleep(300)' {mark} {{port}}"
+    args = {"campaign": [FUZZ, "campaign", "--duration", "10m"],
+            "replay": [FUZZ, "replay", str(CORPUS / "vllm-37308.json")],
+            "calibrate": [FUZZ, "calibrate"]}[command]
+    proc = subprocess.Popen([*args, "--db", str(tmp_path / "s.db"), "--launch", never],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert wait_until(lambda: servers_with(mark), 60.0)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)  # not the 600 s the ready wait allows
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in err, err
+    assert wait_until(lambda: not servers_with(mark), 5.0)

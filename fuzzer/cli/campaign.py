@@ -129,10 +129,14 @@ def command(
     elif pathologies or faults or fault_rate is not None or speed is not None:
         raise ConfigError("--pathologies, --faults, --fault-rate and --speed apply to the built-in simulator only; "
                           "drop them or drop --target / --launch")
-    summary = asyncio.run(
-        _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator,
-             idle_share, launch=managed.spec if managed else None)
-    )
+    try:
+        summary = asyncio.run(
+            _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s,
+                 null_mutator, idle_share, launch=managed.spec if managed else None)
+        )
+    except (asyncio.CancelledError, KeyboardInterrupt):  # stopped while the server was being started
+        _console.err.print("interrupted before the campaign started; nothing was stored")
+        raise SystemExit(130) from None
     _print_summary(summary, db_path)
 
 
@@ -159,12 +163,15 @@ async def _run(
     wall_clock: Callable[[], float] = time.time, launch=None,
 ) -> Summary:
     stop = asyncio.Event()
+    running = asyncio.Event()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
 
     def on_interrupt() -> None:
-        if stop.is_set() and main_task is not None:
-            main_task.cancel()  # a second Ctrl-C: stop now, the store is still consistent
+        if (stop.is_set() or not running.is_set()) and main_task is not None:
+            # A second Ctrl-C: stop now, the store is still consistent; before the campaign runs
+            # (a launched server still starting), the first one does.
+            main_task.cancel()
         stop.set()
 
     loop.add_signal_handler(signal.SIGINT, on_interrupt)
@@ -202,6 +209,7 @@ async def _run(
                         on_stats=lambda s: view.update(s, campaign.calibration),
                         on_finding=view.finding, stop=stop,
                     )
+                    running.set()
                     return await campaign.run()
     finally:
         loop.remove_signal_handler(signal.SIGINT)
