@@ -33,6 +33,7 @@ async def open_target(
     sim_options: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
     api_key_env: str = API_KEY_ENV,
+    launch=None,
 ) -> AsyncIterator:
     """Yield a started HttpTarget on ``url``, or on a simulator child process when ``url`` is None.
 
@@ -40,13 +41,23 @@ async def open_target(
     prompt text's. ``sim_options``: more SimProcess arguments for the built-in simulator
     (speed, faults, fault_rate, fault_grace). ``timeout_s``: the client's read timeout (a
     hang is declared after it); the executor's default when None. ``api_key_env``: the
-    environment variable holding the API key.
+    environment variable holding the API key. ``launch``: a LaunchSpec to start and own
+    (``--launch``, ``--target-file``; :mod:`fuzzer.cli._launch`).
     """
     from fuzzer.execute.http import HttpTarget  # noqa: PLC0415 - aiohttp import only for commands that run traces
 
     api_key = os.environ.get(api_key_env) or None
     rng = random.Random(seed if prompt_seed is None else prompt_seed)
     extra: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}
+    if launch is not None:
+        if url is not None or pathologies or sim_options:
+            raise ConfigError("--launch and --target-file start a server of their own; drop --target, --pathologies, "
+                              "--faults and --speed")
+        from fuzzer.cli._launch import open_launched  # noqa: PLC0415
+
+        async with open_launched(launch, server=server, model=model, api_key=api_key, rng=rng, **extra) as target:
+            yield target
+        return
     if url is None:
         from fuzzer.sim.process import SimProcess  # noqa: PLC0415
 

@@ -17,6 +17,7 @@ from fuzzer.cli._options import (
     server_option,
     target_option,
 )
+from fuzzer.cli._launch import launch_options, resolve
 from fuzzer.cli._target import API_KEY_ENV, open_target
 from fuzzer.oracle.calibrate import calibrate, scheduler_assumption
 from fuzzer.oracle.calibration import NOISY, Calibration, Fit, calibration_key
@@ -25,6 +26,7 @@ from fuzzer.oracle.kinds import Metric
 
 @click.command("calibrate")
 @target_option
+@launch_options
 @db_option
 @server_option
 @model_option
@@ -41,7 +43,7 @@ from fuzzer.oracle.kinds import Metric
 @click.option("--api-key-env", default=API_KEY_ENV, show_default=True, metavar="VAR",
               help="Environment variable holding the API key (never stored or printed).")
 @json_option
-def command(target, db_path, server, model, token_budget, max_num_seqs, block_size, repeats, seed, api_key_env,
+def command(target, launch, target_file, db_path, server, model, token_budget, max_num_seqs, block_size, repeats, seed, api_key_env,
             as_json) -> None:
     """Fit idle TTFT versus prompt length and decode step time; print the model.
 
@@ -53,9 +55,12 @@ def command(target, db_path, server, model, token_budget, max_num_seqs, block_si
     Example:
         fuzz calibrate --target http://127.0.0.1:8000 --db night.db
         fuzz calibrate --token-budget 8192 --json
+        fuzz calibrate --target-file llama.toml
     """
+    managed = resolve(target, launch, target_file)
     overrides = {"token_budget": token_budget, "max_num_seqs": max_num_seqs, "block_size": block_size}
-    key, cal = asyncio.run(_calibrate(target, server, model, api_key_env, overrides, repeats, seed))
+    key, cal = asyncio.run(_calibrate(target, server, model, api_key_env, overrides, repeats, seed,
+                                      launch=managed.spec if managed else None))
     from fuzzer.store import Store
 
     with Store.open(db_path) as store:
@@ -75,16 +80,18 @@ def command(target, db_path, server, model, token_budget, max_num_seqs, block_si
 
 
 async def _calibrate(
-    target: str | None, server: str, model: str | None, api_key_env: str, overrides: dict, repeats: int, seed: int
+    target: str | None, server: str, model: str | None, api_key_env: str, overrides: dict, repeats: int, seed: int,
+    launch=None,
 ) -> tuple[str, Calibration]:
     # The simulator keeps its default seed (its noise); --seed orders the probes and seeds the prompt text.
-    async with open_target(target, server=server, model=model, prompt_seed=seed, api_key_env=api_key_env) as http:
+    async with open_target(target, server=server, model=model, prompt_seed=seed, api_key_env=api_key_env,
+                           launch=launch) as http:
         info = http.info
         assert info is not None
         assumption = scheduler_assumption(info, **overrides)
         cal = await calibrate(http, assumption=assumption, rng=random.Random(seed), repeats=repeats,
                               max_model_len=info.max_model_len)
-        return calibration_key(target, info.model), cal
+        return calibration_key(launch.identity if launch is not None else target, info.model), cal
 
 
 def _line(fit: Fit, unit: str) -> str:

@@ -17,6 +17,7 @@ from fuzzer import trace as trace_format
 from fuzzer.cli import _console
 from fuzzer.cli._render import time_line
 from fuzzer.cli._calibration import stored_calibration
+from fuzzer.cli._launch import launch_options, resolve
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._slo import goodput_option, parse_slo
 from fuzzer.cli._target import (
@@ -46,6 +47,7 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
 
 @click.command("campaign")
 @target_option
+@launch_options
 @db_option
 @click.option("--duration", default="8h", show_default=True, help="How long to fuzz: 90s, 10m, 8h.")
 @click.option("--max-execs", type=click.IntRange(min=1), default=None, help="Stop after this many executions.")
@@ -90,8 +92,8 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
 )
 @goodput_option
 def command(
-    target, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, faults, fault_rate, speed,
-    timeout_s, null_mutator, idle_share, goodput_specs,
+    target, launch, target_file, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, faults,
+    fault_rate, speed, timeout_s, null_mutator, idle_share, goodput_specs,
 ) -> None:
     """Fuzz a server for latency pathologies; resume with the same --db.
 
@@ -106,7 +108,9 @@ def command(
         fuzz campaign --target http://127.0.0.1:8000 --duration 8h --db night.db
         fuzz campaign --faults all --fault-rate 0.1 --speed 10 --timeout 2 --duration 5m
         fuzz campaign --corpus conversation_trace.jsonl --goodput ttft:2000 tpot:100 --duration 1h
+        fuzz campaign --launch "llama-server -m tiny.gguf --port {port} --metrics" --duration 1h
     """
+    managed = resolve(target, launch, target_file)
     duration_s = parse_duration(duration)
     slo = parse_slo(goodput_specs)
     seeds = _load_seeds(_seed_folder(corpus_dir))
@@ -114,7 +118,7 @@ def command(
         seed = int.from_bytes(os.urandom(4), "big")
     planted: tuple[str, ...] = ()
     sim: dict = {}
-    if target is None:
+    if target is None and managed is None:
         from fuzzer.sim import faults as sim_faults  # noqa: PLC0415
         from fuzzer.sim import pathologies as sim_pathologies  # noqa: PLC0415
 
@@ -129,11 +133,16 @@ def command(
             sim["fault_rate"] = sim_faults.check_rate(fault_rate)
     elif pathologies or faults or fault_rate is not None or speed is not None:
         raise ConfigError("--pathologies, --faults, --fault-rate and --speed apply to the built-in simulator only; "
-                          "drop them or drop --target")
-    summary = asyncio.run(
-        _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator,
-             idle_share, slo_ms=dict(slo.items()) if slo else None)
-    )
+                          "drop them or drop --target / --launch")
+    try:
+        summary = asyncio.run(
+            _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s,
+                 null_mutator, idle_share, slo_ms=dict(slo.items()) if slo else None,
+                 launch=managed.spec if managed else None)
+        )
+    except (asyncio.CancelledError, KeyboardInterrupt):  # stopped while the server was being started
+        _console.err.print("interrupted before the campaign started; nothing was stored")
+        raise SystemExit(130) from None
     _print_summary(summary, db_path)
 
 
@@ -161,22 +170,25 @@ def _load_seeds(folder: Path | None) -> list[trace_format.Trace]:
 
 async def _run(
     url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator, idle_share,
-    wall_clock: Callable[[], float] = time.time, slo_ms: dict[str, float] | None = None,
+    wall_clock: Callable[[], float] = time.time, slo_ms: dict[str, float] | None = None, launch=None,
 ) -> Summary:
     stop = asyncio.Event()
+    running = asyncio.Event()
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
 
     def on_interrupt() -> None:
-        if stop.is_set() and main_task is not None:
-            main_task.cancel()  # a second Ctrl-C: stop now, the store is still consistent
+        if (stop.is_set() or not running.is_set()) and main_task is not None:
+            # A second Ctrl-C: stop now, the store is still consistent; before the campaign runs
+            # (a launched server still starting), the first one does.
+            main_task.cancel()
         stop.set()
 
     loop.add_signal_handler(signal.SIGINT, on_interrupt)
     loop.add_signal_handler(signal.SIGTERM, on_interrupt)
     try:
         with Store.open(db_path) as store, CampaignLock(db_path):
-            identity = url or sim_key(planted, sim, seed)
+            identity = launch.identity if launch is not None else url or sim_key(planted, sim, seed)
             stored = stored_calibration(store, calibration_keys(identity))
             if sim.get("faults") and (stored is None or stored.is_stale(wall_clock())):
                 # The campaign calibrates first (reuse_or_calibrate's rule): its probes must meet a
@@ -185,7 +197,8 @@ async def _run(
 
                 sim = {**sim, "fault_grace": CALIBRATION_GRACE_REQUESTS}
             async with open_target(
-                url, server=server, model=model, pathologies=planted, seed=seed, sim_options=sim, timeout_s=timeout_s
+                url, server=server, model=model, pathologies=planted, seed=seed, sim_options=sim, timeout_s=timeout_s,
+                launch=launch,
             ) as target:
                 info = target.info
                 target_id = store.upsert_target(
@@ -207,6 +220,7 @@ async def _run(
                         on_stats=lambda s: view.update(s, campaign.calibration),
                         on_finding=view.finding, stop=stop,
                     )
+                    running.set()
                     return await campaign.run()
     finally:
         loop.remove_signal_handler(signal.SIGINT)

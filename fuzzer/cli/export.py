@@ -5,8 +5,10 @@ from __future__ import annotations
 import click
 
 from fuzzer.cli._console import out
+from fuzzer.cli._launch import launch_options
 from fuzzer.cli._options import db_option
 from fuzzer.cli._slo import refuse_slo_finding
+from fuzzer.cli._variants import variant_option
 
 
 @click.command("export")
@@ -24,7 +26,11 @@ from fuzzer.cli._slo import refuse_slo_finding
               help="bundle: repro.py, report.md, timeline.png, trace.json; mooncake: the trace as Mooncake JSONL.")
 @click.option("--block-size", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens per Mooncake hash id (--format mooncake).")
-def command(finding_id, db_path, out_dir, fmt, block_size) -> None:
+@launch_options
+@variant_option
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Runs of the finding's trace on each configuration (with --variant).")
+def command(finding_id, db_path, out_dir, fmt, block_size, launch, target_file, variants, runs) -> None:
     """Write repro.py, report.md, timeline.png and trace.json for FINDING_ID.
 
     repro.py needs only Python 3.9+ and exits 1 when the finding reproduces, 0 when
@@ -34,6 +40,11 @@ def command(finding_id, db_path, out_dir, fmt, block_size) -> None:
     Example:
         fuzz export 3 --db night.db --out findings/
         fuzz export 3 --db night.db --format mooncake
+        fuzz export 3 --db night.db --launch "vllm serve M --port {port}" --variant no-caching="--no-enable-prefix-caching"
+
+    With --variant, report.md gets a table "configuration -> reproduced k/n, effect": the
+    finding's trace on the launch command (--launch, --target-file, or the command the
+    finding was found on) and on each variant, each started fresh and calibrated.
     """
     if fmt == "mooncake":
         from fuzzer.cli._export_mooncake import export_mooncake  # noqa: PLC0415
@@ -45,7 +56,13 @@ def command(finding_id, db_path, out_dir, fmt, block_size) -> None:
 
     with Store.open(db_path, create=False) as store:
         refuse_slo_finding(store.get_finding(finding_id), "a repro.py/report.md bundle")
+        from fuzzer.cli._variant_export import configurations_section  # noqa: PLC0415
+
+        extra = configurations_section(store, store.get_finding(finding_id), launch=launch, target_file=target_file,
+                                       variants=variants, runs=runs)
         folder = export_finding(store, finding_id, out_dir)
+        if extra:
+            (folder / "report.md").write_text((folder / "report.md").read_text() + "\n" + extra)
     names = sorted(p.name for p in folder.iterdir())
     out.print(f"wrote {folder}/: {', '.join(names)}")
     if "timeline.png" not in names:

@@ -11,6 +11,7 @@ from fuzzer.cli._calibration import calibration_for
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._render import trace_table
 from fuzzer.cli._slo import refuse_slo_finding
+from fuzzer.cli._launch import launch_options, relaunch, resolve
 from fuzzer.cli._target import SIM_PREFIX, open_target, parse_sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.execute.recovery import DEFAULT_PATIENCE_S
@@ -25,6 +26,7 @@ from fuzzer.store import Store, minimization_lock
 @click.argument("finding_id")
 @db_option
 @target_option
+@launch_options
 @server_option
 @model_option
 @click.option("--max-execs", type=click.IntRange(min=1), default=None, help="Execution budget of the search.")
@@ -35,7 +37,7 @@ from fuzzer.store import Store, minimization_lock
     default=None,
     help="Seconds without a byte from the server before a request counts as a hang (default 60).",
 )
-def command(finding_id, db_path, target, server, model, max_execs, timeout_s) -> None:
+def command(finding_id, db_path, target, launch, target_file, server, model, max_execs, timeout_s) -> None:
     """Minimize the trace of finding FINDING_ID (resumable).
 
     Delta debugging over the requests, then passes that lower prompt and output
@@ -47,16 +49,26 @@ def command(finding_id, db_path, target, server, model, max_execs, timeout_s) ->
     \b
     Example:
         fuzz minimize 3 --db night.db --target http://127.0.0.1:8000
+        fuzz minimize 3 --db night.db --launch "llama-server -m tiny.gguf --port {port} --metrics"
+
+    A finding found on a launched server is minimized on the same command line when
+    neither --target nor --launch is given.
     """
+    managed = resolve(target, launch, target_file)
     with Store.open(db_path, create=False) as store:
         finding = store.get_finding(finding_id)
         refuse_slo_finding(finding, "minimize")
         # One minimization of a finding at a time (a campaign on the same --db may run beside it).
         with minimization_lock(db_path, finding.id):
-            identity, url, planted, sim, seed = _where(store, finding.target_id, target)
+            spec = managed.spec if managed else relaunch(store, finding.target_id, target)
+            if spec is not None:
+                identity, url, planted, sim, seed = spec.identity, None, (), {}, 0
+            else:
+                identity, url, planted, sim, seed = _where(store, finding.target_id, target)
             try:
                 reduction = asyncio.run(
-                    _run(store, finding, identity, url, (planted, sim, seed), server, model, max_execs, timeout_s)
+                    _run(store, finding, identity, url, (planted, sim, seed), server, model, max_execs, timeout_s,
+                         launch=spec)
                 )
             except KeyboardInterrupt:
                 _console.err.print(f"interrupted; progress is saved: `fuzz minimize {finding.id}` resumes")
@@ -88,10 +100,11 @@ def _where(store: Store, target_id: int | None, given: str | None) -> tuple[str,
     raise ConfigError(f"this finding was found on {url}; pass --target {url} (or where that server runs now)")
 
 
-async def _run(store, finding, identity, url, sim, server, model, max_execs, timeout_s):
+async def _run(store, finding, identity, url, sim, server, model, max_execs, timeout_s, launch=None):
     planted, options, seed = sim
     async with open_target(
-        url, server=server, model=model, pathologies=planted, sim_options=options, seed=seed, timeout_s=timeout_s
+        url, server=server, model=model, pathologies=planted, sim_options=options, seed=seed, timeout_s=timeout_s,
+        launch=launch,
     ) as target:
         keys = calibration_keys(identity, target.info.model if target.info else None)
         calibration = await calibration_for(target, store, keys, seed=0)

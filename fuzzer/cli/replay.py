@@ -19,6 +19,8 @@ from fuzzer.cli._calibration import calibration_for
 from fuzzer.cli._console import err, out
 from fuzzer.cli._options import json_option, model_option, server_option, target_option
 from fuzzer.cli._slo import goodput_option, parse_slo, slo_json, slo_lines
+from fuzzer.cli._launch import launch_options, resolve
+from fuzzer.cli._variants import compare_option, parse_variants, variant_option
 from fuzzer.cli._target import API_KEY_ENV, open_target, sim_key
 from fuzzer.errors import ConfigError
 from fuzzer.execute.adapters import ServerInfo
@@ -52,10 +54,13 @@ EXIT_INTERRUPTED = 130
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds without a byte from the server before a request counts as hung.")
 @click.option("--pathologies", default=None, help="Built-in simulator only: pathologies to plant ('all', 'a,b').")
+@launch_options
+@variant_option
+@compare_option
 @goodput_option
 @json_option
-def command(trace_path, target, runs, db_path, server, model, api_key_env, seed, timeout_s, pathologies, goodput_specs,
-            as_json) -> None:
+def command(trace_path, target, launch, target_file, variants, compare, runs, db_path, server, model, api_key_env, seed,
+            timeout_s, pathologies, goodput_specs, as_json) -> None:
     """Replay TRACE.json, show every request and the oracle's verdict; exit 1 on a finding.
 
     Requests are sent open-loop at their at_ms offsets. Without --target the
@@ -71,22 +76,42 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
         fuzz replay trace.json --target http://127.0.0.1:8000 --json
         fuzz replay corpus/n-logprobs.json --pathologies logprobs-batch-cost
         fuzz replay corpus/kv-fill.json --goodput ttft:500 tpot:50 e2el:5000
+        fuzz replay trace.json --launch "llama-server -m tiny.gguf --port {port} --metrics"
+        fuzz replay trace.json --launch "llama-server -m tiny.gguf --port {port} --metrics" --variant np1="-np 1"
+        fuzz replay trace.json --launch "old/llama-server --port {port}" --compare "new/llama-server --port {port}"
+
+    With --variant (or a target file's [variants]) the trace runs on the launch command
+    and on each variant, each started fresh and calibrated, and a table says per
+    configuration how often each finding reproduced and its effect. --compare CMD runs
+    it on another command too (another version) and says where each finding reproduces.
     """
     slo = parse_slo(goodput_specs)
+    managed = resolve(target, launch, target_file)
     trace = trace_format.load(trace_path)
     planted: tuple[str, ...] = ()
     if pathologies is not None:
-        if target is not None:
-            raise ConfigError("--pathologies applies to the built-in simulator only; drop it or drop --target")
+        if target is not None or managed is not None:
+            raise ConfigError("--pathologies applies to the built-in simulator only; drop it or drop --target / --launch")
         from fuzzer.sim.pathologies import parse  # noqa: PLC0415
 
         planted = parse(pathologies)
     if seed is None:
         seed = random.SystemRandom().randrange(1 << 32)
+    variants = parse_variants(variants, managed.variants if managed else None)
+    if variants or compare is not None:
+        if managed is None:
+            raise ConfigError("--variant and --compare need --launch or --target-file: they are run beside the "
+                              "launch command")
+        from fuzzer.cli._variant_replay import replay_variants  # noqa: PLC0415
+
+        raise SystemExit(replay_variants(trace, managed.spec, variants, runs=runs, seed=seed, db_path=db_path,
+                                         server=server, model=model, timeout_s=timeout_s, api_key_env=api_key_env,
+                                         as_json=as_json, compare=compare))
     try:
         with Store.open(db_path) if db_path is not None else contextlib.nullcontext() as store:
             info, exam, results, slo_verdicts, slo_runs = asyncio.run(
-                _replay(trace, target, runs, server, model, api_key_env, seed, timeout_s, store, planted, slo)
+                _replay(trace, target, runs, server, model, api_key_env, seed, timeout_s, store, planted, slo,
+                        launch=managed.spec if managed else None)
             )
     except KeyboardInterrupt:
         kept = f"; the executions made so far are stored in {db_path}" if db_path is not None else ""
@@ -126,12 +151,13 @@ def command(trace_path, target, runs, db_path, server, model, api_key_env, seed,
 async def _replay(
     trace: Trace, target: str | None, runs: int, server: str, model: str | None, api_key_env: str,
     seed: int, timeout_s: float, store: Store | None, planted: tuple[str, ...], slo: slo_oracle.Slo | None = None,
+    launch=None,
 ):
-    identity = target or sim_key(planted)
+    identity = launch.identity if launch is not None else target or sim_key(planted)
     # The simulator keeps its default seed (its noise); --seed is the prompt text's.
     async with open_target(
         target, server=server, model=model, pathologies=planted, prompt_seed=seed, timeout_s=timeout_s,
-        api_key_env=api_key_env,
+        api_key_env=api_key_env, launch=launch,
     ) as http:
         info = http.info
         assert info is not None
@@ -160,6 +186,8 @@ class _Recorder:
         self._target_id = target_id
         self.name = target.name
         self.results: list[ExecutionResult] = []
+        if hasattr(target, "fresh_start"):  # a launched server: a cold start is checked on fresh ones too
+            self.fresh_start = target.fresh_start
 
     async def execute(self, trace: Trace) -> ExecutionResult:
         result = await self._target.execute(trace)

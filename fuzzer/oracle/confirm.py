@@ -99,7 +99,12 @@ async def confirm(
         if cold_verdict.decision in (Decision.DIFFERENT, Decision.INSUFFICIENT_DATA):
             break
     if cold_verdict.kind is FindingKind.COLD_START:
-        return cold_verdict
+        from fuzzer.oracle.fresh import on_fresh_servers  # noqa: PLC0415 - a launched target only
+
+        return await on_fresh_servers(
+            target, trace, candidate.request_id, results, cold_verdict, calibration, rng=rng, policy=policy,
+            reports=lambda runs: _reports(trace, runs, calibration, policy, candidate.request_id),
+        )
     return verdict
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fuzzer.execute.http import SPEED_CHECK
+from fuzzer.execute.managed import server_death
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions
@@ -239,16 +240,19 @@ def shows_failure(kind: FindingKind, result: ExecutionResult, request_id: str | 
     """
     if kind is FindingKind.CRASH:
         return crashed(result)
-    if kind is FindingKind.LEAK:
-        return result.idle_after is False
+    if kind is FindingKind.LEAK:  # a server that died cannot return to idle: that is the crash
+        return result.idle_after is False and server_death(result) is None
     return any(failure_kind(r.outcome) is kind and request_id in (None, r.request_id) for r in result.requests)
 
 
 def crashed(result: ExecutionResult) -> bool:
     """The server went down: connection errors from some request on, and none answered after.
 
-    A single reset followed by answered requests is an ``error``, not a crash.
+    A single reset followed by answered requests is an ``error``, not a crash. A launched
+    server whose process died during the execution (``--launch``) crashed whatever the requests saw.
     """
+    if server_death(result) is not None:
+        return True
     failed = [r.outcome is Outcome.CONNECTION_ERROR for r in sorted(result.requests, key=lambda r: r.sent_s)]
     if not any(failed):
         return False
@@ -293,7 +297,8 @@ def candidates(
     out: list[Candidate] = []
     down = shows_failure(FindingKind.CRASH, result)
     if down:
-        out.append(Candidate(FindingKind.CRASH, detail="connection errors from some request on, none answered after"))
+        out.append(Candidate(FindingKind.CRASH, detail=server_death(result)
+                             or "connection errors from some request on, none answered after"))
     if shows_failure(FindingKind.LEAK, result):
         out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"))
     latency = []
@@ -346,7 +351,10 @@ def _execution_verdicts(trace: Trace, results: Sequence[ExecutionResult]) -> lis
     for kind in (FindingKind.CRASH, FindingKind.LEAK):
         k = sum(shows_failure(kind, r) for r in results)
         if k:
-            out.append(count_verdict(kind, None, k, len(results), signature(kind, trace)))
+            # A launched server's death quotes the last lines of its log (the last run that killed it).
+            deaths = [d for r in results if (d := server_death(r)) is not None] if kind is FindingKind.CRASH else []
+            detail = deaths[-1] if deaths else ""
+            out.append(count_verdict(kind, None, k, len(results), signature(kind, trace), detail=detail))
     return out
 
 

@@ -36,6 +36,7 @@ from dataclasses import replace
 import numpy as np
 
 from fuzzer.errors import FuzzError, TargetError
+from fuzzer.execute.managed import CrashLoop
 from fuzzer.execute.recovery import backoff
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
@@ -486,6 +487,8 @@ class Campaign:
                 result = await self.target.execute(probe)
                 if not result.failures:
                     break
+            except CrashLoop:
+                raise  # a launched server that keeps dying stops the campaign (one clear message)
             except FuzzError:
                 pass
             await self._sleep(next(waits))
@@ -556,6 +559,9 @@ class _CampaignTarget:
         idle = getattr(target, "idle", None)
         if idle is not None:
             self.idle = idle
+        fresh_start = getattr(target, "fresh_start", None)  # a launched server: cold starts confirmed fresh too
+        if fresh_start is not None:
+            self.fresh_start = fresh_start
 
     async def execute(self, trace: Trace) -> ExecutionResult:
         return await self._run(trace)

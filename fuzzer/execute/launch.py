@@ -1,0 +1,300 @@
+"""Launching the server under test ourselves (``--launch``, ``--target-file``; issue 17).
+
+A :class:`LaunchSpec` says how to start a server: its command line, in which ``{port}``
+stands for a loopback port the fuzzer chooses, extra environment, the URL that answers
+200 once the server is ready, how long to wait for it and where to keep its log.
+A :class:`ManagedServer` starts it in a process group of its own, waits until it is ready,
+and stops the whole group (SIGTERM, then SIGKILL) on exit; every server still running
+when the interpreter exits is killed too, so no command leaves a server behind.
+
+Every way a launch can go wrong (command not found, exits at once, never ready, port in
+use) raises :class:`LaunchError` with one line that says which, and the log's last line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from fuzzer.errors import TargetError
+
+PLACEHOLDER = "{port}"
+DEFAULT_READY_PATH = "/health"
+#: A large model takes minutes to load.
+DEFAULT_READY_TIMEOUT_S = 600.0
+#: How long the server may take to exit after SIGTERM before its group is killed.
+STOP_TIMEOUT_S = 10.0
+READY_POLL_S = 0.25
+LAUNCH_PREFIX = "launch:"
+
+
+class LaunchError(TargetError):
+    """The server the fuzzer was asked to start cannot be started or never became ready."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to start one server configuration."""
+
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    #: Answers 200 once the server can take requests; ``{port}`` allowed.
+    ready_url: str = "http://127.0.0.1:{port}" + DEFAULT_READY_PATH
+    timeout_s: float = DEFAULT_READY_TIMEOUT_S
+    #: Where the server's stdout and stderr go; a temporary file when None.
+    log_file: str | None = None
+    #: A fixed port (the command has no ``{port}``); None: a free one is chosen.
+    port: int | None = None
+    #: Deaths within ten minutes before the server counts as crash-looping (fuzzer.execute.managed).
+    max_restarts: int = 5
+
+    @classmethod
+    def parse(cls, text: str, **options) -> "LaunchSpec":
+        """A spec from a shell-like command line (``--launch "llama-server -m M --port {port}"``)."""
+        try:
+            argv = tuple(shlex.split(text))
+        except ValueError as e:
+            raise LaunchError(f"cannot read the launch command {text!r}: {e}") from None
+        return cls(command=argv, **options).checked()
+
+    def checked(self) -> "LaunchSpec":
+        if not self.command:
+            raise LaunchError("the launch command is empty")
+        if self.port is None and not any(PLACEHOLDER in a for a in self.command):
+            raise LaunchError(
+                f"the launch command must contain {PLACEHOLDER} where the port goes (e.g. --port {PLACEHOLDER}), "
+                f"or the target file must give a fixed port: {shlex.join(self.command)}"
+            )
+        if not self.timeout_s > 0:
+            raise LaunchError(f"the ready timeout must be > 0 seconds, got {self.timeout_s}")
+        return self
+
+    def with_args(self, extra: str) -> "LaunchSpec":
+        """The same server with more arguments (a variant: ``--variant np1="-np 1"``)."""
+        try:
+            more = tuple(shlex.split(extra))
+        except ValueError as e:
+            raise LaunchError(f"cannot read the extra arguments {extra!r}: {e}") from None
+        return replace(self, command=self.command + more)
+
+    @property
+    def identity(self) -> str:
+        """The target's name in the store: the command line, with its ``{port}`` placeholder."""
+        return LAUNCH_PREFIX + shlex.join(self.command)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+_LIVE: dict[int, "ManagedServer"] = {}
+
+
+@atexit.register
+def _kill_leftovers() -> None:  # the last net: whatever is still running when we exit
+    for server in list(_LIVE.values()):
+        server.stop(timeout_s=1.0)
+
+
+class ManagedServer:
+    """One launched server: ``await start()``, ``.url``, ``.alive``, ``tail()``, ``stop()``.
+
+    The port is chosen once; a restart reuses it, so clients keep their base URL.
+    """
+
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec.checked()
+        self.port = spec.port
+        self.url: str | None = None
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+        self._log_path: str | None = None
+        self._temporary_log = False
+        self._log_from = 0
+        self._keep_log = False
+        #: Exit status of the last server that died on its own (None while none did).
+        self.died_with: int | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def log_path(self) -> str | None:
+        return self._log_path
+
+    @property
+    def alive(self) -> bool:
+        if self._proc is None:
+            return False
+        status = self._proc.poll()
+        if status is not None and self.died_with is None:
+            self.died_with = status
+            self._keep_log = True
+        return status is None
+
+    def argv(self) -> list[str]:
+        return [a.replace(PLACEHOLDER, str(self.port)) for a in self.spec.command]
+
+    async def start(self) -> str:
+        """Start the server and wait until its ready URL answers 200; returns its base URL."""
+        if self._proc is not None:
+            raise LaunchError("this server is already started")
+        if self.port is None:
+            self.port = free_port()
+        elif port_in_use(self.port):
+            raise LaunchError(f"port {self.port} is already in use on 127.0.0.1 (another server?); "
+                              f"stop it or let the fuzzer choose one with {PLACEHOLDER}")
+        self._open_log()
+        self._log.flush()
+        self._log_from = os.fstat(self._log.fileno()).st_size  # tail() reads this life's lines only
+        argv = self.argv()
+        env = {**os.environ, **{k: v.replace(PLACEHOLDER, str(self.port)) for k, v in self.spec.env.items()}}
+        try:
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # its own process group: we stop it and all its children at once
+            )
+        except FileNotFoundError:
+            raise LaunchError(f"cannot launch the server: command not found: {argv[0]}") from None
+        except OSError as e:
+            raise LaunchError(f"cannot launch the server {argv[0]}: {e.strerror}") from None
+        _LIVE[self._proc.pid] = self
+        self.starts += 1
+        self.died_with = None
+        self.url = f"http://127.0.0.1:{self.port}"
+        try:
+            await self._wait_ready()
+        except BaseException:
+            self._keep_log = True
+            self.stop()
+            raise
+        return self.url
+
+    async def restart(self) -> str:
+        await asyncio.to_thread(self.stop)
+        return await self.start()
+
+    async def _wait_ready(self) -> None:
+        assert self._proc is not None
+        ready = self.spec.ready_url.replace(PLACEHOLDER, str(self.port))
+        deadline = time.monotonic() + self.spec.timeout_s
+        while True:
+            status = self._proc.poll()
+            if status is not None:
+                raise LaunchError(self._exited_early(status))
+            if await asyncio.to_thread(_answers, ready):
+                return
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"the launched server was not ready at {ready} within {self.spec.timeout_s:g} s"
+                                  f"{self._last_line()}")
+            await asyncio.sleep(READY_POLL_S)
+
+    def _exited_early(self, status: int) -> str:
+        lines = self.tail(20)
+        if any("address already in use" in ln.lower() or "port" in ln.lower() and "in use" in ln.lower()
+               for ln in lines):
+            return f"port {self.port} is already in use: the launched server could not listen on it{self._last_line()}"
+        how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+        return f"the launched server {how} before it was ready{self._last_line()}"
+
+    def _last_line(self) -> str:
+        lines = self.tail(1)
+        where = f" (log: {self._log_path})" if self._log_path else ""
+        return f"; its log ends: {lines[-1]}{where}" if lines else f"; its log is empty{where}"
+
+    def _open_log(self) -> None:
+        if self._log is not None:
+            return
+        if self.spec.log_file:
+            try:
+                self._log = open(self.spec.log_file, "ab")  # noqa: SIM115 - closed in stop()
+            except OSError as e:
+                raise LaunchError(f"cannot write the server log {self.spec.log_file}: {e.strerror}") from None
+            self._log_path = self.spec.log_file
+        else:
+            fd, self._log_path = tempfile.mkstemp(prefix="fuzz-server-", suffix=".log")
+            self._log = os.fdopen(fd, "ab")
+            self._temporary_log = True
+
+    def tail(self, n: int = 20) -> list[str]:
+        """The last ``n`` non-empty lines of the server's log."""
+        if self._log_path is None:
+            return []
+        try:
+            with open(self._log_path, "rb") as f:
+                f.seek(max(self._log_from, os.fstat(f.fileno()).st_size - 64 * 1024))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        return list(deque((ln.rstrip() for ln in text.splitlines() if ln.strip()), maxlen=n))
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop the server's whole process group: SIGTERM, then SIGKILL after ``timeout_s``."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        # Children that outlived their leader go too.
+        _signal_group(proc.pid, signal.SIGKILL)
+        _LIVE.pop(proc.pid, None)
+
+    def close(self) -> None:
+        """Stop the server and close its log. A temporary log is removed unless the server failed
+        to start or died (an error message or a crash finding cites it)."""
+        self.alive  # noqa: B018 - notes a death not yet seen
+        self.stop()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+            if self._temporary_log and not self._keep_log and self._log_path:
+                with contextlib.suppress(OSError):
+                    os.remove(self._log_path)
+
+    async def __aenter__(self) -> "ManagedServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.close)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:  # noqa: S310 - a loopback URL we built
+            return 200 <= response.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False

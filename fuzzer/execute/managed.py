@@ -1,0 +1,128 @@
+"""A target whose server the fuzzer launched: restarted when it dies, its log quoted.
+
+:class:`ManagedTarget` wraps the HTTP target of a :class:`~fuzzer.execute.launch.ManagedServer`.
+When an execution ends with the server dead, the execution's warnings say so and carry the
+last lines of its log (a ``crash`` finding quotes them); the next execution first starts the
+server again, after a backoff. More than ``max_restarts`` deaths within ``window_s`` is a
+crash loop: :class:`CrashLoop` stops whatever runs with one clear message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Awaitable, Callable
+
+from fuzzer.errors import FuzzError, TargetError
+from fuzzer.execute.launch import ManagedServer
+from fuzzer.execute.recovery import backoff
+from fuzzer.execution import ExecutionResult, Target
+from fuzzer.trace import Trace
+
+#: Deaths within WINDOW_S before the server counts as crash-looping: LaunchSpec.max_restarts.
+WINDOW_S = 600.0
+#: Log lines quoted in an execution that killed the server.
+LOG_LINES = 20
+SERVER_DIED = "server died"
+
+
+def server_death(result: ExecutionResult) -> str | None:
+    """The note a ManagedTarget added when the server died during ``result`` (its log's last lines), or None."""
+    return next((w for w in result.warnings if w.startswith(SERVER_DIED)), None)
+
+
+class CrashLoop(FuzzError):
+    """The launched server keeps dying right after it is started again."""
+
+
+class ManagedTarget:
+    """``target`` runs on ``server``; a dead server is started again before the next execution."""
+
+    def __init__(
+        self,
+        target: Target,
+        server: ManagedServer,
+        *,
+        sleep: Callable[[float], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+        max_restarts: int | None = None,
+        window_s: float = WINDOW_S,
+        on_restart: Callable[[str], None] = lambda note: None,
+    ):
+        self._target = target
+        self.server = server
+        self._sleep = sleep
+        self._clock = clock
+        self._max_restarts = server.spec.max_restarts if max_restarts is None else max_restarts
+        self._window_s = window_s
+        self._on_restart = on_restart
+        self._deaths: deque[float] = deque()
+        self._waits = backoff()
+        self.name = target.name
+        self.restarts = 0
+        self.fresh_starts = 0
+
+    def __getattr__(self, name: str):  # info, kv_cache, ...: the HTTP target's
+        return getattr(self._target, name)
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        await self.ensure_up()
+        try:
+            result = await self._target.execute(trace)
+        except TargetError:
+            # Nothing was measured (the server could not even be asked): when it died just
+            # before, start it again and run the trace once more.
+            if not await self._died():
+                raise
+            await self.ensure_up()
+            result = await self._target.execute(trace)
+        if not self.server.alive:
+            result = replace(result, warnings=result.warnings + (self.death_note(),))
+        else:
+            self._waits = backoff()  # it ran an execution and lives: the next death waits 1 s again
+        return result
+
+    def death_note(self) -> str:
+        status = self.server.died_with
+        how = "was killed by signal %d" % -status if status is not None and status < 0 else f"exited with status {status}"
+        lines = "\n".join(self.server.tail(LOG_LINES))
+        return f"{SERVER_DIED}: the launched server {how} during this execution; the last lines of its log " \
+               f"({self.server.log_path}):\n{lines}"
+
+    async def ensure_up(self) -> None:
+        """Start the server again when it died (backoff); raise CrashLoop when it keeps dying."""
+        if self.server.alive:
+            return
+        now = self._clock()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > self._window_s:
+            self._deaths.popleft()
+        if len(self._deaths) > self._max_restarts:
+            last = self.server.tail(1)
+            raise CrashLoop(
+                f"the launched server died {len(self._deaths)} times within {self._window_s:g} s; stopping "
+                f"(last log line: {last[-1] if last else 'none'}; log: {self.server.log_path})"
+            )
+        wait = next(self._waits)
+        self._on_restart(f"the launched server died (status {self.server.died_with}); starting it again in {wait:g} s")
+        await self._sleep(wait)
+        await self.server.restart()
+        self.restarts += 1
+
+    async def fresh_start(self) -> None:
+        """Stop the server and start it again (a fresh server for a cold-start check); not a death."""
+        await self.server.restart()
+        self.fresh_starts += 1
+
+    async def _died(self, grace_s: float = 1.0) -> bool:
+        """Whether the server is dead, giving a dying one ``grace_s`` to finish exiting."""
+        deadline = self._clock() + grace_s
+        while self.server.alive:
+            if self._clock() >= deadline:
+                return False
+            await self._sleep(0.05)
+        return True
+
+    async def aclose(self) -> None:  # the caller owns the server and the HTTP target
+        return None

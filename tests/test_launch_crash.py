@@ -1,0 +1,157 @@
+"""A launched server that dies (issue 17): the ``crash`` finding quotes its log, the server is
+started again with backoff, and a crash loop stops the campaign with one clear line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+
+import pytest
+from conftest import CORPUS
+from launch_support import dying_command, marker, servers_with
+from test_launch import FUZZ
+
+from fuzzer.execute.managed import CrashLoop, ManagedTarget
+from fuzzer.execution import ExecutionResult
+from fuzzer.store import Store
+from fuzzer.trace import Request, Trace
+
+FATAL = "FATAL: EngineCore died: CUDA error"
+
+
+class _FakeServer:
+    """Dies whenever told; counts restarts."""
+
+    def __init__(self, max_restarts: int = 2):
+        self.alive = True
+        self.died_with: int | None = None
+        self.restarts = 0
+        self.log_path = "/tmp/server.log"
+        self.spec = type("Spec", (), {"max_restarts": max_restarts})()
+
+    def die(self) -> None:
+        self.alive, self.died_with = False, -9
+
+    def tail(self, n: int = 20) -> list[str]:
+        return ["loading", FATAL][-n:]
+
+    async def restart(self) -> str:
+        self.restarts += 1
+        self.alive, self.died_with = True, None
+        return "http://127.0.0.1:1"
+
+
+class _KillingTarget:
+    name = "http://127.0.0.1:1"
+    info = None
+
+    def __init__(self, server: _FakeServer):
+        self.server = server
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        self.server.die()
+        return ExecutionResult(trace_hash=trace.content_hash(), target=self.name, started_at=0.0, duration_s=0.1,
+                               requests=())
+
+
+def test_a_death_is_noted_with_the_log_then_restarted_with_backoff_until_a_crash_loop():
+    server = _FakeServer(max_restarts=2)
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    target = ManagedTarget(_KillingTarget(server), server, sleep=sleep, clock=lambda: 0.0)
+    trace = Trace(requests=(Request(id="a", at_ms=0, prompt_tokens=8, max_tokens=2),))
+
+    async def main() -> None:
+        result = await target.execute(trace)
+        assert result.warnings[-1].startswith("server died: the launched server was killed by signal 9")
+        assert FATAL in result.warnings[-1] and "/tmp/server.log" in result.warnings[-1]
+        await target.execute(trace)
+        await target.execute(trace)
+        assert server.restarts == 2 and waits == [1.0, 2.0]
+        with pytest.raises(CrashLoop, match=r"died 3 times within 600 s; stopping \(last log line: FATAL"):
+            await target.execute(trace)
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """A database holding a calibration of the dying server's command (healthy: no DIE_ON)."""
+    folder = tmp_path_factory.mktemp("crash")
+    mark = marker()
+    command = dying_command(mark)
+    healthy = folder / "ok.toml"
+    healthy.write_text(f"command = {command!r}\n")
+    db = folder / "base.db"
+    proc = subprocess.run([FUZZ, "calibrate", "--target-file", str(healthy), "--db", str(db), "--repeats", "1"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    return command, db, mark
+
+
+def _dying_file(path, command: str, max_restarts: int) -> str:
+    path.write_text(f"command = {command!r}\nmax_restarts = {max_restarts}\n[env]\nDIE_ON = \"r05\"\n")
+    return str(path)
+
+
+def test_replay_names_the_crash_and_quotes_the_servers_log(calibrated, tmp_path):
+    command, base, mark = calibrated
+    db = tmp_path / "r.db"
+    shutil.copy(base, db)
+    tf = _dying_file(tmp_path / "die.toml", command, 5)
+    proc = subprocess.run([FUZZ, "replay", str(CORPUS / "vllm-37308.json"), "--target-file", tf, "--runs", "3",
+                           "--db", str(db)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 1, proc.stderr
+    assert "FINDING crash on the execution, reproduced 3/3" in proc.stdout
+    assert "exited with status 134 during this execution" in proc.stdout and FATAL in proc.stdout
+    assert "FINDING leak" not in proc.stdout  # a dead server cannot return to idle: that is the crash, not a leak
+    with Store.open(str(db)) as store:
+        killers = [store.get_execution(i) for i in store.execution_ids()]
+        assert sum(any(w.startswith("server died") for w in x.warnings) for x in killers) == 3
+    assert not servers_with(mark)
+
+
+def test_the_campaign_restarts_the_server_and_records_the_crash(calibrated, tmp_path):
+    command, base, mark = calibrated
+    db = tmp_path / "c.db"
+    shutil.copy(base, db)
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    shutil.copy(CORPUS / "vllm-37308.json", seeds)
+    tf = _dying_file(tmp_path / "die.toml", command, 50)
+    proc = subprocess.run([FUZZ, "campaign", "--target-file", tf, "--db", str(db), "--duration", "25s",
+                           "--corpus", str(seeds), "--seed", "1"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: the launched server died (status 134); starting it again in 1 s" in proc.stderr
+    found = json.loads(subprocess.run([FUZZ, "findings", "--db", str(db), "--json"], capture_output=True,
+                                      text=True, timeout=60).stdout)
+    crash = [f for f in found if f["kind"] == "crash"]
+    assert crash, found
+    show = subprocess.run([FUZZ, "show", str(crash[0]["id"]), "--db", str(db), "--json"], capture_output=True,
+                          text=True, timeout=60).stdout
+    assert FATAL in show and "server died" in show
+    assert not servers_with(mark)
+
+
+def test_a_crash_loop_stops_the_campaign_with_one_line(calibrated, tmp_path):
+    command, base, mark = calibrated
+    db = tmp_path / "c.db"
+    shutil.copy(base, db)
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    shutil.copy(CORPUS / "vllm-37308.json", seeds)
+    tf = _dying_file(tmp_path / "die.toml", command, 1)
+    proc = subprocess.run([FUZZ, "campaign", "--target-file", tf, "--db", str(db), "--duration", "2m",
+                           "--corpus", str(seeds), "--seed", "1"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+    assert errors[0].startswith("error: the launched server died 2 times within 600 s; stopping (last log line: FATAL")
+    with Store.open(str(db)) as store:
+        assert store.count_executions() > 0  # what ran is kept; the same command resumes
+    assert not servers_with(mark)
