@@ -289,13 +289,24 @@ class ManagedServer:
         await asyncio.to_thread(self.close)
 
 
+def _prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+#: Looked up here, not in the child: between fork and exec the child should do as little as it can.
+_PRCTL = _prctl()
+_PR_SET_PDEATHSIG = 1
+
+
 def _term_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: the server gets SIGTERM when the fuzzer dies without stopping it (SIGKILL, OOM)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _signal_group(pgid: int, sig: int) -> None:
