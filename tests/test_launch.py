@@ -163,8 +163,8 @@ def test_a_signal_stops_the_launched_server(sig, command, tmp_path):
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.terminate()
+            proc.wait(60)
     assert "Traceback" not in err, err
     assert proc.returncode in (0, 130), err
     assert not servers_with(mark)
@@ -198,7 +198,20 @@ def test_a_signal_while_waiting_for_ready_stops_the_server_at_once(sig, command,
         _, err = proc.communicate(timeout=30)  # not the 600 s the ready wait allows
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.terminate()
+            proc.wait(60)
     assert "Traceback" not in err, err
     assert wait_until(lambda: not servers_with(mark), 5.0)
+
+
+def test_a_server_whose_fuzzer_is_killed_outright_goes_too(tmp_path):
+    mark = marker()
+    proc = subprocess.Popen([FUZZ, "calibrate", "--db", str(tmp_path / "k.db"), "--launch", sim_command(mark)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        assert wait_until(lambda: servers_with(mark), 60.0)
+        _wait_ready(servers_with(mark)[0])
+    finally:
+        proc.kill()  # SIGKILL: no cleanup of ours runs; the kernel's parent-death signal does
+        proc.wait()
+    assert wait_until(lambda: not servers_with(mark), 15.0), servers_with(mark)

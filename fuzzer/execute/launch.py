@@ -5,7 +5,8 @@ stands for a loopback port the fuzzer chooses, extra environment, the URL that a
 200 once the server is ready, how long to wait for it and where to keep its log.
 A :class:`ManagedServer` starts it in a process group of its own, waits until it is ready,
 and stops the whole group (SIGTERM, then SIGKILL) on exit; every server still running
-when the interpreter exits is killed too, so no command leaves a server behind.
+when the interpreter exits is killed too, and on Linux a server whose fuzzer was killed
+outright (SIGKILL) gets SIGTERM from the kernel, so no command leaves a server behind.
 
 Every way a launch can go wrong (command not found, exits at once, never ready, port in
 use) raises :class:`LaunchError` with one line that says which, and the log's last line.
@@ -16,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import ctypes
 import os
 import shlex
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -175,6 +178,7 @@ class ManagedServer:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,  # its own process group: we stop it and all its children at once
+                preexec_fn=_term_with_parent,
             )
         except FileNotFoundError:
             raise LaunchError(f"cannot launch the server: command not found: {argv[0]}") from None
@@ -283,6 +287,26 @@ class ManagedServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.close)
+
+
+def _prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+#: Looked up here, not in the child: between fork and exec the child should do as little as it can.
+_PRCTL = _prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _term_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the server gets SIGTERM when the fuzzer dies without stopping it (SIGKILL, OOM)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -17,6 +17,7 @@ from .conftest import SERVER_ARGS, _server_env, group_members
 pytestmark = pytest.mark.vllm
 
 
+@pytest.mark.timeout(900)  # vLLM's start-up takes minutes on a loaded machine
 def test_a_launched_vllm_is_ready_and_its_whole_group_stopped_on_sigterm(vllm_python, vllm_model, tmp_path):
     mark = marker()
     model = tmp_path / f"model-{mark}"
@@ -44,7 +45,7 @@ def test_a_launched_vllm_is_ready_and_its_whole_group_stopped_on_sigterm(vllm_py
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.terminate()  # SIGTERM: fuzz stops its server (SIGKILL would leave that to the kernel)
+            proc.wait(60)
     assert "Traceback" not in err, err
     assert wait_until(lambda: not group_members(pgid), 30.0), group_members(pgid)
