@@ -116,16 +116,22 @@ def test_replay_names_the_crash_and_quotes_the_servers_log(calibrated, tmp_path)
     assert not servers_with(mark)
 
 
-def test_the_campaign_restarts_the_server_and_records_the_crash(calibrated, tmp_path):
+def _campaign_on_a_dying_server(calibrated, tmp_path, die_after: int, duration: str):
+    """A campaign (seeded with the 37308 trace) on a simulator that dies after ``die_after`` requests."""
     command, base, mark = calibrated
     db = tmp_path / "c.db"
     shutil.copy(base, db)
     seeds = tmp_path / "seeds"
     seeds.mkdir()
     shutil.copy(CORPUS / "vllm-37308.json", seeds)
-    tf = _dying_file(tmp_path / "die.toml", command, 50)
-    proc = subprocess.run([FUZZ, "campaign", "--target-file", tf, "--db", str(db), "--duration", "25s",
+    tf = _dying_file(tmp_path / "die.toml", command, die_after)
+    proc = subprocess.run([FUZZ, "campaign", "--target-file", tf, "--db", str(db), "--duration", duration,
                            "--corpus", str(seeds), "--seed", "1"], capture_output=True, text=True, timeout=240)
+    return proc, db, mark
+
+
+def test_the_campaign_restarts_the_server_and_records_the_crash(calibrated, tmp_path):
+    proc, db, mark = _campaign_on_a_dying_server(calibrated, tmp_path, 50, "25s")
     assert proc.returncode == 0, proc.stderr
     assert "note: the launched server died (status 134); starting it again in 1 s" in proc.stderr
     found = json.loads(subprocess.run([FUZZ, "findings", "--db", str(db), "--json"], capture_output=True,
@@ -139,15 +145,7 @@ def test_the_campaign_restarts_the_server_and_records_the_crash(calibrated, tmp_
 
 
 def test_a_crash_loop_stops_the_campaign_with_one_line(calibrated, tmp_path):
-    command, base, mark = calibrated
-    db = tmp_path / "c.db"
-    shutil.copy(base, db)
-    seeds = tmp_path / "seeds"
-    seeds.mkdir()
-    shutil.copy(CORPUS / "vllm-37308.json", seeds)
-    tf = _dying_file(tmp_path / "die.toml", command, 1)
-    proc = subprocess.run([FUZZ, "campaign", "--target-file", tf, "--db", str(db), "--duration", "2m",
-                           "--corpus", str(seeds), "--seed", "1"], capture_output=True, text=True, timeout=240)
+    proc, db, mark = _campaign_on_a_dying_server(calibrated, tmp_path, 1, "2m")
     assert proc.returncode == 2, proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr
