@@ -44,7 +44,7 @@ def test_a_second_minimization_of_a_finding_is_refused_in_one_line_and_a_killed_
 def test_fuzz_minimize_holds_the_lock_while_it_runs_and_releases_it(db, monkeypatch):
     seen = []
 
-    async def run(store, finding, *args):
+    async def run(store, finding, *args, **kwargs):
         with pytest.raises(StoreError, match=rf"another minimization of finding 1 \(pid {os.getpid()}\)"):
             minimization_lock(db, finding.id).acquire()
         with CampaignLock(db) as campaign:  # a campaign may start meanwhile
