@@ -48,7 +48,8 @@ def replay_variants(
     if as_json:
         out.print_json(json.dumps({
             "configurations": [{"name": o.configuration.name, "args": o.configuration.args, "error": o.error, "note": o.note,
-                                "findings": [v.to_dict() for v in o.findings]} for o in outcomes],
+                                "findings": [v.to_dict() for v in o.findings], "ttft_median_s": dict(o.ttft_median_s)}
+                               for o in outcomes],
             "table": [r.__dict__ for r in table_rows],
         }))
     else:

@@ -8,7 +8,7 @@ configuration and finding, how often it reproduced and with what effect.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import click
@@ -91,6 +91,8 @@ class Outcome:
     error: str | None = None
     #: How it was judged when not as usual (its own calibration failed).
     note: str | None = None
+    #: Each request's median TTFT over the configuration's runs (seconds): what changed, finding or not.
+    ttft_median_s: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def findings(self) -> tuple[Verdict, ...]:
@@ -126,7 +128,13 @@ async def run_configurations(
         except FuzzError as e:
             outcomes.append(Outcome(config, error=str(e)))
             continue
-        outcomes.append(Outcome(config, tuple(exam.verdicts), note=note))
+        ttfts: dict[str, list[float]] = {}
+        for result in exam.results:
+            for r in result.requests:
+                if r.ttft_s is not None:
+                    ttfts.setdefault(r.request_id, []).append(r.ttft_s)
+        outcomes.append(Outcome(config, tuple(exam.verdicts), note=note,
+                                ttft_median_s={k: float(np.median(v)) for k, v in ttfts.items()}))
     return outcomes
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import statistics
 import subprocess
 
 import pytest
@@ -56,14 +57,22 @@ def test_the_outcome_differs_between_four_slots_and_one(llama_server_binary, mar
          "--variant", "np1=-np 1", "--runs", "3", "--seed", "1", "--db", str(tmp_path / "l.db"), "--json"],
         capture_output=True, text=True, timeout=880,
     )
-    assert proc.returncode == 1, proc.stderr
+    # Exit 1 when a configuration has a finding, 0 when none has: with one slot the short requests
+    # wait out the long one by design, which np1's own calibration (one slot) explains; judged by
+    # the base's (four slots, when np1's own calibration fails) it is a finding. Either is a verdict.
+    assert proc.returncode in (0, 1), proc.stderr
     data = json.loads(proc.stdout)
     assert [c["name"] for c in data["configurations"]] == ["base", "np1"]
     configs = [{k: c[k] for k in ("name", "error", "note")} for c in data["configurations"]]
     assert all(c["error"] is None for c in configs), configs  # np1's own calibration may fail: one slot, no batch
+    # The outcome differs: the short requests' median TTFT over each configuration's runs.
+    medians = {c["name"]: c["ttft_median_s"] for c in data["configurations"]}
+    base = statistics.median([medians["base"]["s1"], medians["base"]["s2"]])
+    one = statistics.median([medians["np1"]["s1"], medians["np1"]["s2"]])
+    assert one > 3 * base, (medians, data["table"], configs)
+    # A finding on the short requests is never the four-slot server's alone.
     short = [r for r in data["table"] if r["finding"] in ("ttft-outlier on s1", "ttft-outlier on s2")]
     by = {(r["configuration"], r["finding"]): int(r["reproduced"].split("/")[0]) for r in short}
-    one = max(by.get(("np1", f), 0) for f in ("ttft-outlier on s1", "ttft-outlier on s2"))
-    four = max(by.get(("base", f), 0) for f in ("ttft-outlier on s1", "ttft-outlier on s2"))
-    assert one >= 2 and four < one, (data["table"], configs)
+    for f in ("ttft-outlier on s1", "ttft-outlier on s2"):
+        assert by.get(("base", f), 0) <= by.get(("np1", f), 0), (data["table"], configs)
     assert not servers_with(mark)

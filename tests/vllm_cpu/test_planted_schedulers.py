@@ -71,6 +71,8 @@ def _verdicts(cls: str, stock: dict[str, Sent], planted: dict[str, Sent]) -> Non
         # The victims: the running stream D, silent through P's whole prefill. (vLLM coalesces the
         # tokens of a fast stream into fewer events, so events are counted loosely; the longest
         # silence, most of P's wait or a step or two of it, is what tells the two apart.)
+        for results in (stock, planted):  # D still streamed when P's prefill ended: it could have been starved
+            assert results["D"].token_s[-1] > results["P"].first_s, _summary(results)
         assert _tokens_during_prefill(stock) >= 1, (stock["D"].token_s, _summary(stock))
         assert _longest_silence(stock) < 0.6, (_longest_silence(stock), _summary(stock))
         assert _tokens_during_prefill(planted) <= 1, (planted["D"].token_s, _summary(planted))
