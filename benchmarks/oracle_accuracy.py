@@ -115,9 +115,10 @@ MATERIAL_GAIN = 2.0
 _WARM_UP = _t([{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}])
 
 
-async def _calibration(seed: int, kv_blind: bool = False):
+async def _calibration(seed: int, kv_blind: bool = False, full: bool = False):
     target = VirtualTarget(seed=10_000 + seed)
-    cal = await calibrate(target, rng=random.Random(seed), max_model_len=target.config.max_model_len)
+    cal = await calibrate(target, rng=random.Random(seed), max_model_len=target.config.max_model_len,
+                          early_stop=not full)
     if kv_blind:
         cal = dataclasses.replace(cal, assumption=dataclasses.replace(cal.assumption, kv_blocks=None))
     return cal
@@ -197,6 +198,8 @@ async def main() -> None:
     parser.add_argument("--kv-heavy", type=int, default=0, help="KV-overflowing clean traces per seed")
     parser.add_argument("--pathologies", default=",".join(VARIANTS), help="comma-separated detection rows to run")
     parser.add_argument("--kv-blind", action="store_true", help="calibrate without the KV capacity (before)")
+    parser.add_argument("--full-calibration", action="store_true",
+                        help="every probe repeat, no early stop once the fit is settled (before)")
     args = parser.parse_args()
     started = time.perf_counter()
     sets = {"random traces (generate)": generate, **({"KV-heavy bursts": _kv_heavy} if args.kv_heavy else {})}
@@ -205,7 +208,8 @@ async def main() -> None:
     names = [n for n in args.pathologies.split(",") if n]
     det: dict[str, collections.Counter] = {name: collections.Counter() for name in names}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        cal = await _calibration(seed, args.kv_blind)
+        cal = await _calibration(seed, args.kv_blind, args.full_calibration)
+        print(f"seed {seed}: calibration {cal.probing}; {cal.probes} probes", flush=True)
         for label, make in sets.items():
             count = args.clean if make is generate else args.kv_heavy
             r = await _false_positives(seed, count, cal, make) if count else {}

@@ -57,7 +57,7 @@ def _calibrate(target, **kw):
 def _executions_of_one_round() -> tuple[int, int]:
     """(executions of warm-up and pilot, executions of one round of probes) on a quiet target."""
     quiet = _LoadedHost(loaded=0)
-    cal = _calibrate(quiet)
+    cal = _calibrate(quiet, early_stop=False)
     assert cal.reliable and cal.reliability_note() is None
     pilot = cal.warmup_runs
     return pilot, quiet.executions - pilot
@@ -66,24 +66,40 @@ def _executions_of_one_round() -> tuple[int, int]:
 def test_a_noisy_round_is_measured_again_and_the_quieter_one_kept():
     pilot, one_round = _executions_of_one_round()
     host = _LoadedHost(loaded=pilot + one_round)  # the load goes away after the first round
-    cal = _calibrate(host)
+    cal = _calibrate(host, early_stop=False)
     assert host.executions == pilot + 2 * one_round
     assert cal.reliable and cal.judged_noise()[1] < UNRELIABLE_NOISE
     # Without remeasure the first (loaded) round is what comes back.
     host = _LoadedHost(loaded=pilot + one_round)
-    first = _calibrate(host, remeasure=False)
+    first = _calibrate(host, remeasure=False, early_stop=False)
     assert host.executions == pilot + one_round and not first.reliable
 
 
 def test_a_calibration_that_stays_noisy_is_flagged_after_one_more_round():
     pilot, one_round = _executions_of_one_round()
     host = _LoadedHost(loaded=10**6)
-    cal = _calibrate(host)
+    cal = _calibrate(host, early_stop=False)
     assert host.executions == pilot + 2 * one_round  # measured again once, not forever
     metric, noise = cal.judged_noise()
     assert not cal.reliable and noise >= UNRELIABLE_NOISE and metric is not Metric.MAX_ITL
     note = cal.reliability_note()
     assert f"{noise * 100:.0f} %" in note and "calibrate again" in note
+
+
+def test_probing_stops_after_half_the_repeats_when_the_fit_is_settled_and_goes_on_when_noisy():
+    pilot, one_round = _executions_of_one_round()
+    quiet = _LoadedHost(loaded=0)
+    cal = _calibrate(quiet)
+    # four probe traces a round, each with half the repeats: the fit settled, no second half
+    assert quiet.executions == pilot + one_round and "stopped early" in cal.probing
+    full = _calibrate(_LoadedHost(loaded=0), early_stop=False)
+    assert cal.probes * 2 <= full.probes + 8  # half the probes (+ lead-ins)
+    assert cal.reliable and abs(cal.model.prefill_token_s / full.model.prefill_token_s - 1) < 0.1
+    assert abs(cal.model.decode_seq_s / full.model.decode_seq_s - 1) < 0.25
+    # a noisy first half is not settled: the second half runs (then, still noisy, one more round)
+    host = _LoadedHost(loaded=10**6)
+    noisy = _calibrate(host, remeasure=False)
+    assert host.executions == pilot + 2 * one_round and "noisy after" in noisy.probing
 
 
 def test_verdicts_on_an_unreliable_calibration_say_so():

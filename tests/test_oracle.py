@@ -170,6 +170,48 @@ def test_an_intermittent_stall_is_not_confirmed():
     assert 0 < v.reproduced < v.runs <= OraclePolicy().max_runs
 
 
+def test_futility_stops_after_one_clean_rerun_and_costs_a_real_stall_nothing():
+    cand = Candidate(FindingKind.TTFT_OUTLIER, "small", Metric.TTFT, ratio=5.0)
+    clean = _warm(seed=3)
+    v = asyncio.run(confirm(clean, BURST, cand, _calibration(), rng=_rng(), futility=True))
+    assert clean.executions == 1 and v.runs == 1
+    assert v.decision is Decision.SAME and not v.is_finding and "did not recur" in v.detail
+    # without futility the same candidate costs MIN_RUNS
+    clean = _warm(seed=3)
+    v = asyncio.run(confirm(clean, BURST, cand, _calibration(), rng=_rng()))
+    assert clean.executions == OraclePolicy().min_runs and v.decision is Decision.SAME
+    # a stall that recurs is confirmed as before, in as many runs
+    runs = []
+    for futility in (False, True):
+        stalled = _warm(delay_s={"small": 0.5}, seed=1)
+        v = asyncio.run(confirm(stalled, BURST, cand, _calibration(), rng=_rng(), futility=futility))
+        assert v.is_finding and v.kind is FindingKind.TTFT_OUTLIER
+        runs.append(stalled.executions)
+    assert runs[0] == runs[1] >= OraclePolicy().min_runs
+
+
+def test_futility_keeps_the_cold_arm_for_a_slowdown_seen_after_idle():
+    policy = OraclePolicy(cold_idle_s=5.0)
+    cand = Candidate(FindingKind.TTFT_OUTLIER, "small", Metric.TTFT, ratio=5.0, after_idle=True)
+    cold = _warm(cold_penalty_s=0.6, cold_after_s=5.0)
+    v = asyncio.run(confirm(cold, BURST, cand, _calibration(), rng=_rng(), policy=policy, futility=True))
+    assert v.is_finding and v.kind is FindingKind.COLD_START
+    # no slowdown after idleness either: one warm and one cold run, then SAME
+    clean = _warm()
+    v = asyncio.run(confirm(clean, BURST, cand, _calibration(), rng=_rng(), policy=policy, futility=True))
+    assert not v.is_finding and clean.executions == 2
+
+
+def test_futility_on_a_failure_candidate_that_does_not_recur():
+    cand = Candidate(FindingKind.ERROR, "small", detail=Outcome.HTTP_ERROR.value)
+    clean = _warm()
+    v = asyncio.run(confirm(clean, BURST, cand, _calibration(), rng=_rng(), futility=True))
+    assert clean.executions == 1 and v.decision is Decision.SAME and v.kind is None
+    failing = _warm(fail={"small": Outcome.HTTP_ERROR})
+    v = asyncio.run(confirm(failing, BURST, cand, _calibration(), rng=_rng(), futility=True))
+    assert v.is_finding and v.reproduction == "3/3" and failing.executions == 3
+
+
 @pytest.mark.parametrize(
     ("outcome", "kind"),
     [(Outcome.HTTP_ERROR, FindingKind.ERROR), (Outcome.TIMEOUT, FindingKind.HANG),

@@ -38,7 +38,8 @@ from fuzzer.oracle.kinds import Metric
 @click.option("--block-size", type=click.IntRange(min=1), default=None, metavar="N",
               help="KV block size in tokens. Default: the engine's documented default.")
 @click.option("--repeats", type=click.IntRange(min=1, max=20), default=4, show_default=True,
-              help="Repetitions of every probe (more: a tighter fit and a larger noise baseline).")
+              help="Repetitions of every probe, at most: half are run first, the rest only when the fit is not "
+                   "yet settled (more: a tighter fit and a larger noise baseline).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the probe order and prompt text.")
 @click.option("--api-key-env", default=API_KEY_ENV, show_default=True, metavar="VAR",
               help="Environment variable holding the API key (never stored or printed).")
@@ -105,6 +106,8 @@ def _show(cal: Calibration, key: str, calibration_id: int, db_path: str) -> None
     m = cal.model
     out.print(f"calibration {calibration_id} of {key} saved in {db_path}")
     out.print(f"scheduler assumption: {cal.assumption.describe()}")
+    if cal.probing:
+        out.print(f"probing: {cal.probing}")
     fits = Table(title="fits (Theil-Sen)")
     fits.add_column("relation")
     fits.add_column("fit")

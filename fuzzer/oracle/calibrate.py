@@ -28,19 +28,19 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 from scipy import optimize, stats
 
 from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
-from fuzzer.execution import ExecutionResult, RequestResult, Target
+from fuzzer.execution import RequestResult, Target
 from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration, Fit
 from fuzzer.oracle.expectation import idle_expectation
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, StepModel, assumption_for
-from fuzzer.trace import Request, Trace
+from fuzzer.oracle.probes import Pace, Plan, Probe, Probes, run_plan, usable
 
 # --- probe design -------------------------------------------------------------------------
 
@@ -72,11 +72,13 @@ BATCH_PROMPT_TOKENS = 16
 #: Each probe is repeated this often: with 9 lengths this gives ~36 TTFT residuals, a
 #: baseline large enough for MWU/KS to reach p <= 0.01 with three candidate samples.
 REPEATS = 4
-#: Probes run one at a time: each is followed by this many times its expected duration (from
-#: the pilot's smallest and largest probe of its kind), but never less than MIN_SPACING_S. The
-#: pilot runs first, so its largest probe measures a warm server; the factor covers the noise.
-SPACING_FACTOR = 1.5
-MIN_SPACING_S = 0.05
+#: Calibration runs half the repeats first and stops there when the fit is settled
+#: (:func:`settled`): each fitted line's 95% slope interval moves its value at the largest
+#: probe by at most this share ...
+SETTLED_SPREAD = 0.10
+#: ... and each judged metric has at least this many baseline ratios (three candidate samples
+#: against 16 can still reach p <= 0.01 with Mann-Whitney U).
+SETTLED_BASELINE = 16
 #: The first pilot run knows nothing yet: its largest probes are this far apart, its smallest half that.
 PILOT_SPACING_S = 1.0
 #: 1.4826 x MAD estimates a normal standard deviation robustly (Iglewicz-Hoaglin).
@@ -142,105 +144,6 @@ def with_target_kv(calibration: Calibration, target: Target) -> Calibration:
     return calibration if assumption is calibration.assumption else calibration.with_assumption(assumption)
 
 
-# --- probes -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Probe:
-    """One measured probe request: what it was and what the client saw."""
-
-    prompt: int
-    cached: int
-    max_tokens: int
-    batch: int
-    result: RequestResult
-
-
-@dataclass(frozen=True)
-class _Pace:
-    """How long a probe of one kind takes, by its size, from the pilot's smallest and largest.
-
-    Probes run one at a time in an open-loop trace, so each is given room for its own
-    expected duration (interpolated between the two pilot sizes, never below the smaller
-    one's) times SPACING_FACTOR, but never less than MIN_SPACING_S: a short probe does not
-    wait out the longest one's time.
-    """
-
-    small: tuple[float, float]
-    large: tuple[float, float]
-
-    def spacing_s(self, size: float) -> float:
-        (x0, y0), (x1, y1) = self.small, self.large
-        expected = y1 if x1 <= x0 else y0 + (y1 - y0) * (size - x0) / (x1 - x0)
-        return max(MIN_SPACING_S, SPACING_FACTOR * max(expected, y0, 0.0))
-
-
-@dataclass
-class _Plan:
-    """Builds one probe trace: each probe (or group sent together) spaced by its own expected duration."""
-
-    #: None for a plan whose every probe is given its spacing (the pilot's).
-    pace: _Pace | None
-    requests: list[Request] = field(default_factory=list)
-    prefixes: dict[str, int] = field(default_factory=dict)
-    meta: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
-    slot: int = 0
-    at_s: float = 0.0
-
-    def add(self, prompt: int, max_tokens: int, *, batch: int = 1, lead_in: bool = False, size: float | None = None,
-            spacing_s: float | None = None) -> None:
-        """A probe (or ``batch`` identical ones sent together) in the next slot, followed by
-        ``spacing_s`` or else by what the pace gives for ``size`` (default: its prompt)."""
-        at_ms = round(self.at_s * 1000.0, 3)
-        for i in range(batch):
-            rid = f"s{self.slot}" + (f"b{i}" if batch > 1 else "")
-            self.requests.append(Request(id=rid, at_ms=at_ms, prompt_tokens=prompt, max_tokens=max_tokens))
-            if not lead_in:
-                self.meta[rid] = (prompt, 0, max_tokens, batch)
-        self.slot += 1
-        if spacing_s is None:
-            assert self.pace is not None
-            spacing_s = self.pace.spacing_s(prompt if size is None else size)
-        self.at_s += spacing_s
-
-    def add_pair(self, prefix: int, suffix: int, *, hit: int) -> None:
-        """A request that computes a prefix, then (once it is done) a probe that reuses it."""
-        group = f"g{self.slot}"
-        self.prefixes[group] = prefix
-        assert self.pace is not None
-        gap = self.pace.spacing_s(prefix + suffix)
-        for i, rid in enumerate((f"w{self.slot}", f"c{self.slot}")):
-            at_ms = round((self.at_s + i * gap) * 1000.0, 3)
-            self.requests.append(Request(id=rid, at_ms=at_ms, prompt_tokens=prefix + suffix, max_tokens=2, prefix=group))
-        self.meta[f"c{self.slot}"] = (prefix + suffix, hit, 2, 1)
-        self.slot += 2
-        self.at_s += 2 * gap
-
-    def trace(self, name: str) -> Trace:
-        return Trace(requests=tuple(self.requests), prefixes=dict(self.prefixes), name=name)
-
-
-async def _run(target: Target, plan: _Plan, name: str) -> list[_Probe]:
-    result: ExecutionResult = await target.execute(plan.trace(name))
-    probes = []
-    for r in result.requests:
-        if r.request_id not in plan.meta:
-            continue
-        if r.outcome.failed:
-            raise TargetError(
-                f"calibration probe {r.request_id} of {name} failed ({r.outcome.value}"
-                + (f": {r.detail}" if r.detail else "")
-                + "); the target must serve plain requests before it can be fuzzed"
-            )
-        prompt, cached, max_tokens, batch = plan.meta[r.request_id]
-        probes.append(_Probe(prompt, cached, max_tokens, batch, r))
-    return probes
-
-
-def _usable(probes: Sequence[_Probe], *, streamed: bool = True) -> list[_Probe]:
-    return [p for p in probes if (p.result.ttft_s is not None) or not streamed]
-
-
 async def calibrate(
     target: Target,
     *,
@@ -251,6 +154,7 @@ async def calibrate(
     warmup_runs: int = WARMUP_RUNS,
     max_model_len: int | None = None,
     remeasure: bool = True,
+    early_stop: bool = True,
 ) -> Calibration:
     """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure.
 
@@ -277,13 +181,13 @@ async def calibrate(
                 "batch": (min(batch_sizes(assumption)), max(batch_sizes(assumption)))}
     slowest: dict[tuple[str, int], float] = {}
 
-    def pace(kind: str) -> _Pace:
+    def pace(kind: str) -> Pace:
         lo, hi = sizes_of[kind]
-        return _Pace((lo, slowest.get((kind, lo), 0.0)), (hi, slowest.get((kind, hi), 0.0)))
+        return Pace((lo, slowest.get((kind, lo), 0.0)), (hi, slowest.get((kind, hi), 0.0)))
 
     for run in range(max(1, warmup_runs)):
         # The first run is paced blind (PILOT_SPACING_S: half for the small probes), later ones by what it measured.
-        pilot = _Plan(None)
+        pilot = Plan(None)
         kind_of: dict[str, tuple[str, int]] = {}
         for kind, (lo, hi) in sizes_of.items():
             for size in (lo, hi):
@@ -295,7 +199,7 @@ async def calibrate(
                     pilot.add(size, DECODE_TOKENS, spacing_s=gap)
                 else:
                     pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=size, spacing_s=gap)
-        for probe in await _run(target, pilot, "calibration-pilot"):
+        for probe in await run_plan(target, pilot, "calibration-pilot"):
             key = kind_of[probe.result.request_id.split("b")[0]]
             slowest[key] = max(slowest.get(key, 0.0), probe.result.e2e_s or 0.0)
 
@@ -305,13 +209,58 @@ async def calibrate(
 
     sizes = (lengths, prefixes, contexts)
     cap = await tokenize_token_s(target)
-    cal = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes, frontend_cap_s=cap)
+
+    def fitted(probes: Probes, rounds: str) -> Calibration:
+        return fit(target=target.name, created_at=clock(), assumption=assumption, prefill=probes.prefill,
+                   cached=probes.cached, single=probes.single, batched=probes.batched, warmup_runs=warmup_runs,
+                   frontend_cap_s=cap, probing=rounds)
+
+    async def measured() -> Calibration:
+        # Half the repeats first; the other half only when the fit is not yet settled (settled()).
+        first = max(1, repeats // 2) if early_stop else repeats
+        probes = await _probe_round(target, assumption, rng, first, spacing, *sizes)
+        cal = fitted(probes, f"{first} of {repeats} repeats")
+        if first < repeats:
+            unsettled = settled(cal, probes)
+            if unsettled is None:
+                return replace(cal, probing=f"{first} of {repeats} repeats: stopped early, the fit was settled "
+                                            f"(each line within {SETTLED_SPREAD:.0%} at its largest probe, noise judged)")
+            probes += await _probe_round(target, assumption, rng, repeats - first, spacing, *sizes)
+            cal = fitted(probes, f"{repeats} of {repeats} repeats ({unsettled} after {first})")
+        return cal
+
+    cal = await measured()
     if remeasure and not cal.reliable:
         # A noisy round is often a burst of load on the host: measure once more, keep the quieter.
-        again = await _measure(target, assumption, rng, clock, repeats, warmup_runs, spacing, *sizes,
-                               frontend_cap_s=cap)
+        again = await measured()
         cal = min((cal, again), key=lambda c: c.judged_noise()[1])
     return cal
+
+
+def settled(cal: Calibration, probes: Probes) -> str | None:
+    """None when one round of probes has pinned the model down well enough, else what is not yet.
+
+    Settled: the noise is judged reliable, every judged metric has SETTLED_BASELINE baseline
+    ratios, and each fitted line's 95% slope interval moves its value at the largest probe by
+    at most SETTLED_SPREAD of that value (a bound is no more uncertain than that from the fit).
+    """
+    if not cal.reliable:
+        return "noisy"
+    for metric in (Metric.TTFT, Metric.E2E):
+        if len(cal.baseline.get(metric, ())) < SETTLED_BASELINE:
+            return f"{len(cal.baseline.get(metric, ()))} {metric.value} baseline ratios"
+    budget = cal.assumption.token_budget
+    for name, line, sizes in (("prefill", cal.ttft_fit, [p.prompt for p in probes.prefill if p.prompt <= budget]),
+                              ("decode", cal.context_fit, [p.prompt + p.max_tokens / 2.0 for p in probes.single]),
+                              ("batch", cal.batch_fit, [p.batch for p in probes.batched])):
+        if not sizes:
+            continue
+        largest = max(sizes)
+        value = line(largest)
+        spread = (line.slope_high - line.slope_low) / 2.0 * largest
+        if value <= 0 or spread > SETTLED_SPREAD * value:
+            return f"the {name} line uncertain ({spread / value:.0%} at {largest:g})" if value > 0 else f"{name} line <= 0"
+    return None
 
 
 async def reuse_or_calibrate(
@@ -381,65 +330,50 @@ def batch_sizes(assumption: SchedulerAssumption) -> tuple[int, ...]:
     return tuple(b for b in BATCH_SIZES if b <= assumption.max_num_seqs) or (1,)
 
 
-async def _measure(
+async def _probe_round(
     target: Target,
     assumption: SchedulerAssumption,
     rng: random.Random,
-    clock: Callable[[], float],
     repeats: int,
-    warmup_runs: int,
-    spacing: Mapping[str, _Pace],
+    spacing: Mapping[str, Pace],
     lengths: Sequence[int],
     prefixes: Sequence[int],
     contexts: Sequence[int],
-    *,
-    frontend_cap_s: float | None = None,
-) -> Calibration:
-    """One round of probes (uncached and cached TTFT, decode, batched decode) and its fit."""
+) -> Probes:
+    """One round of probes (uncached and cached TTFT, decode, batched decode), ``repeats`` of each size."""
 
     def shuffled(items: list) -> list:
         rng.shuffle(items)
         return items
 
     # Uncached TTFT: one lead-in request (a first request after an idle gap may be slow).
-    plan = _Plan(spacing["prefill"])
+    plan = Plan(spacing["prefill"])
     plan.add(16, 2, lead_in=True)
     for n in shuffled([n for n in lengths for _ in range(repeats)]):
         plan.add(n, 2)
-    prefill = _usable(await _run(target, plan, "calibration-prefill"))
+    prefill = usable(await run_plan(target, plan, "calibration-prefill"))
 
     # Cached TTFT: a request computes the prefix, the next one (same group) reuses it.
-    plan = _Plan(spacing["prefill"])
+    plan = Plan(spacing["prefill"])
     plan.add(16, 2, lead_in=True)
     for n in shuffled([n for n in prefixes for _ in range(repeats)]):
         plan.add_pair(n, CACHED_SUFFIX_TOKENS, hit=(n // assumption.block_size) * assumption.block_size)
-    cached_probes = _usable(await _run(target, plan, "calibration-cached"))
+    cached_probes = usable(await run_plan(target, plan, "calibration-cached"))
 
     # Decode, one sequence, growing context.
-    plan = _Plan(spacing["decode"])
+    plan = Plan(spacing["decode"])
     plan.add(16, 2, lead_in=True)
     for n in shuffled([n for n in contexts for _ in range(repeats)]):
         plan.add(n, DECODE_TOKENS)
-    single = _usable(await _run(target, plan, "calibration-decode"))
+    single = usable(await run_plan(target, plan, "calibration-decode"))
 
     # Decode, many short sequences together.
-    plan = _Plan(spacing["batch"])
+    plan = Plan(spacing["batch"])
     plan.add(16, 2, lead_in=True)
     for b in shuffled([b for b in batch_sizes(assumption) for _ in range(repeats)]):
         plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b, size=b)
-    batched = _usable(await _run(target, plan, "calibration-batch"))
-
-    return fit(
-        target=target.name,
-        created_at=clock(),
-        assumption=assumption,
-        prefill=prefill,
-        cached=cached_probes,
-        single=single,
-        batched=batched,
-        warmup_runs=warmup_runs,
-        frontend_cap_s=frontend_cap_s,
-    )
+    batched = usable(await run_plan(target, plan, "calibration-batch"))
+    return Probes(tuple(prefill), tuple(cached_probes), tuple(single), tuple(batched))
 
 
 def _median_itl(r: RequestResult) -> float | None:
@@ -452,12 +386,13 @@ def fit(
     target: str,
     created_at: float,
     assumption: SchedulerAssumption,
-    prefill: Sequence[_Probe],
-    cached: Sequence[_Probe],
-    single: Sequence[_Probe],
-    batched: Sequence[_Probe],
+    prefill: Sequence[Probe],
+    cached: Sequence[Probe],
+    single: Sequence[Probe],
+    batched: Sequence[Probe],
     warmup_runs: int = WARMUP_RUNS,
     frontend_cap_s: float | None = None,
+    probing: str = "",
 ) -> Calibration:
     """Fit the step model from probe measurements and measure the residual noise.
 
@@ -534,11 +469,12 @@ def fit(
         noise_s=noise_s,
         baseline=baseline,
         probes=len(prefill) + len(cached) + len(single) + len(batched),
+        probing=probing,
         warmup_runs=warmup_runs,
     )
 
 
-def _beyond_the_line(prefill: Sequence[_Probe], line: Fit, overhead_s: float, budget: int) -> bool:
+def _beyond_the_line(prefill: Sequence[Probe], line: Fit, overhead_s: float, budget: int) -> bool:
     """Do the chunked prompts take clearly longer than the one-step prompts' line says
     (by PAIR_EVIDENCE, over the noise)? Then the prefill grows faster than the prompt."""
     ratios = [p.result.ttft_s / (line(p.prompt) + overhead_s * (math.ceil(p.prompt / budget) - 1))
@@ -546,7 +482,7 @@ def _beyond_the_line(prefill: Sequence[_Probe], line: Fit, overhead_s: float, bu
     return bool(ratios) and float(np.median(ratios)) > PAIR_EVIDENCE
 
 
-def _prefill_fit(prefill: Sequence[_Probe], overhead_s: float, budget: int) -> tuple[float, float, float] | None:
+def _prefill_fit(prefill: Sequence[Probe], overhead_s: float, budget: int) -> tuple[float, float, float] | None:
     """Idle TTFT = intercept + slope x n + pair x n^2/2 (+ one step overhead a chunk after the
     first), fitted to each prompt length's median TTFT with no coefficient below zero; None
     with fewer than MIN_FIT_POINTS lengths."""
@@ -566,7 +502,7 @@ def _prefill_fit(prefill: Sequence[_Probe], overhead_s: float, budget: int) -> t
 
 
 def _residuals(
-    model: StepModel, assumption: SchedulerAssumption, probes: Sequence[_Probe]
+    model: StepModel, assumption: SchedulerAssumption, probes: Sequence[Probe]
 ) -> tuple[dict[Metric, float], dict[Metric, float], dict[Metric, tuple[float, ...]]]:
     """Observed / expected of every probe, per metric, under the fitted model."""
     observed: dict[Metric, list[tuple[float, float]]] = {m: [] for m in Metric}

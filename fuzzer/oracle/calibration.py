@@ -87,6 +87,8 @@ class Calibration:
     probes: int = 0
     warmup_runs: int = WARMUP_RUNS
     format: int = FORMAT_VERSION
+    #: How many repeats of the probes were run and why (calibration stops early once its fit is settled).
+    probing: str = ""
 
     def age_s(self, now: float) -> float:
         return now - self.created_at
@@ -147,6 +149,7 @@ class Calibration:
             "baseline": {m.value: list(v) for m, v in self.baseline.items()},
             "probes": self.probes,
             "warmup_runs": self.warmup_runs,
+            "probing": self.probing,
         }
 
     @classmethod
@@ -170,6 +173,7 @@ class Calibration:
             baseline={Metric(k): tuple(float(x) for x in v) for k, v in data["baseline"].items()},
             probes=int(data.get("probes", 0)),
             warmup_runs=int(data.get("warmup_runs", WARMUP_RUNS)),
+            probing=str(data.get("probing", "")),
         )
 
 

@@ -5,6 +5,11 @@ A candidate from :func:`fuzzer.oracle.judge.candidates` (or an undecided verdict
 while the test says UNKNOWN, up to MAX_RUNS. Latency candidates run warm first; if
 the warm runs do not show the slowdown and it was seen after idleness, a cold arm
 follows, each run after an idle period. Only DIFFERENT becomes a finding.
+
+With ``futility`` (the campaign's confirmations) each arm starts with one run: a candidate
+whose request that run shows within its bound and in FCFS order is SAME at once (the
+budget of runs is a cap, not a plan); one that recurs gets the rest of MIN_RUNS and the
+test as above, so a real finding costs what it did.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fuzzer.execution import ExecutionResult, Target
+from fuzzer.execution import ExecutionResult, Outcome, Target
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.judge import (
     Candidate,
@@ -55,6 +60,7 @@ async def confirm(
     rng: np.random.Generator,
     policy: OraclePolicy = DEFAULT_POLICY,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    futility: bool = False,
 ) -> Verdict:
     """Re-execute ``trace`` until the candidate is DIFFERENT or SAME, or the run cap is reached.
 
@@ -64,16 +70,20 @@ async def confirm(
     A slowdown only the cold arm shows is ``cold-start``.
     """
     if candidate.metric is None:
-        return await _confirm_failure(target, trace, candidate, policy)
+        return await _confirm_failure(target, trace, candidate, policy, futility)
     results: list[ExecutionResult] = []
     verdict = None
     while len(results) < policy.max_runs:
-        want = policy.min_runs if not results else min(policy.step_runs, policy.max_runs - len(results))
-        for _ in range(want):
+        for _ in range(_want(len(results), policy, futility)):
             results.append(await target.execute(trace))
+        reports = _reports(trace, results, calibration, policy, candidate.request_id) if candidate.request_id else []
+        if futility and len(results) == 1 and len(results) < policy.min_runs:
+            if reports and not _recurs(reports[0]):
+                verdict = _did_not_recur(trace, candidate, reports[0], calibration, "re-run")
+                break
+            continue  # it recurs: the rest of MIN_RUNS, then the test
         verdict = latency_verdict(
-            trace, candidate.request_id, _reports(trace, results, calibration, policy, candidate.request_id),
-            [after_idle(r, policy) for r in results], calibration, rng, policy,
+            trace, candidate.request_id, reports, [after_idle(r, policy) for r in results], calibration, rng, policy,
         ) if candidate.request_id else None
         if verdict is None or verdict.decision in (Decision.DIFFERENT, Decision.SAME, Decision.INSUFFICIENT_DATA):
             break
@@ -84,10 +94,14 @@ async def confirm(
     cold_results: list[ExecutionResult] = []
     cold_verdict = verdict
     while len(cold_results) < policy.max_runs:
-        want = policy.min_runs if not cold_results else min(policy.step_runs, policy.max_runs - len(cold_results))
-        for _ in range(want):
+        for _ in range(_want(len(cold_results), policy, futility)):
             await let_idle(target, policy.cold_idle_s, sleep)
             cold_results.append(await target.execute(trace))
+        if futility and len(cold_results) == 1 and len(cold_results) < policy.min_runs:
+            first_cold = _reports(trace, cold_results, calibration, policy, candidate.request_id)
+            if first_cold and not _recurs(first_cold[0]):
+                break  # not slow after idleness either: the warm verdict stands
+            continue
         every = [*results, *cold_results]
         marks = [False] * len(results) + [True] * len(cold_results)
         cold_verdict = latency_verdict(
@@ -108,6 +122,42 @@ async def confirm(
     return verdict
 
 
+def _want(done: int, policy: OraclePolicy, futility: bool) -> int:
+    """How many runs the next round of an arm makes (one first under ``futility``, then up to MIN_RUNS)."""
+    if done == 0:
+        return 1 if futility else policy.min_runs
+    if done < policy.min_runs:
+        return policy.min_runs - done
+    return min(policy.step_runs, policy.max_runs - done)
+
+
+def _recurs(report: RequestReport) -> bool:
+    """Whether one re-run shows the request flagged again (or says nothing either way: it failed)."""
+    if report.outcome is not Outcome.OK or not report.observations:
+        return True  # no latency to hold against the bound: let the test decide
+    return any(o.flagged for o in report.observations.values())
+
+
+def _did_not_recur(trace: Trace, candidate: Candidate, report: RequestReport, calibration: Calibration,
+                   what: str) -> Verdict:
+    """SAME after one run: the candidate's request was within its bound and in FCFS order."""
+    worst = report.worst
+    assert worst is not None
+    return Verdict(
+        kind=None, decision=Decision.SAME, method=_FUTILITY_METHOD, request_id=candidate.request_id,
+        metric=worst.metric, effect=worst.ratio, threshold=worst.factor, reproduced=0, runs=1,
+        observed_s=worst.observed_s, expected_s=worst.expected_s, idle_s=worst.idle_s,
+        assumption=calibration.assumption.describe(),
+        detail=(f"did not recur: the first {what} served {candidate.request_id} within its FCFS bound and in "
+                f"FCFS order (worst {worst.metric} {worst.ratio:.2g}x its bound, first seen "
+                f"{candidate.ratio or 0:.2g}x); sequential confirmation stopped there"),
+        evidence="the FCFS schedule of the trace over the calibrated step costs, and the order of first tokens",
+    )
+
+
+_FUTILITY_METHOD = "sequential futility: the first re-run did not show the candidate again"
+
+
 def _reports(
     trace: Trace, results: Sequence[ExecutionResult], calibration: Calibration, policy: OraclePolicy, request_id: str
 ) -> list[RequestReport]:
@@ -119,11 +169,20 @@ def _reports(
     return out
 
 
-async def _confirm_failure(target: Target, trace: Trace, candidate: Candidate, policy: OraclePolicy) -> Verdict:
-    results = [await target.execute(trace) for _ in range(policy.min_runs)]
+async def _confirm_failure(target: Target, trace: Trace, candidate: Candidate, policy: OraclePolicy,
+                           futility: bool = False) -> Verdict:
+    results = [await target.execute(trace)]
+    if not (futility and candidate.kind is not FindingKind.CRASH
+            and not shows_failure(candidate.kind, results[0], candidate.request_id)):
+        results += [await target.execute(trace) for _ in range(policy.min_runs - 1)]
     hits = [shows_failure(candidate.kind, r, candidate.request_id) for r in results]
     extra = {"outcome": candidate.detail} if candidate.request_id else {}
     sig = signature(candidate.kind, trace, candidate.request_id, **extra)
+    if len(results) == 1:  # futility: the first re-run did not fail that way
+        return Verdict(kind=None, decision=Decision.SAME, method=_FUTILITY_METHOD, request_id=candidate.request_id,
+                       reproduced=0, runs=1, n_sample=1, signature=sig,
+                       detail=f"did not recur: the first re-run showed no {candidate.kind} ({candidate.detail}); "
+                              "sequential confirmation stopped there")
     return count_verdict(candidate.kind, candidate.request_id, sum(hits), len(hits), sig,
                           detail=candidate.detail, quorum=policy.failure_quorum)
 

@@ -70,6 +70,7 @@ class Confirmer:
         on_finding: Callable[[int, Verdict], None],
         state: Mapping[str, Any] | None = None,
         slo: Slo | None = None,
+        futility: bool = True,
     ):
         self._target = target
         self._store = store
@@ -85,6 +86,8 @@ class Confirmer:
         self._on_finding = on_finding
         #: The user's SLOs (``--goodput``): checked when no scheduler candidate is left (search/slo_check.py).
         self._slo = slo
+        #: Sequential confirmation: one re-run first, stop when it does not recur (fuzzer.oracle.confirm).
+        self._futility = futility
         state = state or {}
         #: Signatures (and pre-signatures) already found: never confirmed again.
         self.found: set[str] = {f.signature for f in store.list_findings()}
@@ -108,10 +111,13 @@ class Confirmer:
         the cold-start they may be (a warm rejection of the same request does not count).
         """
         for candidate in judge.candidates(trace, result, calibration, self._policy):
+            warm_key = signature(candidate.kind, trace, candidate.request_id)
             if cold and candidate.metric is not None and candidate.after_idle:
                 key = signature(FindingKind.COLD_START, trace)
+                if warm_key in self.found:
+                    continue  # slow when warm too, and found so: a cold arm could not tell it apart
             else:
-                key = signature(candidate.kind, trace, candidate.request_id)
+                key = warm_key
             if self._skip(key):
                 continue
             self.candidates += 1
@@ -170,7 +176,7 @@ class Confirmer:
             try:
                 self.confirmations += 1
                 verdict = await confirm(self._target, trace, candidate, calibration, rng=self._rng,
-                                        policy=self._policy, sleep=self._sleep)
+                                        policy=self._policy, sleep=self._sleep, futility=self._futility)
             except OutOfTime:
                 self.pending.append((trace, candidate, key))
                 self._checkpoint()

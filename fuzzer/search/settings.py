@@ -57,6 +57,9 @@ class Settings:
     seed_share: float = SEED_SHARE
     #: The user's SLOs in ms (``--goodput``: ttft, tpot, e2el); None: no SLO check.
     slo_ms: Mapping[str, float] | None = None
+    #: Sequential confirmation with a futility stop: one re-run first, SAME at once when it
+    #: does not show the candidate again (fuzzer.oracle.confirm); False: MIN_RUNS first.
+    futility: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         """Stored with the campaign: the thresholds that confirmed its findings (the oracle
@@ -67,7 +70,7 @@ class Settings:
             "recalibrate_after_s": self.recalibrate_after_s,
             "idle_share": self.idle_share, "seed_share": self.seed_share,
             "limits": self.limits.to_dict(), "policy": asdict(self.policy),
-            "slo_ms": dict(self.slo_ms) if self.slo_ms else None,
+            "slo_ms": dict(self.slo_ms) if self.slo_ms else None, "futility": self.futility,
         }
 
     @classmethod
