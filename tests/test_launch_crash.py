@@ -112,7 +112,9 @@ def test_replay_names_the_crash_and_quotes_the_servers_log(calibrated, tmp_path)
     assert "FINDING leak" not in proc.stdout  # a dead server cannot return to idle: that is the crash, not a leak
     with Store.open(str(db)) as store:
         killers = [store.get_execution(i) for i in store.execution_ids()]
-        assert sum(any(w.startswith("server died") for w in x.warnings) for x in killers) == 3
+        # Every run killed the server (replay's three, and any confirmation re-runs after them).
+        died = [any(w.startswith("server died") for w in x.warnings) for x in killers]
+        assert len(died) >= 3 and all(died), [x.warnings for x in killers]
     assert not servers_with(mark)
 
 

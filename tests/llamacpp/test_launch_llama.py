@@ -16,9 +16,11 @@ from test_launch import FUZZ
 
 pytestmark = pytest.mark.llamacpp
 
-#: One long stream, then two short ones 50 ms later: with one slot they wait for the long one.
+#: One long stream, then two short ones 50 ms later: with one slot they wait for the long one,
+#: whose decode (1024 tokens, about 1 s here) is long beside its prefill (about 0.25 s), which
+#: the short ones wait out with four slots too.
 HOL_TRACE = {"format": 1, "name": "long-then-short", "prefixes": {}, "requests": [
-    {"id": "long", "at_ms": 0, "prompt_tokens": 2048, "max_tokens": 256, "stream": True, "ignore_eos": True},
+    {"id": "long", "at_ms": 0, "prompt_tokens": 2048, "max_tokens": 1024, "stream": True, "ignore_eos": True},
     {"id": "s1", "at_ms": 50, "prompt_tokens": 32, "max_tokens": 8, "stream": True, "ignore_eos": True},
     {"id": "s2", "at_ms": 60, "prompt_tokens": 32, "max_tokens": 8, "stream": True, "ignore_eos": True},
 ]}

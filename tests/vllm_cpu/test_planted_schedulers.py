@@ -30,10 +30,13 @@ def _tokens_during_prefill(results: dict[str, Sent]) -> int:
 
 
 def _longest_silence(results: dict[str, Sent]) -> float:
-    """D's longest gap between tokens that ends during P's wait, as a share of that wait."""
+    """D's longest gap between tokens within P's wait (a gap that overlaps the wait is clipped to it),
+    as a share of that wait. (A starved D's next token may arrive in P's first token's step or after
+    it, so the gap is judged by its overlap with the wait, not by where it ends.)"""
     d, p = results["D"], results["P"]
     wait = p.first_s - p.sent_s
-    gaps = [b - a for a, b in zip(d.token_s, d.token_s[1:]) if p.sent_s < b <= p.first_s + 0.01]
+    gaps = [min(b, p.first_s) - max(a, p.sent_s) for a, b in zip(d.token_s, d.token_s[1:])
+            if a < p.first_s and b > p.sent_s]
     return max(gaps, default=wait) / wait
 
 
