@@ -43,12 +43,12 @@ from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.expectation import expect
-from fuzzer.oracle.kinds import FindingKind, Metric
+from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.confirming import Confirmer, OutOfTime
 from fuzzer.search.corpus import Corpus, Entry
-from fuzzer.search.coverage import Coverage, measure
+from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats
 from fuzzer.search.pacing import ColdProbes, ServerTime, TimeSpent
 from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary
@@ -321,14 +321,7 @@ class Campaign:
 
     def _coverage(self, trace: Trace, result: ExecutionResult) -> Coverage:
         assert self.calibration is not None
-        expectations = expect(trace, self.calibration.model, self.calibration.assumption, result)
-        idle = {}
-        for r in trace.requests:
-            metric = Metric.TTFT if r.stream else Metric.E2E
-            value = expectations[r.id].idle(metric)
-            if value:
-                idle[r.id] = value
-        return measure(result, trace, idle)
+        return calibrated(trace, result, self.calibration)
 
     async def _seed(self, trace: Trace) -> None:
         """Run a seed once and keep it provisionally (its stability runs come when it is first fuzzed)."""
