@@ -104,6 +104,7 @@ class Coordinator:
         self._inflight: dict[Any, tuple[str, Task]] = {}
         self._since_checkpoint = 0
         self._stored_here = 0
+        self._new_features: dict[str, int] = {}
 
     # --- setup and resume ----------------------------------------------------------------
 
@@ -286,6 +287,9 @@ class Coordinator:
                                  found_at_exec=self.executions)
         if task.kind == "fuzz":
             self.mutator.feedback(Child(task.trace, task.operators), entry is not None)
+        if entry is not None:
+            for f in entry.features:  # coverage_features: one namespace per target
+                self._new_features.setdefault(f"{t.name}/{f}", entry.id)
         if entry is not None and task.kind != "sync":
             for other in self.targets.values():
                 if other is not t and other.status == UP:
@@ -404,7 +408,8 @@ class Coordinator:
                       "corpus": sum(len(t.corpus) for t in self.targets.values()),
                       "findings": len(self.store.list_findings(campaign_id=self.campaign_id))},
         }
-        self.store.save_campaign(self.campaign_id, state=state, status=status)
+        self.store.save_campaign(self.campaign_id, state=state, status=status, new_features=self._new_features)
+        self._new_features = {}
         self._since_checkpoint = 0
 
 

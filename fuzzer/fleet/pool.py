@@ -9,14 +9,15 @@ its task is collected; the coordinator marks the target down.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
 
 from fuzzer.fleet.targets import FleetError, FleetTarget
 from fuzzer.fleet.worker import Worker
 
-#: How long a worker may take to open and calibrate its target.
-START_TIMEOUT_S = 900.0
+#: How long a cluster address may take to accept a connection before it counts as unreachable.
+CONNECT_TIMEOUT_S = 5.0
 INSTALL_HINT = "Ray is not installed: pip install -e '.[ray]' (or pip install 'ray>=2.9')"
 
 
@@ -53,6 +54,7 @@ class RayPool:
             if num_cpus is not None:
                 kwargs["num_cpus"] = num_cpus
         else:
+            _check_reachable(address)
             kwargs["address"] = address
         try:
             self.ray.init(**kwargs)
@@ -106,6 +108,19 @@ class RayPool:
             self.kill(name)
         if self._started_here:
             self.ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast on a cluster address nothing listens on (Ray itself retries for minutes)."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise FleetError(f"--ray {address}: give a cluster address as HOST:PORT or ray://HOST:PORT, or 'auto'")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise FleetError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
 
 
 def _first_line(error: BaseException) -> str:
