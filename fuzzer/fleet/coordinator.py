@@ -26,7 +26,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fuzzer.errors import FuzzError, TargetError
@@ -413,11 +413,10 @@ class Coordinator:
         self._since_checkpoint = 0
 
 
-def _narrowest(limits: Sequence[Limits], default: Limits) -> Limits:
-    """What every target accepts: the shortest context, every feature one of them rejects, the smallest max n."""
-    if not limits:
-        return default
-    max_n = [x.max_n for x in limits if x.max_n is not None]
-    return Limits(max_model_len=min(x.max_model_len for x in limits),
-                  unsupported=frozenset().union(*(x.unsupported for x in limits)),
-                  max_n=min(max_n) if max_n else None)
+def _narrowest(limits: Sequence[Limits], settings: Limits) -> Limits:
+    """What every target accepts within the campaign's own limits: the shortest context, every feature
+    one of them rejects, the smallest max n (trace sizes as the settings say)."""
+    max_n = [x.max_n for x in (*limits, settings) if x.max_n is not None]
+    return replace(settings, max_model_len=min(x.max_model_len for x in (*limits, settings)),
+                   unsupported=frozenset().union(*(x.unsupported for x in (*limits, settings))),
+                   max_n=min(max_n) if max_n else None)
