@@ -38,7 +38,7 @@ from fuzzer.oracle.signature import signature
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.confirming import RECONFIRM_AFTER
 from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
-from fuzzer.search.settings import ExitReason, Settings
+from fuzzer.search.settings import ExitReason, Settings, stop_reason
 from fuzzer.store import Store
 from fuzzer.trace import Trace
 
@@ -202,14 +202,8 @@ class Coordinator:
         return self.store.count_executions(campaign_id=self.campaign_id)
 
     def _should_stop(self) -> ExitReason | None:
-        if self._stop.is_set():
-            return ExitReason.INTERRUPTED
-        s = self.settings
-        if s.max_execs is not None and self.executions >= s.max_execs:
-            return ExitReason.MAX_EXECS
-        if s.duration_s is not None and self._clock() - self._started >= s.duration_s:
-            return ExitReason.DURATION
-        return None
+        return stop_reason(self.settings, stopped=self._stop.is_set(), executions=self.executions,
+                           elapsed_s=self._clock() - self._started)
 
     def _dispatch(self) -> None:
         busy = {name for name, _ in self._inflight.values()}
@@ -254,12 +248,13 @@ class Coordinator:
         except WorkerLost as e:
             self._down(t, f"worker lost: {e.reason}", task)
             return
-        except TargetError as e:
+        except Exception as e:  # noqa: BLE001 - the server could not be asked (TargetError), or the task failed:
+            # either way the target is tried again, then marked down with the reason; the fleet goes on.
             t.errors += 1
             t.retry_at = self._clock() + RETRY_AFTER_S * t.errors
             (t.confirm.appendleft if task.candidate else self.retry.append)(task)
             if t.errors >= MAX_TARGET_ERRORS:
-                self._down(t, f"server unreachable {t.errors} times in a row: {e}")
+                self._down(t, f"{t.errors} tasks in a row failed, the last: {type(e).__name__}: {e}")
             return
         t.errors = 0
         t.busy_s += value.busy_s

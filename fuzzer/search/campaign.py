@@ -51,7 +51,7 @@ from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats
 from fuzzer.search.pacing import ColdProbes, ServerTime, TimeSpent
-from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary
+from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, stop_reason
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
 
@@ -214,14 +214,8 @@ class Campaign:
                        resumed)
 
     def _should_stop(self) -> ExitReason | None:
-        if self._stop.is_set():
-            return ExitReason.INTERRUPTED
-        s = self.settings
-        if s.max_execs is not None and self.executions >= s.max_execs:
-            return ExitReason.MAX_EXECS
-        if s.duration_s is not None and self._clock() - self._started >= s.duration_s:
-            return ExitReason.DURATION
-        return None
+        return stop_reason(self.settings, stopped=self._stop.is_set(), executions=self.executions,
+                           elapsed_s=self._clock() - self._started)
 
     @property
     def executions(self) -> int:
