@@ -58,6 +58,7 @@ def test_bad_fleet_input_is_one_line_and_exit_2(tmp_path):
         (["--ray", "--targets", str(tmp_path / "missing.toml")], "cannot read the targets file"),
         (["--ray", "--targets", str(tmp_path / "bad.toml")], "not valid TOML"),
         (["--ray", "--targets", str(good), "--target", "http://127.0.0.1:9"], "does not apply to a fleet campaign"),
+        (["--ray", "--targets", str(good), "--model", "m"], "--model does not apply to a fleet campaign"),
         (["--ray", "127.0.0.1:1", "--targets", str(good)], "cannot reach the Ray cluster at 127.0.0.1:1"),
         (["--ray", "nowhere", "--targets", str(good)], "HOST:PORT"),
     ]

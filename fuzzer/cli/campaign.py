@@ -115,7 +115,7 @@ def command(
     """
     if check_fleet_options(ray_address, targets_file, target=target, launch=launch, target_file=target_file,
                            pathologies=pathologies, faults=faults, fault_rate=fault_rate, speed=speed,
-                           goodput=goodput_specs):
+                           goodput=goodput_specs, server=server != "auto", model=model, timeout=timeout_s):
         run_fleet(ray_address, targets_file, db_path, duration_s=parse_duration(duration), max_execs=max_execs,
                   seed=int.from_bytes(os.urandom(4), "big") if seed is None else seed,
                   seeds=_load_seeds(_seed_folder(corpus_dir)), null_mutator=null_mutator)
