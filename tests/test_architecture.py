@@ -38,7 +38,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "search": SEAM | {"execute", "oracle", "store"},
     "shrink": SEAM | {"execute", "oracle", "store"},
     "report": SEAM | {"execute", "oracle", "store"},
-    "cli": SEAM | {"sim", "store", "execute", "formats", "oracle", "search", "shrink", "report"},
+    # One campaign across many servers: workers (execute, oracle) and a coordinator (search, store).
+    "fleet": SEAM | {"execute", "oracle", "search", "store"},
+    "cli": SEAM | {"sim", "store", "execute", "formats", "oracle", "search", "shrink", "report", "fleet"},
     "__main__": {"cli"},
 }
 #: Leaf modules of a stage: they import nothing of the fuzzer's but the seam.

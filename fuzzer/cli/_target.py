@@ -120,12 +120,9 @@ def parse_sim_key(key: str) -> tuple[tuple[str, ...], dict[str, Any], int]:
 
 def limits_for(target) -> Limits:
     """What the mutators must respect on this target: its context length and rejected features."""
-    info = getattr(target, "info", None)
-    if info is None:
-        return Limits()
-    unsupported = frozenset(name for name, ok in (info.capabilities or {}).items() if ok is False)
-    max_len = info.max_model_len or Limits().max_model_len
-    return Limits(max_model_len=max_len, unsupported=unsupported & {"chat", "n", "logprobs"}, max_n=info.max_n)
+    from fuzzer.fleet.worker import limits_of  # noqa: PLC0415 - one rule for a campaign and a fleet's workers
+
+    return limits_of(getattr(target, "info", None))
 
 
 def parse_duration(text: str) -> float:

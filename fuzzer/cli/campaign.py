@@ -17,6 +17,7 @@ from fuzzer import trace as trace_format
 from fuzzer.cli import _console
 from fuzzer.cli._render import time_line
 from fuzzer.cli._calibration import stored_calibration
+from fuzzer.cli._fleet import check_fleet_options, fleet_options, run_fleet
 from fuzzer.cli._launch import launch_options, resolve
 from fuzzer.cli._options import db_option, model_option, server_option, target_option
 from fuzzer.cli._slo import goodput_option, parse_slo
@@ -91,9 +92,10 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
     "cold starts; 0 never does.",
 )
 @goodput_option
+@fleet_options
 def command(
     target, launch, target_file, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, faults,
-    fault_rate, speed, timeout_s, null_mutator, idle_share, goodput_specs,
+    fault_rate, speed, timeout_s, null_mutator, idle_share, goodput_specs, ray_address=None, targets_file=None,
 ) -> None:
     """Fuzz a server for latency pathologies; resume with the same --db.
 
@@ -109,7 +111,15 @@ def command(
         fuzz campaign --faults all --fault-rate 0.1 --speed 10 --timeout 2 --duration 5m
         fuzz campaign --corpus conversation_trace.jsonl --goodput ttft:2000 tpot:100 --duration 1h
         fuzz campaign --launch "llama-server -m tiny.gguf --port {port} --metrics" --duration 1h
+        fuzz campaign --ray --targets targets.toml --duration 8h --db fleet.db
     """
+    if check_fleet_options(ray_address, targets_file, target=target, launch=launch, target_file=target_file,
+                           pathologies=pathologies, faults=faults, fault_rate=fault_rate, speed=speed,
+                           goodput=goodput_specs, server=server != "auto", model=model, timeout=timeout_s):
+        run_fleet(ray_address, targets_file, db_path, duration_s=parse_duration(duration), max_execs=max_execs,
+                  seed=int.from_bytes(os.urandom(4), "big") if seed is None else seed,
+                  seeds=_load_seeds(_seed_folder(corpus_dir)), null_mutator=null_mutator)
+        return
     managed = resolve(target, launch, target_file)
     duration_s = parse_duration(duration)
     slo = parse_slo(goodput_specs)

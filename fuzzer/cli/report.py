@@ -35,6 +35,7 @@ def command(db_path, out_path, goodput_specs) -> None:
         fuzz report --db night.db --out night.html
         fuzz report --db night.db --goodput ttft:500 tpot:50
     """
+    from fuzzer.report import fleet as fleet_report  # noqa: PLC0415
     from fuzzer.report import html as report  # noqa: PLC0415 - matplotlib only for this command
     from fuzzer.report import slo as slo_report  # noqa: PLC0415
     from fuzzer.store import Store  # noqa: PLC0415
@@ -43,6 +44,9 @@ def command(db_path, out_path, goodput_specs) -> None:
     sections, slo_data = [], None
     with Store.open(db_path, create=False) as store:
         data = report.gather(store)
+        targets = fleet_report.rows(store, store.latest_campaign())
+        if targets:
+            sections.append(fleet_report.section(targets))
         if slo is not None:
             slo_data = slo_report.gather(store, slo, data.campaign, data.findings)
             sections.append(slo_report.section(slo_data))
@@ -54,6 +58,10 @@ def command(db_path, out_path, goodput_specs) -> None:
         raise OutputError(f"cannot write {target}: {e.strerror or e}") from None
     what = f"campaign {data.campaign['id']}" if data.campaign else "no campaign"
     out.print(f"wrote {target} ({what}, {len(data.executions)} executions, {len(data.findings)} findings)")
+    for row in targets:
+        rate = "-" if row["execs_per_min"] is None else f"{row['execs_per_min']:.1f}/min"
+        out.print(f"  {row['target']}: {row['status']}, {row['executions']} executions ({rate}), "
+                  f"findings {row['findings']}")
     if slo_data is not None:
         att, rate = slo_data["attainment"], slo_data["goodput_rps"]
         out.print(f"SLO {slo.describe()} (ms): attainment {'-' if att is None else f'{att:.0%}'}, goodput "

@@ -12,6 +12,7 @@ import click
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, json_option
 from fuzzer.cli._render import time_line, when
+from fuzzer.report import fleet as fleet_report
 from fuzzer.search.pacing import fuzz_share
 from fuzzer.store import Store
 
@@ -40,11 +41,17 @@ def command(db_path, as_json) -> None:
     if "campaign" not in stats:
         _console.out.print(f"no campaign has run on {db_path} yet ({stats['executions']} executions stored)")
     for key, value in stats.items():
+        if key == "targets":
+            continue
         if key == "time_by_phase_s":
             value = time_line(value)
         elif isinstance(value, float):
             value = f"{value:.1%}" if key in ("stability", "fuzz_share") else f"{value:.1f}"
         _console.out.print(f"{key:>26}: {value}")
+    for row in stats.get("targets", []):
+        rate = "-" if row["execs_per_min"] is None else f"{row['execs_per_min']:.1f}/min"
+        _console.out.print(f"{'target ' + row['target']:>26}: {row['status']}, {row['executions']} executions "
+                           f"({rate}), findings {row['findings']}, reproduced elsewhere {row['reproduced_elsewhere']}")
 
 
 def _stats(store: Store, db_path: str, clock: Callable[[], float] = time.time) -> dict[str, Any]:
@@ -79,6 +86,9 @@ def _stats(store: Store, db_path: str, clock: Callable[[], float] = time.time) -
         share = fuzz_share(saved["time_s"])
         if share is not None:
             stats["fuzz_share"] = round(share, 3)
+    targets = fleet_report.rows(store, campaign)
+    if targets:
+        stats["targets"] = targets
     if saved.get("since_last_find_s") is not None:
         stats["last_find_s_before_update"] = round(saved["since_last_find_s"])
     return stats

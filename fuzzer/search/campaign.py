@@ -43,15 +43,15 @@ from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.expectation import expect
-from fuzzer.oracle.kinds import FindingKind, Metric
+from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.confirming import Confirmer, OutOfTime
 from fuzzer.search.corpus import Corpus, Entry
-from fuzzer.search.coverage import Coverage, measure
+from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats
 from fuzzer.search.pacing import ColdProbes, ServerTime, TimeSpent
-from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary
+from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, stop_reason
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
 
@@ -214,14 +214,8 @@ class Campaign:
                        resumed)
 
     def _should_stop(self) -> ExitReason | None:
-        if self._stop.is_set():
-            return ExitReason.INTERRUPTED
-        s = self.settings
-        if s.max_execs is not None and self.executions >= s.max_execs:
-            return ExitReason.MAX_EXECS
-        if s.duration_s is not None and self._clock() - self._started >= s.duration_s:
-            return ExitReason.DURATION
-        return None
+        return stop_reason(self.settings, stopped=self._stop.is_set(), executions=self.executions,
+                           elapsed_s=self._clock() - self._started)
 
     @property
     def executions(self) -> int:
@@ -321,14 +315,7 @@ class Campaign:
 
     def _coverage(self, trace: Trace, result: ExecutionResult) -> Coverage:
         assert self.calibration is not None
-        expectations = expect(trace, self.calibration.model, self.calibration.assumption, result)
-        idle = {}
-        for r in trace.requests:
-            metric = Metric.TTFT if r.stream else Metric.E2E
-            value = expectations[r.id].idle(metric)
-            if value:
-                idle[r.id] = value
-        return measure(result, trace, idle)
+        return calibrated(trace, result, self.calibration)
 
     async def _seed(self, trace: Trace) -> None:
         """Run a seed once and keep it provisionally (its stability runs come when it is first fuzzed)."""

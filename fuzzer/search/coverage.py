@@ -166,3 +166,18 @@ def _client_features(
 def _latency(measured: RequestResult, request: Request) -> float | None:
     """TTFT for streams, end-to-end for non-streaming requests."""
     return measured.ttft_s if request.stream else measured.e2e_s
+
+
+def calibrated(trace: Trace, result: ExecutionResult, calibration) -> Coverage:
+    """The coverage of ``result`` with its slowdowns against ``calibration``'s idle expectations
+    (TTFT for streamed requests, E2E for the others)."""
+    from fuzzer.oracle.expectation import expect  # noqa: PLC0415 - the features themselves need no oracle
+    from fuzzer.oracle.kinds import Metric  # noqa: PLC0415
+
+    expectations = expect(trace, calibration.model, calibration.assumption, result)
+    idle = {}
+    for r in trace.requests:
+        value = expectations[r.id].idle(Metric.TTFT if r.stream else Metric.E2E)
+        if value:
+            idle[r.id] = value
+    return measure(result, trace, idle)

@@ -87,6 +87,17 @@ class Settings:
         return cls(**values)
 
 
+def stop_reason(settings: Settings, *, stopped: bool, executions: int, elapsed_s: float) -> ExitReason | None:
+    """Why a campaign should stop now (asked to, --max-execs, --duration), or None to go on."""
+    if stopped:
+        return ExitReason.INTERRUPTED
+    if settings.max_execs is not None and executions >= settings.max_execs:
+        return ExitReason.MAX_EXECS
+    if settings.duration_s is not None and elapsed_s >= settings.duration_s:
+        return ExitReason.DURATION
+    return None
+
+
 @dataclass(frozen=True)
 class Stats:
     """A snapshot for the live status and `fuzz status` (AFL's fuzzer_stats)."""

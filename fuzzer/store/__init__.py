@@ -321,6 +321,15 @@ class Store:
             return list(self._db.query(query + " order by id"))
         return list(self._db.query(query + " where campaign_id = ? order by id", [campaign_id]))
 
+    def executions_by_target(self, campaign_id: int) -> dict[int | None, dict[str, Any]]:
+        """Read-only, per target id of a campaign: executions, their summed duration, first and last start."""
+        rows = self._db.query(
+            "select target_id, count(*) as executions, sum(duration_s) as busy_s, min(started_at) as first, "
+            "max(started_at + duration_s) as last from executions where campaign_id = ? group by target_id",
+            [campaign_id],
+        )
+        return {row.pop("target_id"): row for row in rows}
+
     def campaigns(self) -> list[dict[str, Any]]:
         """Read-only: every campaign (id, started_at, updated_at, seed, target, status), oldest first."""
         return list(self._db.query(
@@ -453,6 +462,16 @@ class Store:
                 }
             ).last_pk
         return finding_id, True
+
+    def set_finding_target(self, finding_id: int, target: str, outcome: str) -> None:
+        """Record how a finding fared on one target of a fleet (its details' ``targets``: name -> outcome)."""
+        with self._transaction():
+            rows = list(self._db.query("select details from findings where id = ?", [finding_id]))
+            if not rows:
+                raise NotFoundError(f"no finding with id {finding_id}")
+            details = json.loads(rows[0]["details"] or "{}")
+            details.setdefault("targets", {})[target] = outcome
+            self._db["findings"].update(finding_id, {"details": to_json(details)})
 
     def get_finding(self, finding_id: int | str) -> StoredFinding:
         key = finding_key(finding_id)

@@ -1,0 +1,188 @@
+"""The worker of a fleet campaign: runs next to one engine and owns it (a Ray actor, see pool.py).
+
+TTFT taken across a network carries the network's jitter, which the oracle cannot tell from
+the server's; so the client that measures runs on the target's node, and judges its
+executions by a calibration of its own target. The worker's typed tasks:
+
+- :meth:`Worker.start`: open the target (connect, or launch it), calibrate (or reuse the
+  stored calibration while fresh); returns what the coordinator records.
+- :meth:`Worker.execute`: run one trace, return the execution, its candidates (by this
+  target's calibration) and its coverage.
+- :meth:`Worker.confirm`: re-run a trace until the oracle decides a candidate; returns the
+  verdict and every run (the coordinator stores them: it is the only writer).
+
+Plain Python with its own event loop on its own thread (an actor's methods are called one at a time); values
+crossing Ray are the seam's frozen dataclasses and plain dicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fuzzer.execution import ExecutionResult
+from fuzzer.fleet.targets import FleetTarget
+from fuzzer.oracle import judge
+from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
+from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.confirm import confirm
+from fuzzer.oracle.policy import OraclePolicy
+from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
+from fuzzer.search.coverage import Coverage, calibrated
+from fuzzer.search.mutators import Limits
+from fuzzer.trace import Trace
+
+API_KEY_ENV = "OPENAI_API_KEY"
+
+
+@dataclass(frozen=True)
+class Executed:
+    """One execution on a worker's target, judged there."""
+
+    result: ExecutionResult
+    #: Candidates by the worker's calibration, worst first (``candidate_to_dict`` form).
+    candidates: tuple[dict, ...]
+    coverage: Coverage
+    #: Seconds the worker spent on the task (the execution and judging it).
+    busy_s: float
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """A confirmation on a worker's target: the verdict and every run it took."""
+
+    verdict: dict
+    runs: tuple[ExecutionResult, ...]
+    busy_s: float
+
+
+class Worker:
+    """Owns one target of the fleet; see the module doc."""
+
+    def __init__(self, target: FleetTarget, *, seed: int, policy: dict[str, Any] | None = None,
+                 futility: bool = True, max_age_s: float | None = None):
+        self.spec = target
+        self._seed = seed
+        self._rng = random.Random(seed)
+        self._np_rng = np.random.default_rng(seed)
+        self._policy = OraclePolicy(**(policy or {}))
+        self._futility = futility
+        self._max_age_s = max_age_s
+        # Its own event loop on a thread of its own: the actor's calling thread may run Ray's.
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name=f"fleet-{target.name}", daemon=True).start()
+        self._stack = contextlib.AsyncExitStack()
+        self._target = None
+        self.calibration: Calibration | None = None
+
+    # --- tasks -----------------------------------------------------------------------
+
+    def start(self, stored_calibration: dict | None = None) -> dict[str, Any]:
+        """Open the target and calibrate it; what the coordinator records of it."""
+        self._target = self._run(self._open())
+        measured: list[Calibration] = []
+        stored = None if stored_calibration is None else Calibration.from_dict(stored_calibration)
+        extra = {} if self._max_age_s is None else {"max_age_s": self._max_age_s}
+        self.calibration = self._run(reuse_or_calibrate(
+            self._target, stored, rng=lambda: random.Random(self._rng.getrandbits(64)), save=measured.append, **extra,
+        ))
+        info = self._target.info
+        return {
+            "name": self.spec.name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "kind": info.kind if info else "unknown",
+            "model": info.model if info else None,
+            "version": info.version if info else None,
+            "capabilities": dict(info.capabilities) if info else {},
+            "limits": limits_of(info).to_dict(),
+            "measured": measured[-1].to_dict() if measured else None,
+        }
+
+    def execute(self, trace: Trace) -> Executed:
+        start = time.perf_counter()
+        result = self._run(self._target.execute(trace))
+        assert self.calibration is not None
+        if self.calibration.assumption.kv_blocks is None:
+            self.calibration = with_target_kv(self.calibration, self._target)
+        found = judge.candidates(trace, result, self.calibration, self._policy)
+        coverage = calibrated(trace, result, self.calibration)
+        return Executed(result, tuple(candidate_to_dict(c) for c in found), coverage, time.perf_counter() - start)
+
+    def confirm(self, trace: Trace, candidate: dict) -> Confirmed:
+        start = time.perf_counter()
+        runs: list[ExecutionResult] = []
+        assert self.calibration is not None
+        verdict = self._run(confirm(
+            _Recording(self._target, runs), trace, candidate_from_dict(candidate), self.calibration,
+            rng=self._np_rng, policy=self._policy, futility=self._futility,
+        ))
+        return Confirmed(verdict.to_dict(), tuple(runs), time.perf_counter() - start)
+
+    def ping(self) -> str:
+        return self.spec.name
+
+    def stop(self) -> None:
+        """Close the target (a launched server is stopped with its process group)."""
+        with contextlib.suppress(Exception):
+            self._run(self._stack.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    # --- the target ------------------------------------------------------------------
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _open(self):
+        from fuzzer.execute.http import HttpTarget  # noqa: PLC0415 - aiohttp only where traces run
+
+        spec = self.spec
+        options: dict[str, Any] = {"server": spec.server, "model": spec.model, "rng": random.Random(self._seed),
+                                   "api_key": os.environ.get(API_KEY_ENV) or None}
+        if spec.timeout_s is not None:
+            options["timeout_s"] = spec.timeout_s
+        if spec.launch is None:
+            return await self._stack.enter_async_context(HttpTarget(spec.url, **options))
+        from fuzzer.execute.launch import ManagedServer  # noqa: PLC0415
+        from fuzzer.execute.managed import ManagedTarget  # noqa: PLC0415
+
+        server = ManagedServer(spec.launch)
+        self._stack.callback(server.close)
+        url = await server.start()
+        http = await self._stack.enter_async_context(HttpTarget(url, **options))
+        return ManagedTarget(http, server, sleep=asyncio.sleep)
+
+
+class _Recording:
+    """The worker's target for a confirmation: every run is kept for the coordinator to store."""
+
+    def __init__(self, target, runs: list[ExecutionResult]):
+        self._target = target
+        self._runs = runs
+        self.name = target.name
+        fresh_start = getattr(target, "fresh_start", None)
+        if fresh_start is not None:
+            self.fresh_start = fresh_start
+
+    async def execute(self, trace: Trace) -> ExecutionResult:
+        result = await self._target.execute(trace)
+        self._runs.append(result)
+        return result
+
+
+def limits_of(info) -> Limits:
+    """What the mutators must respect on a target of this ServerInfo (None: the defaults)."""
+    if info is None:
+        return Limits()
+    unsupported = frozenset(name for name, ok in (info.capabilities or {}).items() if ok is False)
+    max_len = info.max_model_len or Limits().max_model_len
+    return Limits(max_model_len=max_len, unsupported=unsupported & {"chat", "n", "logprobs"}, max_n=info.max_n)

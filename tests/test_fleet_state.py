@@ -1,0 +1,67 @@
+"""A fleet campaign's checkpoint (fuzzer/fleet/state.py) without a cluster: what a killed
+coordinator's successor takes up."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from fuzzer.fleet.coordinator import _narrowest
+from fuzzer.fleet.state import DOWN, Task, TargetState, from_state, to_state
+from fuzzer.fleet.targets import FleetTarget
+from fuzzer.search.coverage import Coverage
+from fuzzer.search.mutators import Limits
+from fuzzer.trace import Request, Trace
+
+
+def _trace(n: int) -> Trace:
+    return Trace(requests=tuple(Request(id=f"r{i}", at_ms=i, prompt_tokens=16 * (n + 1), max_tokens=4)
+                                for i in range(n + 1)))
+
+
+def test_the_checkpoint_keeps_corpora_queues_running_confirmations_and_counts(store):
+    traces = [_trace(i) for i in range(4)]
+    for t in traces:
+        store.put_trace(t)
+    a, b = FleetTarget("a", url="http://127.0.0.1:1", kind="k"), FleetTarget("b", url="http://127.0.0.1:2", kind="k")
+    states = {"a": TargetState(a), "b": TargetState(b, status=DOWN, reason="worker lost")}
+    states["a"].corpus.add(traces[0], [Coverage(frozenset({"f1"}))])
+    candidate = {"kind": "ttft-outlier", "request_id": "r0", "metric": "ttft", "ratio": 9.0, "after_idle": False,
+                 "detail": ""}
+    queued = Task("recheck", traces[1], candidate=candidate, key="k1", finding_id=3, origin="b")
+    running = Task("confirm", traces[2], candidate=candidate, key="k2")
+    states["a"].confirm.append(queued)
+    states["a"].inbox.append(Task("sync", traces[3], operators=("sync",)))
+    states["a"].counted("fuzz", 7)
+    states["a"].seeded = 2
+    lost = Task("fuzz", traces[3], parent=1, operators=("fill",))
+    saved = to_state(states, retry=[lost], orphans=[("c", running)], running={"a": [running]})
+
+    fresh = {"a": TargetState(a), "b": TargetState(b)}
+    retry, orphans = from_state(fresh, saved, store.get_trace)
+    assert [t.trace for t in retry] == [traces[3]] and retry[0].operators == ("fill",)
+    assert orphans == [("c", running)]
+    # The confirmation under way when the coordinator died comes first, then the queue.
+    assert list(fresh["a"].confirm) == [running, queued]
+    assert [t.trace for t in fresh["a"].inbox] == [traces[3]]
+    assert fresh["a"].corpus.contains(traces[0]) and len(fresh["a"].corpus) == 1
+    assert fresh["a"].executions == {"fuzz": 7} and fresh["a"].seeded == 2
+    assert saved["targets"]["b"]["status"] == DOWN and saved["targets"]["b"]["reason"] == "worker lost"
+
+
+def test_a_target_the_file_no_longer_names_leaves_its_confirmations_as_orphans(store):
+    trace = _trace(1)
+    store.put_trace(trace)
+    gone = FleetTarget("gone", url="http://127.0.0.1:3")
+    task = Task("confirm", trace, candidate={"kind": "leak"}, key="k")
+    saved = to_state({"gone": TargetState(gone, confirm=deque([task]))}, retry=[], orphans=[])
+    retry, orphans = from_state({}, saved, store.get_trace)
+    assert retry == [] and orphans == [("gone", task)]
+
+
+def test_mutants_fit_every_target_of_the_fleet_and_the_campaigns_own_limits():
+    small = Limits(max_model_len=4096, unsupported=frozenset({"n"}), max_n=1)
+    large = Limits(max_model_len=32768, unsupported=frozenset({"logprobs"}))
+    settings = Limits(max_requests=10, max_output_tokens=128)
+    got = _narrowest([small, large], settings)
+    assert got.max_model_len == 4096 and got.unsupported == {"n", "logprobs"} and got.max_n == 1
+    assert (got.max_requests, got.max_output_tokens) == (10, 128)
