@@ -34,6 +34,7 @@ from fuzzer.errors import ConfigError
 from fuzzer.sim import pathologies as P
 from fuzzer.sim.config import SimConfig
 from fuzzer.sim.kv import KVCache, block_hashes
+from fuzzer.sim.mechanisms import Mechanisms
 from fuzzer.sim.request import GroundTruth, SimRequest, State
 from fuzzer.sim.steptime import StepLoad, StepTimer
 from fuzzer.trace import ceil_div
@@ -70,7 +71,7 @@ class Step:
     load: StepLoad
 
 
-class Engine:
+class Engine(Mechanisms):
     """Continuous batching with chunked prefill, KV blocks, prefix caching and preemption."""
 
     def __init__(self, config: SimConfig | None = None, pathologies: Iterable[str] = (), seed: int = 0) -> None:
@@ -489,63 +490,3 @@ class Engine:
             req.state = State.WAITING
             self._waiting.append(req)
 
-    # --- pathology mechanisms ------------------------------------------------------------
-
-    def _sticky_blocks(self) -> bool:
-        if P.STICKY_BATCH_FULL not in self.pathologies or not self._batch_full:
-            return False
-        if not self._running:
-            self._batch_full = False  # nothing left to shrink: the flag cannot outlive the batch
-            return False
-        return True
-
-    def _is_unchunked(self, req: SimRequest) -> bool:
-        return req.num_tokens > self.config.unchunked_min_prompt_tokens
-
-    def _reorder_bursts(self) -> None:
-        """Within each prefix group, waiting members go longest prompt first (stable)."""
-        slots: dict[int, list[int]] = {}
-        for i, req in enumerate(self._waiting):
-            if req.group_key is not None:
-                slots.setdefault(req.group_key, []).append(i)
-        for positions in slots.values():
-            if len(positions) < 2:
-                continue
-            members = [self._waiting[i] for i in positions]
-            ordered = sorted(members, key=lambda r: -r.prompt_len)
-            for pos, req in zip(positions, ordered):
-                self._waiting[pos] = req
-            for old, req in zip(positions, members):
-                if positions[ordered.index(req)] > old:
-                    req.delayed_by.add(P.HOL_PREFIX_BURST)
-
-    def _held_by_burst(self, req: SimRequest) -> bool:
-        """A longer member of the request's burst is still in prefill."""
-        if req.group_key is None:
-            return False
-        window = self.config.hol_burst_window_s / self.config.speed
-        return any(
-            other.group_key == req.group_key
-            and other.prompt_len > req.prompt_len
-            and other.first_token_s is None
-            and abs(other.arrival_s - req.arrival_s) <= window
-            for other in self._running
-        )
-
-    def _cold_start_due(self, now_s: float) -> bool:
-        last = self._last_step_end_s
-        return last is None or (now_s - last) * self.config.speed >= self.config.cold_idle_s
-
-    def _cold_start_extra(self, now_s: float) -> float:
-        if P.COLD_START not in self.pathologies:
-            return 0.0
-        cfg = self.config
-        if self._cold_start_due(now_s):
-            self._cold_extra_s = [cfg.cold_start_s * 0.5**k for k in range(cfg.cold_start_steps + 1)]
-        return self._cold_extra_s.pop(0) if self._cold_extra_s else 0.0
-
-    @staticmethod
-    def _tag(name: str, *groups: Iterable[SimRequest]) -> None:
-        for group in groups:
-            for req in group:
-                req.delayed_by.add(name)
