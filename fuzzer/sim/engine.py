@@ -198,7 +198,7 @@ class Engine(Mechanisms):
 
     def abort(self, req: SimRequest, now_s: float) -> None:
         """The client went away: free the request's KV at once."""
-        if req.state is State.FINISHED:
+        if req.state is State.FINISHED or self._leaks_abort(req):
             return
         if req.state is State.PENDING:
             self._pending = [item for item in self._pending if item[2] is not req]
@@ -242,6 +242,7 @@ class Engine(Mechanisms):
             batch_seqs = decode_seqs + sum(1 for req, _ in scheduled if not req.decoding)
             duration += cfg.logprobs_batch_cost_s * batch_seqs * costly_logprobs
             self._tag(P.LOGPROBS_BATCH_COST, (r for r, _ in scheduled), self._waiting)
+        self._tag_leak_company(req for req, _ in scheduled)
         if resuming:  # a thrashing victim's recompute chunk slows the whole batch
             self._tag(P.PREEMPTION_THRASH, (r for r, _ in scheduled))
         if extra_s:
@@ -329,6 +330,7 @@ class Engine(Mechanisms):
             req.token_times_s.extend(times)
         if extra:
             self._tag(P.LOGPROBS_BATCH_COST, running)
+        self._tag_leak_company(running)
         self.stats.generation_tokens += done * seqs
         self.stats.steps += done
         self._last_step_end_s = t
@@ -426,7 +428,8 @@ class Engine(Mechanisms):
             tokens = min(tokens, cfg.thrash_resume_chunk_tokens)
         required = self._blocks_for(req, cached + tokens)
         headroom = 0 if thrash else len(self._running) * cfg.admission_headroom_blocks_per_seq
-        if self.kv.blocks_needed(0, required, hits) + headroom > self.kv.num_free:
+        need = self.kv.blocks_needed(0, required, hits) + headroom
+        if need > self.kv.num_free or self._reservation_refuses(req, need, required):
             return None
         self.kv.acquire(hits)
         req.blocks = hits + self.kv.allocate(required - len(hits))

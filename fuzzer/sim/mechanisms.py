@@ -7,13 +7,14 @@ and each records the pathology's name on the requests it delays (ground truth).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from fuzzer.sim import pathologies as P
 from fuzzer.sim.request import SimRequest
 
 if TYPE_CHECKING:
     from fuzzer.sim.config import SimConfig
+    from fuzzer.sim.kv import KVCache
 
 
 class Mechanisms:
@@ -26,6 +27,42 @@ class Mechanisms:
     _batch_full: bool
     _last_step_end_s: float | None
     _cold_extra_s: list[float]
+    kv: "KVCache"
+    #: The engine's: blocks a request needs to hold so many tokens of its sequence.
+    _blocks_for: Callable[[SimRequest, int], int]
+
+    def _reservation_refuses(self, req: SimRequest, need: int, required: int) -> bool:
+        """kv-reserve-admission: refuse ``req`` unless its whole output and every unused reservation fit too.
+
+        ``need``: the blocks admission needs now (its chunk, headroom); ``required``: the
+        blocks of its first chunk. The reservation is not allocated (KV usage does not
+        show it); running requests grow into theirs.
+        """
+        if P.KV_RESERVE_ADMISSION not in self.pathologies:
+            return False
+        total = self._blocks_for(req, req.prompt_len + req.max_tokens)
+        outstanding = sum(max(0, r.reserved_blocks - len(r.blocks)) for r in self._running)
+        if need + max(0, total - required) + outstanding <= self.kv.num_free:
+            req.reserved_blocks = total
+            return False
+        self._tag(P.KV_RESERVE_ADMISSION, self._waiting)  # it fits without the reservations
+        return True
+
+    def _leaks_abort(self, req: SimRequest) -> bool:
+        """disconnect-leak: the abort never reaches the engine; the request runs on to its length."""
+        if P.DISCONNECT_LEAK not in self.pathologies:
+            return False
+        req.leaked = True
+        req.delayed_by.add(P.DISCONNECT_LEAK)
+        return True
+
+    def _tag_leak_company(self, batch: Iterable[SimRequest]) -> None:
+        """disconnect-leak: a leaked request in the batch slows its peers and holds KV from the queue."""
+        if P.DISCONNECT_LEAK not in self.pathologies:
+            return
+        batch = list(batch)
+        if any(r.leaked for r in batch):
+            self._tag(P.DISCONNECT_LEAK, batch, self._waiting)
 
 
     def _sticky_blocks(self) -> bool:
