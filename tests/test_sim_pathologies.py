@@ -20,6 +20,7 @@ CONTRACT_NAMES = (
     "serial-tokenizer",
     "kv-reserve-admission",
     "disconnect-leak",
+    "lifo-admission",
 )
 
 

@@ -395,6 +395,8 @@ class Engine(Mechanisms):
             return scheduled
         if P.HOL_PREFIX_BURST in on:
             self._reorder_bursts()
+        if P.LIFO_ADMISSION in on:
+            self._newest_first()
         while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             req = self._waiting[0]
             if P.UNCHUNKED_PREFILL in on and self._is_unchunked(req):
@@ -409,6 +411,8 @@ class Engine(Mechanisms):
                 break
             scheduled.append((req, tokens))
             budget -= tokens
+            if P.LIFO_ADMISSION in on:
+                self._tag(P.LIFO_ADMISSION, (r for r in self._waiting if r.ready_s < req.ready_s))
         if P.STICKY_BATCH_FULL in on and self._waiting and budget <= 0:
             self._batch_full = True
         return scheduled

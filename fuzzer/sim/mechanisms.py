@@ -48,6 +48,18 @@ class Mechanisms:
         self._tag(P.KV_RESERVE_ADMISSION, self._waiting)  # it fits without the reservations
         return True
 
+    def _newest_first(self) -> None:
+        """lifo-admission: enough waiting requests (never preempted) are taken newest first.
+
+        Preempted requests keep their place at the front (by design); the requests that a
+        later one overtakes are tagged when it is admitted (the engine's admission loop).
+        """
+        fresh = [r for r in self._waiting if not r.preemptions]
+        if len(fresh) < self.config.lifo_min_waiting:
+            return
+        resumed = [r for r in self._waiting if r.preemptions]
+        self._waiting[:] = resumed + sorted(fresh, key=lambda r: -r.ready_s)
+
     def _leaks_abort(self, req: SimRequest) -> bool:
         """disconnect-leak: the abort never reaches the engine; the request runs on to its length."""
         if P.DISCONNECT_LEAK not in self.pathologies:

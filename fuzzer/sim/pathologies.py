@@ -27,6 +27,7 @@ COLD_START = "cold-start"
 SERIAL_TOKENIZER = "serial-tokenizer"
 KV_RESERVE_ADMISSION = "kv-reserve-admission"
 DISCONNECT_LEAK = "disconnect-leak"
+LIFO_ADMISSION = "lifo-admission"
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,25 @@ class DisconnectLeak(_Pathology):
     kind = "leak"
 
 
+class LifoAdmission(_Pathology):
+    """With two or more requests waiting, the newest is admitted first: the queue is served out of order.
+
+    Models vLLM PR #33522 ("Fix FCFS queue ordering for skipped waiting requests"):
+    requests the scheduler skipped were put back at the front of the waiting queue, so a
+    later request jumped ahead of an earlier one, and under sustained pressure an early
+    request "keeps getting pushed back". Here, whenever ``lifo_min_waiting`` or more
+    requests that were never preempted wait, admission takes them newest first.
+
+    Trigger: several prompts that wait together behind a step's budget.
+    """
+
+    name = LIFO_ADMISSION
+    models = "vLLM PR #33522 (skipped waiting requests prepended ahead of earlier ones)"
+    trigger = "several requests waiting together (prompts that fill the step budget, arriving within a step)"
+    effect = "an earlier request gets its first token after later ones of the same size"
+    kind = "ttft-outlier"
+
+
 _REGISTRY: tuple[type[_Pathology], ...] = (
     HolPrefixBurst,
     UnchunkedPrefill,
@@ -244,6 +264,7 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     SerialTokenizer,
     KvReserveAdmission,
     DisconnectLeak,
+    LifoAdmission,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

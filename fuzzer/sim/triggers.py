@@ -149,6 +149,15 @@ def _build() -> dict[str, Trigger]:
             "Z",
             "drain",
         ),
+        # Six prompts of one step budget each arrive during L0's step: FCFS serves L1 next, LIFO last.
+        P.LIFO_ADMISSION: Trigger(
+            _trace(
+                "trigger-lifo-admission",
+                [{"id": f"L{i}", "at_ms": 10 * i, "prompt_tokens": 2048, "max_tokens": 16} for i in range(6)],
+            ),
+            "L1",
+            "ttft",
+        ),
     }
 
 
