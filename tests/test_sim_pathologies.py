@@ -21,6 +21,7 @@ CONTRACT_NAMES = (
     "kv-reserve-admission",
     "disconnect-leak",
     "lifo-admission",
+    "decode-starvation",
 )
 
 

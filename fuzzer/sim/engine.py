@@ -364,9 +364,13 @@ class Engine(Mechanisms):
 
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[SimRequest, int]] = []
+        starve = self._prefill_first()
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
+            if req.decoding and starve:
+                i += 1
+                continue
             if req.decoding:
                 tokens, cost = 1, req.n
             else:

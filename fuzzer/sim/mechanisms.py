@@ -60,6 +60,15 @@ class Mechanisms:
         resumed = [r for r in self._waiting if r.preemptions]
         self._waiting[:] = resumed + sorted(fresh, key=lambda r: -r.ready_s)
 
+    def _prefill_first(self) -> bool:
+        """decode-starvation: a running request still in prefill takes the step; decodes wait (tagged)."""
+        if P.DECODE_STARVATION not in self.pathologies:
+            return False
+        if all(r.decoding for r in self._running):
+            return False
+        self._tag(P.DECODE_STARVATION, (r for r in self._running if r.decoding))
+        return True
+
     def _leaks_abort(self, req: SimRequest) -> bool:
         """disconnect-leak: the abort never reaches the engine; the request runs on to its length."""
         if P.DISCONNECT_LEAK not in self.pathologies:

@@ -28,6 +28,7 @@ SERIAL_TOKENIZER = "serial-tokenizer"
 KV_RESERVE_ADMISSION = "kv-reserve-admission"
 DISCONNECT_LEAK = "disconnect-leak"
 LIFO_ADMISSION = "lifo-admission"
+DECODE_STARVATION = "decode-starvation"
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,26 @@ class LifoAdmission(_Pathology):
     kind = "ttft-outlier"
 
 
+class DecodeStarvation(_Pathology):
+    """Prefill-first scheduling: while any running request is still in chunked prefill, decodes are skipped.
+
+    Models SGLang issue 32549 ("Decode starved to ~1 batch per 24s under sustained
+    chunked-prefill load (strict prefill-first scheduling)": a stream's inter-token gap
+    matched the whole duration of two long prefills) and tenstorrent/vllm-tt-plugin #109
+    (prefill-first steps: "every running decode stalls for the entire duration of the
+    multi-chunk prefill"). Unlike ``unchunked-prefill`` the prompt is chunked to the
+    budget; the running streams simply get no token until every chunk is done.
+
+    Trigger: a prompt of several token budgets arriving while others stream.
+    """
+
+    name = DECODE_STARVATION
+    models = "SGLang #32549, tenstorrent/vllm-tt-plugin #109 (prefill-first steps starve decodes)"
+    trigger = "a prompt of two or more token budgets (chunked) arriving while other requests stream"
+    effect = "running streams get no token while the chunks prefill: inter-token gaps of the whole prefill"
+    kind = "itl-stall"
+
+
 _REGISTRY: tuple[type[_Pathology], ...] = (
     HolPrefixBurst,
     UnchunkedPrefill,
@@ -265,6 +286,7 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     KvReserveAdmission,
     DisconnectLeak,
     LifoAdmission,
+    DecodeStarvation,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

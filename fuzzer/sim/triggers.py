@@ -158,6 +158,18 @@ def _build() -> dict[str, Trigger]:
             "L1",
             "ttft",
         ),
+        # X's 8192-token prompt is prefilled in four chunks of the budget; D streams meanwhile.
+        P.DECODE_STARVATION: Trigger(
+            _trace(
+                "trigger-decode-starvation",
+                [
+                    {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 200},
+                    {"id": "X", "at_ms": 100, "prompt_tokens": 8192, "max_tokens": 4},
+                ],
+            ),
+            "D",
+            "itl",
+        ),
     }
 
 
