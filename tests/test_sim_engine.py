@@ -229,3 +229,16 @@ def _run_until_idle(engine: Engine, t: float = 0.0) -> float:
             continue
         engine.complete(step)
         t = step.end_s
+
+
+def test_decode_starvation_never_deadlocks_when_the_prefill_finds_no_kv():
+    # B's later chunks do not fit beside A's KV: B preempts itself; A must still decode and finish.
+    from fuzzer.sim.pathologies import DECODE_STARVATION
+
+    specs = [
+        {"at_s": 0.0, "prompt": 1000, "max_tokens": 60, "n": 1, "group": 0, "ignore_eos": True, "abort_after_s": None},
+        {"at_s": 0.2, "prompt": 600, "max_tokens": 10, "n": 1, "group": 1, "ignore_eos": True, "abort_after_s": None},
+    ]
+    engine = Engine(SMALL, (DECODE_STARVATION,), seed=4)
+    handles = _drive(engine, specs)
+    assert all(h.finished for h in handles) and engine.idle

@@ -362,36 +362,12 @@ class Engine(Mechanisms):
                     self._tag(P.UNCHUNKED_PREFILL, (r for r in self._running if r is not head))
                     return [(head, tokens)]
 
-        budget = cfg.max_num_batched_tokens
-        scheduled: list[tuple[SimRequest, int]] = []
         starve = self._prefill_first()
-        i = 0
-        while i < len(self._running) and budget > 0:
-            req = self._running[i]
-            if req.decoding and starve:
-                i += 1
-                continue
-            if req.decoding:
-                tokens, cost = 1, req.n
-            else:
-                tokens = min(req.num_tokens - req.num_computed, budget)
-                cost = tokens
-            if cost > budget:
-                i += 1
-                continue
-            need = self._blocks_for(req, req.num_computed + tokens) - len(req.blocks)
-            while need > self.kv.num_free:
-                victim = self._running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.state is not State.RUNNING:
-                break
-            if need > 0:
-                req.blocks.extend(self.kv.allocate(need))
-            scheduled.append((req, tokens))
-            budget -= cost
-            i += 1
+        scheduled, budget = self._schedule_running(cfg.max_num_batched_tokens, skip_decodes=starve)
+        if starve and not scheduled:  # the prefill found no KV: decodes go on rather than deadlock
+            scheduled, budget = self._schedule_running(budget, skip_decodes=False)
+        elif starve:
+            self._tag(P.DECODE_STARVATION, (r for r in self._running if r.decoding))
 
         if self._sticky_blocks():
             if budget > 0 and self._waiting and len(self._running) < cfg.max_num_seqs:
@@ -420,6 +396,38 @@ class Engine(Mechanisms):
         if P.STICKY_BATCH_FULL in on and self._waiting and budget <= 0:
             self._batch_full = True
         return scheduled
+
+    def _schedule_running(self, budget: int, *, skip_decodes: bool) -> tuple[list[tuple[SimRequest, int]], int]:
+        """Running requests first, in admission order: (what they compute, the budget left)."""
+        scheduled: list[tuple[SimRequest, int]] = []
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            if req.decoding and skip_decodes:
+                i += 1
+                continue
+            if req.decoding:
+                tokens, cost = 1, req.n
+            else:
+                tokens = min(req.num_tokens - req.num_computed, budget)
+                cost = tokens
+            if cost > budget:
+                i += 1
+                continue
+            need = self._blocks_for(req, req.num_computed + tokens) - len(req.blocks)
+            while need > self.kv.num_free:
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.state is not State.RUNNING:
+                break
+            if need > 0:
+                req.blocks.extend(self.kv.allocate(need))
+            scheduled.append((req, tokens))
+            budget -= cost
+            i += 1
+        return scheduled, budget
 
     def _admit(self, req: SimRequest, budget: int, now_s: float, *, unchunked: bool = False) -> int | None:
         """Move the head of the waiting queue to running with its first chunk; None if KV is short."""

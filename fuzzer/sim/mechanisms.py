@@ -61,13 +61,8 @@ class Mechanisms:
         self._waiting[:] = resumed + sorted(fresh, key=lambda r: -r.ready_s)
 
     def _prefill_first(self) -> bool:
-        """decode-starvation: a running request still in prefill takes the step; decodes wait (tagged)."""
-        if P.DECODE_STARVATION not in self.pathologies:
-            return False
-        if all(r.decoding for r in self._running):
-            return False
-        self._tag(P.DECODE_STARVATION, (r for r in self._running if r.decoding))
-        return True
+        """decode-starvation: a running request still in prefill takes the step; decodes wait."""
+        return P.DECODE_STARVATION in self.pathologies and not all(r.decoding for r in self._running)
 
     def _leaks_abort(self, req: SimRequest) -> bool:
         """disconnect-leak: the abort never reaches the engine; the request runs on to its length."""
