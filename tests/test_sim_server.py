@@ -220,6 +220,30 @@ async def test_client_disconnect_aborts_and_frees_kv(tmp_path):
     assert record["completion_tokens"] < 2000 and record["pathologies"] == []
 
 
+async def test_a_leaking_server_runs_a_disconnected_stream_to_its_length(tmp_path):
+    path = tmp_path / "gt.jsonl"
+    sim = SimServer(SimConfig(speed=20.0), ("disconnect-leak",), seed=0, ground_truth_path=path)
+    url = await sim.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "w " * 100, "max_tokens": 400, "stream": True, "ignore_eos": True}
+            async with session.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "left"}) as r:
+                await r.content.readuntil(b"\n\n")
+            await asyncio.sleep(0.05)
+            assert sim.engine.num_running == 1 and sim.engine.kv.num_used > 0  # the client is gone, its request is not
+            for _ in range(500):
+                if sim.engine.idle:
+                    break
+                await asyncio.sleep(0.01)
+            assert sim.engine.idle and sim.engine.stats.finished["abort"] == 0
+    finally:
+        await sim.stop()
+    (line,) = path.read_text().splitlines()
+    record = json.loads(line)
+    assert record["request_id"] == "left" and record["finish_reason"] == "length"
+    assert record["completion_tokens"] == 400 and record["pathologies"] == ["disconnect-leak"]
+
+
 async def test_running_server_context_manager_stops():
     async with running_server(FAST, pathologies=("cold-start",)) as url:
         async with aiohttp.ClientSession() as session:

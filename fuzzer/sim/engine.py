@@ -197,7 +197,7 @@ class Engine(Mechanisms):
         return req
 
     def abort(self, req: SimRequest, now_s: float) -> None:
-        """The client went away: free the request's KV at once."""
+        """The client went away: free the request's KV at once (unless disconnect-leak loses the abort)."""
         if req.state is State.FINISHED or self._leaks_abort(req):
             return
         if req.state is State.PENDING:
