@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from fuzzer import trace as tf
 from fuzzer.search import shapes
 from fuzzer.search.mutators import OPERATORS, Limits, generate
 from fuzzer.sim import VirtualTarget
@@ -80,3 +81,19 @@ def test_a_shape_reaches_its_pathology_where_its_parent_does_not(op, pathology, 
         shows = not result.idle_after if pathology == "disconnect-leak" else any(result.ground_truth.values())
         reached += shows
     assert tried >= 10 and reached >= share * tried, (reached, tried)
+
+
+@pytest.mark.parametrize("max_model_len", [1, 64, 511, 512, 600, 4096])
+def test_shapes_fit_any_model_length_or_do_not_apply(max_model_len):
+    limits = Limits(max_model_len=max_model_len, max_output_tokens=min(1024, max_model_len))
+    for i in range(30):
+        rng = random.Random(i)
+        parent = generate(random.Random(i), Limits(max_model_len=max(max_model_len, 64)))
+        for op in shapes.SHAPE_OPERATORS:
+            child = op(parent, rng, limits)
+            if child is None:
+                continue
+            assert max_model_len >= shapes.MIN_MODEL_LEN
+            tf.validate(child)
+            added = [r for r in child.requests if r not in parent.requests]
+            assert all(r.prompt_tokens + r.max_tokens <= max_model_len for r in added), op.__name__

@@ -33,6 +33,8 @@ CANCEL_AFTER = (1, 2, 4, 8, 16)
 LEAK_OUTPUTS = (2048, 4096, 8192)
 #: A long prompt is this many step budgets long.
 BUDGET_MULTIPLES = (2, 4, 8)
+#: Below this model length the shapes do not apply (their requests would not fit).
+MIN_MODEL_LEN = 512
 
 
 def fresh_id(trace: Trace, base: str) -> str:
@@ -51,6 +53,9 @@ def fresh_name(taken: set[str], base: str) -> str:
 
 
 def _room(trace: Trace, limits) -> int:
+    """How many requests may be added (none on a server whose model length is too short for the shapes)."""
+    if limits.max_model_len < MIN_MODEL_LEN:
+        return 0
     return limits.max_requests - len(trace.requests)
 
 
@@ -83,7 +88,7 @@ def long_outputs(trace: Trace, rng: random.Random, limits) -> Trace | None:
 def disconnect_long(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """A client leaves a long stream after a few tokens; a later request follows (when there is room)."""
     candidates = [r for r in trace.requests if r.n == 1]
-    if not candidates:
+    if not candidates or limits.max_model_len < MIN_MODEL_LEN:
         return None
     req = rng.choice(candidates)
     out = min(rng.choice(LEAK_OUTPUTS), limits.max_model_len - req.prompt_tokens)
@@ -104,12 +109,11 @@ def long_prompt_beside_stream(trace: Trace, rng: random.Random, limits) -> Trace
     if _room(trace, limits) < 2:
         return None
     at = rng.uniform(0, max(1.0, trace.duration_ms()))
-    out = min(rng.choice([256, 512, 1024]), limits.max_output_tokens)
-    stream = Request(id=fresh_id(trace, "live"), at_ms=float(round(at)), prompt_tokens=rng.choice([64, 256]),
-                     max_tokens=out)
+    wanted = rng.choice([256, 512, 1024])
+    prompt = rng.choice([64, 256])
+    out = max(1, min(wanted, limits.max_output_tokens, limits.max_model_len - prompt))
+    stream = Request(id=fresh_id(trace, "live"), at_ms=float(round(at)), prompt_tokens=prompt, max_tokens=out)
     long_prompt = min(limits.token_budget * rng.choice(BUDGET_MULTIPLES), limits.max_model_len - 32)
-    if long_prompt < 1:
-        return None
     big = Request(id=fresh_id(trace, "big"), at_ms=float(round(at + rng.choice([20.0, 100.0, 300.0]))),
                   prompt_tokens=long_prompt, max_tokens=rng.choice([4, 32]))
     return trace.with_requests([*trace.requests, stream, big])
