@@ -204,7 +204,8 @@ class KvReserveAdmission(_Pathology):
     fit the free blocks; the reservation is not allocated, so ``kv_cache_usage_perc``
     shows only the blocks really written and looks low while the queue waits. A few
     requests with a huge max_tokens (that stop early by EOS, or are still short) block
-    everyone behind them until they finish.
+    everyone behind them until they finish. Ground truth names the waiting requests at
+    each admission the reservations refused.
 
     Trigger: requests whose prompt + max_tokens together exceed the free KV, and a request behind them.
     """
@@ -224,7 +225,8 @@ class DisconnectLeak(_Pathology):
     connection mid-request), and proxies that drop the abort (maximhq/bifrost #3164:
     cancelled requests ran 2-4 minutes on vLLM). The engine never hears of the
     disconnect: the request decodes on into nothing, and the server does not return to
-    idle after the client's last request ended.
+    idle after the client's last request ended. Ground truth names the leaked request itself
+    and every request that shared a step with it or waited while it ran.
 
     Trigger: a stream cancelled after a few tokens of a large max_tokens.
     """
