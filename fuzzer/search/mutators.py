@@ -5,10 +5,14 @@ Every operator takes a trace, an injected ``random.Random`` and the
 it does not apply (deleting from a one-request trace, say). :class:`Mutator`
 stacks operators (havoc), splices two traces, and learns which operators pay off
 (a bandit over their success rates). :class:`NullMutator` ignores its parent and
-generates a fresh random trace: the baseline of the fuzzing benchmark.
+generates a fresh random trace: the baseline of the fuzzing benchmark. The
+operators of :mod:`fuzzer.search.shapes` (shapes of public reports: long outputs
+that stop early, a long stream left after a few tokens, a long prompt beside a
+live stream, a prefix burst) are havoc operators like the others.
 
 New request ids record how they were made, as in GRIEF's reports: ``r04_d``
-(duplicate), ``r04_s3`` (storm clone 3), ``r04_retry``, ``f2`` (fill).
+(duplicate), ``r04_s3`` (storm clone 3), ``r04_retry``, ``f2`` (fill), ``long0`` /
+``behind3`` / ``r04_after`` / ``live`` / ``big`` / ``lburst_0`` (shapes).
 """
 
 from __future__ import annotations
