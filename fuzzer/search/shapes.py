@@ -8,7 +8,7 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   the model length) that stop early by EOS, and requests behind them. An engine that
   reserves KV for all of max_tokens at admission stalls the queue while its KV usage
   looks low (kekzl/imp PR #1714; TGI caps the preallocation for this reason).
-- ``disconnect_long``: a stream of a long output whose client leaves after a few tokens,
+- ``disconnect_long``: a stream of 2048-3072 tokens whose client leaves after a few tokens,
   then a later request. A server that does not propagate the abort keeps decoding it
   (vLLM #10806, #54947) and is not idle seconds after the client's last request.
 - ``long_prompt_beside_stream``: a live stream, then a prompt of several step budgets
@@ -29,8 +29,10 @@ from fuzzer.trace import Request, Trace
 #: How many tokens a disconnecting client reads before it leaves.
 CANCEL_AFTER = (1, 2, 4, 8, 16)
 #: Long enough that a leaked request outlasts the executor's 5 s idle-after check at
-#: a few ms per decode step, short enough to keep a leaking server's execution bounded.
-LEAK_OUTPUTS = (2048, 4096, 8192)
+#: 3.5 ms or more per decode step (7-11 s there), short enough that the next execution's
+#: idle barrier (30 s) outwaits it on a server three times slower: every leaked request
+#: costs a leaking server that long, and a campaign makes many.
+LEAK_OUTPUTS = (2048, 3072)
 #: A long prompt is this many step budgets long.
 BUDGET_MULTIPLES = (2, 4, 8)
 #: Below this model length the shapes do not apply (their requests would not fit).
