@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/campaign_efficiency.py [--seeds 5] [--max-execs 300]
         [--pathologies a,b] [--mutators guided,null] [--out results.jsonl]
+    .venv/bin/python benchmarks/campaign_efficiency.py --http 300 --pathologies disconnect-leak,none
 
 For every planted pathology, a campaign runs against a simulator with only that
 pathology on, once per seed and mutator, until its first *right* confirmed finding
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 from fuzzer import trace as tf
+from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.verdict import Verdict
@@ -169,6 +171,51 @@ async def overhead(pathology: str, max_execs: int, seed: int = 0) -> dict:
             "findings": len(summary.new_findings)}
 
 
+async def http_run(pathology: str, duration_s: float, seed: int = 0) -> dict:
+    """A campaign over HTTP against a SimProcess with ``pathology`` on ("none": the clean configuration).
+
+    Like ``fuzz campaign --target`` on ``fuzz sim --ground-truth FILE``: the whole committed
+    corpus as seeds (nothing left out), wall-clock ``duration_s`` after the calibration. Each
+    confirmed finding is judged by the simulator's ground-truth file (by X-Request-Id): right
+    when a run of its request (any request, for a finding on the whole execution) was
+    delayed by the pathology.
+    """
+    import tempfile  # noqa: PLC0415
+
+    from fuzzer.execute.http import HttpTarget  # noqa: PLC0415
+    from fuzzer.sim.process import SimProcess  # noqa: PLC0415
+
+    planted = () if pathology == "none" else (pathology,)
+    with tempfile.TemporaryDirectory() as tmp:
+        gt_path = Path(tmp) / "ground-truth.jsonl"
+        async with SimProcess(pathologies=planted, seed=seed, extra_args=["--ground-truth", str(gt_path)]) as sim, \
+                HttpTarget(sim.url, rng=random.Random(seed)) as http:
+            calibration = await calibrate(http, rng=random.Random(seed))
+            store = Store.memory()
+            seeds = [tf.load(p) for p in sorted(CORPUS.glob("*.json"))]
+            campaign = Campaign(http, store, Settings(seed=seed, duration_s=duration_s), seeds=seeds,
+                                target_key=f"bench:http:{pathology}", calibration=calibration)
+            summary = await campaign.run()
+        truth = {}
+        for line in gt_path.read_text().splitlines() if gt_path.exists() else []:
+            record = json.loads(line)
+            truth[record["request_id"]] = set(record["pathologies"])
+    findings = []
+    for finding in store.list_findings():
+        victim = finding.verdict.get("request_id")
+        runs = [r for eid in store.execution_ids(trace_hash=finding.trace_hash)
+                for r in store.get_execution(eid).requests if victim is None or r.request_id == victim]
+        hit = sum(pathology in truth.get(r.x_request_id or "", set()) for r in runs)
+        findings.append({"kind": finding.kind, "request": victim, "slowdown": finding.slowdown,
+                         "reproduced": finding.reproduced, "runs": len(runs), "runs_delayed": hit, "right": hit > 0})
+    return {"pathology": pathology, "mode": "http", "seed": seed, "duration_s": duration_s,
+            "executions": summary.stats.executions, "findings": findings}
+
+
+def http_run_sync(pathology: str, duration_s: float, seed: int) -> dict:
+    return asyncio.run(http_run(pathology, duration_s, seed))
+
+
 def _load(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -208,7 +255,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", action="store_true", help="print the Markdown table of --out and exit")
     parser.add_argument("--overhead", type=int, metavar="EXECS", default=0,
                         help="instead: a campaign of EXECS executions over HTTP to a SimProcess; print the overhead share")
+    parser.add_argument("--http", type=float, metavar="SECONDS", default=0,
+                        help="instead: a campaign of SECONDS over HTTP per pathology ('none' too: the clean "
+                             "simulator); print its findings judged by ground truth")
     args = parser.parse_args(argv)
+    if args.http < 0:
+        parser.error("--http must be a number of seconds > 0")
+    try:  # an unknown name is a usage error, not a traceback ("none": the clean simulator, --http only)
+        P.parse(",".join(n for n in args.pathologies.split(",") if n != "none" or not args.http))
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.http:
+        for pathology in args.pathologies.split(","):
+            print(json.dumps(http_run_sync(pathology, args.http, args.first_seed)), flush=True)
+        return
     if args.overhead:
         for pathology in args.pathologies.split(","):
             print(json.dumps(asyncio.run(overhead(pathology, args.overhead))), flush=True)

@@ -108,7 +108,8 @@ def test_operator_choice_learns_from_success():
     assert OperatorStats.from_dict(stats.to_dict()).to_dict() == stats.to_dict()
 
 
-@pytest.mark.parametrize("name", ["storm", "fill", "squeeze", "duplicate_request", "add_request", "cancel_and_retry"])
+@pytest.mark.parametrize("name", ["storm", "fill", "squeeze", "duplicate_request", "add_request", "cancel_and_retry",
+                                  "long_outputs", "long_prompt_beside_stream", "prefix_burst"])
 def test_growing_operators_respect_max_requests(seed_trace, name):
     limits = Limits(max_requests=6)
     assert OPERATORS[name](seed_trace, random.Random(0), limits) is None

@@ -58,8 +58,11 @@ def _drive(engine: Engine, specs: list[dict]) -> list:
             if when <= t:
                 used = engine.kv.num_used
                 engine.abort(h, t)
-                assert h.blocks == [] and h.state is State.FINISHED
-                assert engine.kv.num_used <= used
+                if h.leaked:  # disconnect-leak: the engine never hears of it and runs it to its length
+                    assert "disconnect-leak" in engine.pathologies and not h.finished
+                else:
+                    assert h.blocks == [] and h.state is State.FINISHED
+                    assert engine.kv.num_used <= used
                 aborts.remove((when, h))
         step = engine.step(t)
         if step is None:
@@ -115,7 +118,9 @@ def test_fcfs_admission_without_pathologies(specs):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests_st, st.sampled_from(["all", "hol-prefix-burst,sticky-batch-full", "preemption-thrash"]))
+@given(requests_st, st.sampled_from(["all", "hol-prefix-burst,sticky-batch-full", "preemption-thrash",
+                                      "kv-reserve-admission", "disconnect-leak", "lifo-admission",
+                                      "decode-starvation"]))
 def test_pathologies_never_lose_requests_or_overfill_kv(specs, spec):
     from fuzzer.sim.pathologies import parse
 
@@ -224,3 +229,16 @@ def _run_until_idle(engine: Engine, t: float = 0.0) -> float:
             continue
         engine.complete(step)
         t = step.end_s
+
+
+def test_decode_starvation_never_deadlocks_when_the_prefill_finds_no_kv():
+    # B's later chunks do not fit beside A's KV: B preempts itself; A must still decode and finish.
+    from fuzzer.sim.pathologies import DECODE_STARVATION
+
+    specs = [
+        {"at_s": 0.0, "prompt": 1000, "max_tokens": 60, "n": 1, "group": 0, "ignore_eos": True, "abort_after_s": None},
+        {"at_s": 0.2, "prompt": 600, "max_tokens": 10, "n": 1, "group": 1, "ignore_eos": True, "abort_after_s": None},
+    ]
+    engine = Engine(SMALL, (DECODE_STARVATION,), seed=4)
+    handles = _drive(engine, specs)
+    assert all(h.finished for h in handles) and engine.idle

@@ -18,6 +18,10 @@ CONTRACT_NAMES = (
     "preemption-thrash",
     "cold-start",
     "serial-tokenizer",
+    "kv-reserve-admission",
+    "disconnect-leak",
+    "lifo-admission",
+    "decode-starvation",
 )
 
 
@@ -55,7 +59,7 @@ def test_every_pathology_is_described_with_its_report_and_trigger():
     for info in infos:
         assert info.summary and info.trigger and info.effect
         assert any(ch.isdigit() for ch in info.models), f"{info.name} must name the public report it models"
-        assert info.kind in {"ttft-outlier", "itl-stall", "e2e-outlier", "cold-start"}
+        assert info.kind in {"ttft-outlier", "itl-stall", "e2e-outlier", "cold-start", "leak"}
     for cls in pathologies._REGISTRY:  # noqa: SLF001 - each mechanism is documented where it is named
         assert "Models " in cls.__doc__ and "Trigger: " in cls.__doc__, cls.__name__
 
@@ -66,7 +70,7 @@ MIN_EFFECT = 1.25
 
 def _measure(result, request_id, what):
     r = result.request(request_id)
-    return {"ttft": r.ttft_s, "itl": r.max_itl_s, "e2e": r.e2e_s}[what]
+    return {"ttft": r.ttft_s, "itl": r.max_itl_s, "e2e": r.e2e_s, "drain": result.duration_s}[what]
 
 
 WARM_UP = from_dict({"requests": [{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}]})
@@ -128,3 +132,43 @@ def test_cold_start_slows_only_the_first_run_after_idle(seed_trace):
 
     clean = VirtualTarget()
     assert clean.run(seed_trace).request("r08").ttft_s < 2 * second.request("r08").ttft_s
+
+
+def test_kv_reserve_admission_stalls_the_queue_while_kv_usage_looks_low():
+    trace = TRIGGERS["kv-reserve-admission"].trace
+    on = _warm_run(("kv-reserve-admission",), trace)
+    stalled = [s.values for s in on.samples if s.values["waiting"] > 0 and s.t_s > 0.5]
+    assert stalled, "V waits while the long outputs run"
+    # The reservations are not written: the cache looks far from full while V waits.
+    assert max(v["kv_usage"] for v in stalled) < 0.9
+    assert on.request("V").ttft_s > 10 * _warm_run((), trace).request("V").ttft_s
+
+
+def test_kv_reserve_admission_leaves_short_outputs_alone():
+    # Requests whose prompts and outputs fit together are admitted as without the pathology.
+    trace = from_dict({"requests": [
+        {"id": f"r{i}", "at_ms": 5 * i, "prompt_tokens": 1024, "max_tokens": 256} for i in range(8)
+    ]})
+    on = _warm_run(("kv-reserve-admission",), trace)
+    off = _warm_run((), trace)
+    assert [r.ttft_s for r in on.requests] == [r.ttft_s for r in off.requests]
+    assert all(not names for names in on.ground_truth.values())
+
+
+def test_disconnect_leak_keeps_the_server_busy_after_the_client_left():
+    trace = TRIGGERS["disconnect-leak"].trace
+    off, on = _warm_run((), trace), _warm_run(("disconnect-leak",), trace)
+    assert off.idle_after and not on.idle_after
+    # The client saw the same cancelled stream either way.
+    assert on.request("Z").outcome == off.request("Z").outcome
+    assert on.request("Z").token_times_s == off.request("Z").token_times_s
+    assert on.samples[-2].values["running"] >= 1 and off.samples[-1].values["running"] == 0
+
+
+def test_disconnect_leak_short_leak_is_idle_soon_enough():
+    # A leaked request with little left to generate drains within the idle-after window.
+    trace = from_dict({"requests": [
+        {"id": "Z", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 40, "cancel_after_tokens": 4},
+    ]})
+    on = _warm_run(("disconnect-leak",), trace)
+    assert on.idle_after and on.ground_truth["Z"] == ("disconnect-leak",)

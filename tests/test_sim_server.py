@@ -196,28 +196,59 @@ async def test_metrics_parse_with_vllm_names(server):
                for s in f.samples)
 
 
+async def _leave_a_stream(url: str, words: int, max_tokens: int, request_id: str, while_open=None) -> None:
+    """A client that reads the first event of a stream and disconnects (``while_open`` runs before it leaves)."""
+    async with aiohttp.ClientSession() as session:
+        body = {"prompt": "w " * words, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        async with session.post(url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:
+            await r.content.readuntil(b"\n\n")
+            if while_open:
+                while_open()
+
+
+async def _wait_idle(sim: SimServer, tries: int) -> None:
+    for _ in range(tries):
+        if sim.engine.idle:
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_client_disconnect_aborts_and_frees_kv(tmp_path):
     path = tmp_path / "gt.jsonl"
     sim = SimServer(SimConfig(), seed=0, ground_truth_path=path)
     url = await sim.start()
     try:
-        async with aiohttp.ClientSession() as session:
-            body = {"prompt": "w " * 1000, "max_tokens": 2000, "stream": True, "ignore_eos": True}
-            async with session.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "gone"}) as r:
-                await r.content.readuntil(b"\n\n")
-                assert sim.engine.kv.num_used > 0
-            for _ in range(200):
-                if sim.engine.idle:
-                    break
-                await asyncio.sleep(0.01)
-            assert sim.engine.idle and sim.engine.kv.num_used == 0
-            assert sim.engine.stats.finished["abort"] == 1
+        def holds_kv():
+            assert sim.engine.kv.num_used > 0
+
+        await _leave_a_stream(url, 1000, 2000, "gone", holds_kv)
+        await _wait_idle(sim, 200)
+        assert sim.engine.idle and sim.engine.kv.num_used == 0
+        assert sim.engine.stats.finished["abort"] == 1
     finally:
         await sim.stop()
     (line,) = path.read_text().splitlines()
     record = json.loads(line)
     assert record["request_id"] == "gone" and record["finish_reason"] == "abort"
     assert record["completion_tokens"] < 2000 and record["pathologies"] == []
+
+
+async def test_a_leaking_server_runs_a_disconnected_stream_to_its_length(tmp_path):
+    path = tmp_path / "gt.jsonl"
+    sim = SimServer(SimConfig(speed=20.0), ("disconnect-leak",), seed=0, ground_truth_path=path)
+    url = await sim.start()
+    try:
+        await _leave_a_stream(url, 100, 400, "left")
+        await asyncio.sleep(0.05)
+        assert sim.engine.num_running == 1 and sim.engine.kv.num_used > 0  # the client is gone, its request is not
+        await _wait_idle(sim, 500)
+        assert sim.engine.idle and sim.engine.stats.finished["abort"] == 0
+    finally:
+        await sim.stop()
+    (line,) = path.read_text().splitlines()
+    record = json.loads(line)
+    assert record["request_id"] == "left" and record["finish_reason"] == "length"
+    assert record["completion_tokens"] == 400 and record["pathologies"] == ["disconnect-leak"]
 
 
 async def test_running_server_context_manager_stops():

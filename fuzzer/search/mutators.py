@@ -5,10 +5,14 @@ Every operator takes a trace, an injected ``random.Random`` and the
 it does not apply (deleting from a one-request trace, say). :class:`Mutator`
 stacks operators (havoc), splices two traces, and learns which operators pay off
 (a bandit over their success rates). :class:`NullMutator` ignores its parent and
-generates a fresh random trace: the baseline of the fuzzing benchmark.
+generates a fresh random trace: the baseline of the fuzzing benchmark. The
+operators of :mod:`fuzzer.search.shapes` (shapes of public reports: long outputs
+that stop early, a long stream left after a few tokens, a long prompt beside a
+live stream, a prefix burst) are havoc operators like the others.
 
 New request ids record how they were made, as in GRIEF's reports: ``r04_d``
-(duplicate), ``r04_s3`` (storm clone 3), ``r04_retry``, ``f2`` (fill).
+(duplicate), ``r04_s3`` (storm clone 3), ``r04_retry``, ``f2`` (fill), ``long0`` /
+``behind3`` / ``r04_after`` / ``live`` / ``big`` / ``lburst_0`` (shapes).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
+from fuzzer.search.shapes import SHAPE_OPERATORS
+from fuzzer.search.shapes import fresh_id as _fresh_id
+from fuzzer.search.shapes import fresh_name as _fresh_name
 from fuzzer.trace import MAX_LOGPROBS, N_VALUES, Request, Trace, validate
 
 # A fuzzing trace with more requests than this is a load test: slower to run, slower to
@@ -73,20 +80,6 @@ Operator = Callable[[Trace, random.Random, Limits], "Trace | None"]
 
 
 # --- helpers ------------------------------------------------------------------------
-
-
-def _fresh_id(trace: Trace, base: str) -> str:
-    return _fresh_name({r.id for r in trace.requests}, base)
-
-
-def _fresh_name(taken: set[str], base: str) -> str:
-    base = base[:56]
-    if base not in taken:
-        return base
-    i = 2
-    while f"{base}{i}" in taken:
-        i += 1
-    return f"{base}{i}"
 
 
 def _pick(trace: Trace, rng: random.Random, predicate: Callable[[Request], bool] = lambda r: True) -> Request | None:
@@ -360,7 +353,7 @@ OPERATORS: Mapping[str, Operator] = {
     for f in (
         add_request, delete_request, duplicate_request, storm, scale_prompt, snap_prompt, change_max_tokens,
         toggle_stream, toggle_api, add_prefix, remove_prefix, resize_prefix, compress_gaps, spread_gaps,
-        reorder, cancel_and_retry, uncancel, n_logprobs, fill, squeeze,
+        reorder, cancel_and_retry, uncancel, n_logprobs, fill, squeeze, *SHAPE_OPERATORS,
     )
 }
 

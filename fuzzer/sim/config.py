@@ -76,11 +76,13 @@ class SimConfig:
     cold_start_steps: int = 4
     #: serial-tokenizer: per prompt token on the single tokenizer worker (slow path: templates).
     serial_tokenize_token_s: float = 40e-6
+    #: lifo-admission: this many waiting requests (never preempted) make admission newest-first.
+    lifo_min_waiting: int = 2
 
     def __post_init__(self) -> None:
         positive_ints = (
             "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks",
-            "thrash_resume_chunk_tokens", "unchunked_min_prompt_tokens",
+            "thrash_resume_chunk_tokens", "unchunked_min_prompt_tokens", "lifo_min_waiting",
         )
         for name in positive_ints:
             value = getattr(self, name)

@@ -34,6 +34,7 @@ from fuzzer.errors import ConfigError
 from fuzzer.sim import pathologies as P
 from fuzzer.sim.config import SimConfig
 from fuzzer.sim.kv import KVCache, block_hashes
+from fuzzer.sim.mechanisms import Mechanisms
 from fuzzer.sim.request import GroundTruth, SimRequest, State
 from fuzzer.sim.steptime import StepLoad, StepTimer
 from fuzzer.trace import ceil_div
@@ -70,7 +71,7 @@ class Step:
     load: StepLoad
 
 
-class Engine:
+class Engine(Mechanisms):
     """Continuous batching with chunked prefill, KV blocks, prefix caching and preemption."""
 
     def __init__(self, config: SimConfig | None = None, pathologies: Iterable[str] = (), seed: int = 0) -> None:
@@ -196,8 +197,8 @@ class Engine:
         return req
 
     def abort(self, req: SimRequest, now_s: float) -> None:
-        """The client went away: free the request's KV at once."""
-        if req.state is State.FINISHED:
+        """The client went away: free the request's KV at once (unless disconnect-leak loses the abort)."""
+        if req.state is State.FINISHED or self._leaks_abort(req):
             return
         if req.state is State.PENDING:
             self._pending = [item for item in self._pending if item[2] is not req]
@@ -241,6 +242,7 @@ class Engine:
             batch_seqs = decode_seqs + sum(1 for req, _ in scheduled if not req.decoding)
             duration += cfg.logprobs_batch_cost_s * batch_seqs * costly_logprobs
             self._tag(P.LOGPROBS_BATCH_COST, (r for r, _ in scheduled), self._waiting)
+        self._tag_leak_company(req for req, _ in scheduled)
         if resuming:  # a thrashing victim's recompute chunk slows the whole batch
             self._tag(P.PREEMPTION_THRASH, (r for r, _ in scheduled))
         if extra_s:
@@ -328,6 +330,7 @@ class Engine:
             req.token_times_s.extend(times)
         if extra:
             self._tag(P.LOGPROBS_BATCH_COST, running)
+        self._tag_leak_company(running)
         self.stats.generation_tokens += done * seqs
         self.stats.steps += done
         self._last_step_end_s = t
@@ -359,11 +362,50 @@ class Engine:
                     self._tag(P.UNCHUNKED_PREFILL, (r for r in self._running if r is not head))
                     return [(head, tokens)]
 
-        budget = cfg.max_num_batched_tokens
+        starve = self._prefill_first()
+        scheduled, budget = self._schedule_running(cfg.max_num_batched_tokens, skip_decodes=starve)
+        if starve and not scheduled:  # the prefill found no KV: decodes go on rather than deadlock
+            scheduled, budget = self._schedule_running(budget, skip_decodes=False)
+        elif starve:
+            self._tag(P.DECODE_STARVATION, (r for r in self._running if r.decoding))
+
+        if self._sticky_blocks():
+            if budget > 0 and self._waiting and len(self._running) < cfg.max_num_seqs:
+                self._tag(P.STICKY_BATCH_FULL, self._waiting)
+            return scheduled
+        if P.HOL_PREFIX_BURST in on:
+            self._reorder_bursts()
+        if P.LIFO_ADMISSION in on:
+            self._newest_first()
+        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+            req = self._waiting[0]
+            if P.UNCHUNKED_PREFILL in on and self._is_unchunked(req):
+                break  # it gets a step of its own next time
+            if P.HOL_PREFIX_BURST in on and self._held_by_burst(req):
+                self._tag(P.HOL_PREFIX_BURST, self._waiting)
+                break
+            tokens = self._admit(req, budget, now_s)
+            if tokens is None:
+                if P.STICKY_BATCH_FULL in on:
+                    self._batch_full = True
+                break
+            scheduled.append((req, tokens))
+            budget -= tokens
+            if P.LIFO_ADMISSION in on:
+                self._tag(P.LIFO_ADMISSION, (r for r in self._waiting if r.ready_s < req.ready_s))
+        if P.STICKY_BATCH_FULL in on and self._waiting and budget <= 0:
+            self._batch_full = True
+        return scheduled
+
+    def _schedule_running(self, budget: int, *, skip_decodes: bool) -> tuple[list[tuple[SimRequest, int]], int]:
+        """Running requests first, in admission order: (what they compute, the budget left)."""
         scheduled: list[tuple[SimRequest, int]] = []
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
+            if req.decoding and skip_decodes:
+                i += 1
+                continue
             if req.decoding:
                 tokens, cost = 1, req.n
             else:
@@ -385,30 +427,7 @@ class Engine:
             scheduled.append((req, tokens))
             budget -= cost
             i += 1
-
-        if self._sticky_blocks():
-            if budget > 0 and self._waiting and len(self._running) < cfg.max_num_seqs:
-                self._tag(P.STICKY_BATCH_FULL, self._waiting)
-            return scheduled
-        if P.HOL_PREFIX_BURST in on:
-            self._reorder_bursts()
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
-            req = self._waiting[0]
-            if P.UNCHUNKED_PREFILL in on and self._is_unchunked(req):
-                break  # it gets a step of its own next time
-            if P.HOL_PREFIX_BURST in on and self._held_by_burst(req):
-                self._tag(P.HOL_PREFIX_BURST, self._waiting)
-                break
-            tokens = self._admit(req, budget, now_s)
-            if tokens is None:
-                if P.STICKY_BATCH_FULL in on:
-                    self._batch_full = True
-                break
-            scheduled.append((req, tokens))
-            budget -= tokens
-        if P.STICKY_BATCH_FULL in on and self._waiting and budget <= 0:
-            self._batch_full = True
-        return scheduled
+        return scheduled, budget
 
     def _admit(self, req: SimRequest, budget: int, now_s: float, *, unchunked: bool = False) -> int | None:
         """Move the head of the waiting queue to running with its first chunk; None if KV is short."""
@@ -425,7 +444,8 @@ class Engine:
             tokens = min(tokens, cfg.thrash_resume_chunk_tokens)
         required = self._blocks_for(req, cached + tokens)
         headroom = 0 if thrash else len(self._running) * cfg.admission_headroom_blocks_per_seq
-        if self.kv.blocks_needed(0, required, hits) + headroom > self.kv.num_free:
+        need = self.kv.blocks_needed(0, required, hits) + headroom
+        if need > self.kv.num_free or self._reservation_refuses(req, need, required):
             return None
         self.kv.acquire(hits)
         req.blocks = hits + self.kv.allocate(required - len(hits))
@@ -489,63 +509,3 @@ class Engine:
             req.state = State.WAITING
             self._waiting.append(req)
 
-    # --- pathology mechanisms ------------------------------------------------------------
-
-    def _sticky_blocks(self) -> bool:
-        if P.STICKY_BATCH_FULL not in self.pathologies or not self._batch_full:
-            return False
-        if not self._running:
-            self._batch_full = False  # nothing left to shrink: the flag cannot outlive the batch
-            return False
-        return True
-
-    def _is_unchunked(self, req: SimRequest) -> bool:
-        return req.num_tokens > self.config.unchunked_min_prompt_tokens
-
-    def _reorder_bursts(self) -> None:
-        """Within each prefix group, waiting members go longest prompt first (stable)."""
-        slots: dict[int, list[int]] = {}
-        for i, req in enumerate(self._waiting):
-            if req.group_key is not None:
-                slots.setdefault(req.group_key, []).append(i)
-        for positions in slots.values():
-            if len(positions) < 2:
-                continue
-            members = [self._waiting[i] for i in positions]
-            ordered = sorted(members, key=lambda r: -r.prompt_len)
-            for pos, req in zip(positions, ordered):
-                self._waiting[pos] = req
-            for old, req in zip(positions, members):
-                if positions[ordered.index(req)] > old:
-                    req.delayed_by.add(P.HOL_PREFIX_BURST)
-
-    def _held_by_burst(self, req: SimRequest) -> bool:
-        """A longer member of the request's burst is still in prefill."""
-        if req.group_key is None:
-            return False
-        window = self.config.hol_burst_window_s / self.config.speed
-        return any(
-            other.group_key == req.group_key
-            and other.prompt_len > req.prompt_len
-            and other.first_token_s is None
-            and abs(other.arrival_s - req.arrival_s) <= window
-            for other in self._running
-        )
-
-    def _cold_start_due(self, now_s: float) -> bool:
-        last = self._last_step_end_s
-        return last is None or (now_s - last) * self.config.speed >= self.config.cold_idle_s
-
-    def _cold_start_extra(self, now_s: float) -> float:
-        if P.COLD_START not in self.pathologies:
-            return 0.0
-        cfg = self.config
-        if self._cold_start_due(now_s):
-            self._cold_extra_s = [cfg.cold_start_s * 0.5**k for k in range(cfg.cold_start_steps + 1)]
-        return self._cold_extra_s.pop(0) if self._cold_extra_s else 0.0
-
-    @staticmethod
-    def _tag(name: str, *groups: Iterable[SimRequest]) -> None:
-        for group in groups:
-            for req in group:
-                req.delayed_by.add(name)

@@ -25,6 +25,10 @@ STICKY_BATCH_FULL = "sticky-batch-full"
 PREEMPTION_THRASH = "preemption-thrash"
 COLD_START = "cold-start"
 SERIAL_TOKENIZER = "serial-tokenizer"
+KV_RESERVE_ADMISSION = "kv-reserve-admission"
+DISCONNECT_LEAK = "disconnect-leak"
+LIFO_ADMISSION = "lifo-admission"
+DECODE_STARVATION = "decode-starvation"
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,92 @@ class SerialTokenizer(_Pathology):
     kind = "ttft-outlier"
 
 
+class KvReserveAdmission(_Pathology):
+    """Admission reserves KV for the prompt plus all of max_tokens, so long-output requests stall the queue.
+
+    Models engines that hold a request's whole output reservation from admission on:
+    kekzl/imp PR #1714 (admission on prompt + max_tokens, held until written: 8 requests
+    of max_tokens 1024 answering ~300 tokens went from 517 to 228 tok/s on a 150-block
+    pool), PocketLLM PR #135 (worst case charged until the request finishes), and the
+    reason TGI caps the preallocated budget at 1024 tokens (``router/src/validation.rs``:
+    a user asking for 120k tokens would otherwise take the slots).
+    A request is admitted only when its prompt *and* every request's unused reservation
+    fit the free blocks; the reservation is not allocated, so ``kv_cache_usage_perc``
+    shows only the blocks really written and looks low while the queue waits. A few
+    requests with a huge max_tokens (that stop early by EOS, or are still short) block
+    everyone behind them until they finish. Ground truth names the waiting requests at
+    each admission the reservations refused.
+
+    Trigger: requests whose prompt + max_tokens together exceed the free KV, and a request behind them.
+    """
+
+    name = KV_RESERVE_ADMISSION
+    models = "kekzl/imp PR #1714, PocketLLM PR #135 (prompt + max_tokens held from admission); TGI's 1024 cap"
+    trigger = "a few requests whose prompts plus max_tokens exceed the KV cache, then more requests"
+    effect = "queued requests wait for the long-output ones to finish while KV usage looks low"
+    kind = "ttft-outlier"
+
+
+class DisconnectLeak(_Pathology):
+    """A client that disconnects mid-stream leaves its request running (KV, a seat, step time) to max_tokens.
+
+    Models vLLM issues #10806 ("Failed to abort requests when killing client process")
+    and #54947 ("vLLM did not stop generating tokens" after the client closed the
+    connection mid-request), and proxies that drop the abort (maximhq/bifrost #3164:
+    cancelled requests ran 2-4 minutes on vLLM). The engine never hears of the
+    disconnect: the request decodes on into nothing, and the server does not return to
+    idle after the client's last request ended. Ground truth names the leaked request itself
+    and every request that shared a step with it or waited while it ran.
+
+    Trigger: a stream cancelled after a few tokens of a large max_tokens.
+    """
+
+    name = DISCONNECT_LEAK
+    models = "vLLM #10806, #54947; bifrost #3164 (abort on disconnect not propagated)"
+    trigger = "a client that disconnects after a few tokens of a request with a large max_tokens"
+    effect = "the server stays busy after every client is gone; later requests share a batch and KV with it"
+    kind = "leak"
+
+
+class LifoAdmission(_Pathology):
+    """With two or more requests waiting, the newest is admitted first: the queue is served out of order.
+
+    Models vLLM PR #33522 ("Fix FCFS queue ordering for skipped waiting requests"):
+    requests the scheduler skipped were put back at the front of the waiting queue, so a
+    later request jumped ahead of an earlier one, and under sustained pressure an early
+    request "keeps getting pushed back". Here, whenever ``lifo_min_waiting`` or more
+    requests that were never preempted wait, admission takes them newest first.
+
+    Trigger: several prompts that wait together behind a step's budget.
+    """
+
+    name = LIFO_ADMISSION
+    models = "vLLM PR #33522 (skipped waiting requests prepended ahead of earlier ones)"
+    trigger = "several requests waiting together (prompts that fill the step budget, arriving within a step)"
+    effect = "an earlier request gets its first token after later ones of the same size"
+    kind = "ttft-outlier"
+
+
+class DecodeStarvation(_Pathology):
+    """Prefill-first scheduling: while any running request is still in chunked prefill, decodes are skipped.
+
+    Models SGLang issue 32549 ("Decode starved to ~1 batch per 24s under sustained
+    chunked-prefill load (strict prefill-first scheduling)": a stream's inter-token gap
+    matched the whole duration of two long prefills) and tenstorrent/vllm-tt-plugin #109
+    (prefill-first steps: "every running decode stalls for the entire duration of the
+    multi-chunk prefill"). Unlike ``unchunked-prefill`` the prompt is chunked to the
+    budget; the running streams simply get no token until every chunk is done.
+
+    Trigger: a prompt of several token budgets arriving while others stream.
+    """
+
+    name = DECODE_STARVATION
+    models = "SGLang #32549, tenstorrent/vllm-tt-plugin #109 (prefill-first steps starve decodes)"
+    trigger = "a prompt of two or more token budgets (chunked) arriving while other requests stream"
+    effect = "running streams get no token while the chunks prefill: inter-token gaps of the whole prefill"
+    kind = "itl-stall"
+
+
 _REGISTRY: tuple[type[_Pathology], ...] = (
     HolPrefixBurst,
     UnchunkedPrefill,
@@ -195,6 +285,10 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     PreemptionThrash,
     ColdStart,
     SerialTokenizer,
+    KvReserveAdmission,
+    DisconnectLeak,
+    LifoAdmission,
+    DecodeStarvation,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

@@ -58,6 +58,10 @@ class SimRequest:
     finish_reason: str | None = None
     preemptions: int = 0
     delayed_by: set[str] = field(default_factory=set)
+    #: kv-reserve-admission: blocks reserved at admission for the prompt and all of max_tokens.
+    reserved_blocks: int = 0
+    #: disconnect-leak: the client went away but the engine never heard of it.
+    leaked: bool = False
 
     @property
     def prompt_len(self) -> int:

@@ -1,7 +1,8 @@
 """One small trace per planted pathology that triggers it (for tests, the oracle and benchmarks).
 
 Each :class:`Trigger` names the request that suffers and the measure that shows
-it (``ttft``, ``itl`` = max inter-token gap, ``e2e``). Run on a warm simulator,
+it (``ttft``, ``itl`` = max inter-token gap, ``e2e``, or ``drain``: how long the
+server stays busy, for a request it runs on after its client left). Run on a warm simulator,
 the measure is clearly larger with the pathology on than off
 (tests/test_sim_pathologies.py checks it); cold-start needs a cold server
 instead (a fresh target, or one left idle for more than ``cold_idle_s``).
@@ -21,7 +22,7 @@ class Trigger:
     trace: Trace
     #: The id of the request the pathology hurts most.
     victim: str
-    #: "ttft", "itl" or "e2e".
+    #: "ttft", "itl", "e2e", or "drain" (the execution's length: how long the server stays busy).
     measure: str
     #: Whether the effect needs a cold server (only cold-start).
     cold: bool = False
@@ -124,6 +125,50 @@ def _build() -> dict[str, Trigger]:
             ),
             "S",
             "ttft",
+        ),
+        # Three prompts of 8192 tokens reserve 3 x 762 of the 2560 KV blocks for their 4000-token
+        # outputs; V's 6000-token prompt (375 blocks) fits the blocks really used, not the reservations.
+        P.KV_RESERVE_ADMISSION: Trigger(
+            _trace(
+                "trigger-kv-reserve-admission",
+                [{"id": f"L{i}", "at_ms": i, "prompt_tokens": 8192, "max_tokens": 4000} for i in range(3)]
+                + [{"id": "V", "at_ms": 100, "prompt_tokens": 6000, "max_tokens": 16}],
+            ),
+            "V",
+            "ttft",
+        ),
+        # Z's client leaves after 4 of 3000 tokens; the server decodes the rest into nothing.
+        P.DISCONNECT_LEAK: Trigger(
+            _trace(
+                "trigger-disconnect-leak",
+                [
+                    {"id": "Z", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 3000, "cancel_after_tokens": 4},
+                    {"id": "W", "at_ms": 50, "prompt_tokens": 128, "max_tokens": 64},
+                ],
+            ),
+            "Z",
+            "drain",
+        ),
+        # Six prompts of one step budget each arrive during L0's step: FCFS serves L1 next, LIFO last.
+        P.LIFO_ADMISSION: Trigger(
+            _trace(
+                "trigger-lifo-admission",
+                [{"id": f"L{i}", "at_ms": 10 * i, "prompt_tokens": 2048, "max_tokens": 16} for i in range(6)],
+            ),
+            "L1",
+            "ttft",
+        ),
+        # X's 8192-token prompt is prefilled in four chunks of the budget; D streams meanwhile.
+        P.DECODE_STARVATION: Trigger(
+            _trace(
+                "trigger-decode-starvation",
+                [
+                    {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 200},
+                    {"id": "X", "at_ms": 100, "prompt_tokens": 8192, "max_tokens": 4},
+                ],
+            ),
+            "D",
+            "itl",
         ),
     }
 

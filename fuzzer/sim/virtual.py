@@ -33,6 +33,9 @@ DEFAULT_IDLE_GAP_S = 1.0
 DEFAULT_SAMPLE_INTERVAL_S = 0.05
 #: Token ids of salted prompt text start above the tokenizer's vocabulary and hashed range.
 _TOKEN_BASE = 1 << 32
+#: After the client's last request ended, the server must be idle within this long (the HTTP
+#: executor's ``DEFAULT_IDLE_AFTER_TIMEOUT_S``), else the execution has ``idle_after`` False.
+IDLE_AFTER_S = 5.0
 #: Upper bound of one fast-path run of decode steps (the sample interval bounds it anyway).
 _MAX_FAST_STEPS = 1 << 20
 
@@ -156,6 +159,10 @@ class VirtualTarget:
             self._cancel(engine, engine.complete(step), t, cancel_after, cancelled_at)
         samples.append(self._sample(t - t0))
         self._clock_s = max(t, t0)
+        # What the HTTP executor checks after the last request: the server idle again soon after.
+        ends = [cancelled_at.get(h.request_id, h.finish_s) for h in handles.values()]
+        client_end = max((e for e in ends if e is not None), default=t)
+        idle_after = engine.idle and t - client_end <= IDLE_AFTER_S
 
         results = []
         for r in trace.requests:
@@ -169,7 +176,7 @@ class VirtualTarget:
             requests=tuple(results),
             samples=tuple(samples),
             idle_before_s=idle_before,
-            idle_after=engine.idle,
+            idle_after=idle_after,
             ground_truth=ground_truth,
         )
 
@@ -194,6 +201,7 @@ class VirtualTarget:
         for req in progressed:
             limit = cancel_after.get(id(req))
             if limit is not None and req.generated >= limit and not req.finished:
+                del cancel_after[id(req)]  # once: a server that leaks the abort runs it on
                 engine.abort(req, t)
                 cancelled_at[req.request_id] = t
 

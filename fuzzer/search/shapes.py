@@ -1,0 +1,145 @@
+"""Mutation operators that build the shapes public reports describe (issue 16).
+
+The havoc operators of :mod:`fuzzer.search.mutators` change one field at a time and keep
+outputs within ``Limits.max_output_tokens``; the shapes below are what a scheduling bug
+of a known class needs all at once, so that a campaign reaches classes it was not tuned on:
+
+- ``long_outputs``: a few requests with a max_tokens far above the usual (a quarter or half
+  the model length) that stop early by EOS, and requests behind them. An engine that
+  reserves KV for all of max_tokens at admission stalls the queue while its KV usage
+  looks low (kekzl/imp PR #1714; TGI caps the preallocation for this reason).
+- ``disconnect_long``: a stream of 2048-3072 tokens whose client leaves after a few tokens,
+  then a later request. A server that does not propagate the abort keeps decoding it
+  (vLLM #10806, #54947) and is not idle seconds after the client's last request.
+- ``long_prompt_beside_stream``: a live stream, then a prompt of several step budgets
+  (vLLM PR #10235, #8121, llama.cpp #4216; SGLang #22831's sticky flag).
+- ``prefix_burst``: long and short members of a new shared-prefix group arriving within
+  a few milliseconds (vLLM #37308).
+
+Each takes (trace, rng, limits) like every operator and returns a valid trace or None.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from fuzzer.trace import Request, Trace
+
+#: How many tokens a disconnecting client reads before it leaves.
+CANCEL_AFTER = (1, 2, 4, 8, 16)
+#: Long enough that a leaked request outlasts the executor's 5 s idle-after check at
+#: 3.5 ms or more per decode step (7-11 s there), short enough that the next execution's
+#: idle barrier (30 s) outwaits it on a server three times slower: every leaked request
+#: costs a leaking server that long, and a campaign makes many.
+LEAK_OUTPUTS = (2048, 3072)
+#: A long prompt is this many step budgets long.
+BUDGET_MULTIPLES = (2, 4, 8)
+#: Below this model length the shapes do not apply (their requests would not fit).
+MIN_MODEL_LEN = 512
+
+
+def fresh_id(trace: Trace, base: str) -> str:
+    """A request id not yet in ``trace``, made from ``base``."""
+    return fresh_name({r.id for r in trace.requests}, base)
+
+
+def fresh_name(taken: set[str], base: str) -> str:
+    base = base[:56]
+    if base not in taken:
+        return base
+    i = 2
+    while f"{base}{i}" in taken:
+        i += 1
+    return f"{base}{i}"
+
+
+def _room(trace: Trace, limits) -> int:
+    """How many requests may be added (none on a server whose model length is too short for the shapes)."""
+    if limits.max_model_len < MIN_MODEL_LEN:
+        return 0
+    return limits.max_requests - len(trace.requests)
+
+
+def long_outputs(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Two to six requests asking for a large max_tokens that stop early by EOS, then short requests behind them.
+
+    Together they ask for one to three model lengths of output: more than the KV cache of
+    a server sized for a few long requests holds, although they write little of it.
+    """
+    count = rng.randint(2, 6)
+    victims = rng.randint(1, 2)
+    if _room(trace, limits) < count + victims:
+        return None
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    current = trace
+    for i in range(count + victims):
+        if i < count:
+            prompt = min(rng.choice([256, 1024, 2048]), limits.max_model_len // 4)
+            out = min(limits.max_model_len // rng.choice([2, 4]), limits.max_model_len - prompt)
+            req = Request(id=fresh_id(current, f"long{i}"), at_ms=at + i, prompt_tokens=prompt, max_tokens=out,
+                          ignore_eos=False)
+        else:
+            req = Request(id=fresh_id(current, f"behind{i}"), at_ms=at + count + rng.choice([5.0, 20.0, 100.0]),
+                          prompt_tokens=min(rng.choice([256, 1024, 4096]), limits.max_model_len - 64),
+                          max_tokens=rng.choice([16, 64]))
+        current = current.with_requests([*current.requests, req])
+    return current
+
+
+def disconnect_long(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """A client leaves a long stream after a few tokens; a later request follows (when there is room)."""
+    candidates = [r for r in trace.requests if r.n == 1]
+    if not candidates or limits.max_model_len < MIN_MODEL_LEN:
+        return None
+    req = rng.choice(candidates)
+    out = min(rng.choice(LEAK_OUTPUTS), limits.max_model_len - req.prompt_tokens)
+    cancel = rng.choice(CANCEL_AFTER)
+    if out <= cancel:
+        return None
+    left = replace(req, stream=True, max_tokens=out, ignore_eos=True, cancel_after_tokens=cancel)
+    requests = [left if r is req else r for r in trace.requests]
+    if _room(trace, limits) > 0:
+        later = Request(id=fresh_id(trace, f"{req.id}_after"), at_ms=req.at_ms + rng.choice([100.0, 500.0, 2000.0]),
+                        prompt_tokens=min(req.prompt_tokens, limits.max_model_len - 64), max_tokens=64)
+        requests.append(later)
+    return trace.with_requests(requests)
+
+
+def long_prompt_beside_stream(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """A stream with a long output, then a prompt of several step budgets while it streams."""
+    if _room(trace, limits) < 2:
+        return None
+    at = rng.uniform(0, max(1.0, trace.duration_ms()))
+    wanted = rng.choice([256, 512, 1024])
+    prompt = rng.choice([64, 256])
+    out = max(1, min(wanted, limits.max_output_tokens, limits.max_model_len - prompt))
+    stream = Request(id=fresh_id(trace, "live"), at_ms=float(round(at)), prompt_tokens=prompt, max_tokens=out)
+    long_prompt = min(limits.token_budget * rng.choice(BUDGET_MULTIPLES), limits.max_model_len - 32)
+    big = Request(id=fresh_id(trace, "big"), at_ms=float(round(at + rng.choice([20.0, 100.0, 300.0]))),
+                  prompt_tokens=long_prompt, max_tokens=rng.choice([4, 32]))
+    return trace.with_requests([*trace.requests, stream, big])
+
+
+def prefix_burst(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Long and short members of a new shared-prefix group, the short ones arriving among the long ones."""
+    longs, shorts = rng.randint(2, 4), rng.randint(1, 3)
+    if _room(trace, limits) < longs + shorts:
+        return None
+    prefix = rng.choice([32, 256, 1024])
+    long_prompt = min(rng.choice([2048, 4096]), limits.max_model_len - 32)
+    if long_prompt <= prefix:
+        return None
+    name = fresh_name(set(trace.prefixes), "burst")
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: prefix}, name=trace.name)
+    for i in range(longs + shorts):
+        short = 0 < i <= shorts  # the first arrival is long: the short ones wait during its prefill
+        prompt = prefix + rng.choice([16, 64, 128]) if short else long_prompt
+        req = Request(id=fresh_id(current, f"{'s' if short else 'l'}{name}_{i}"), at_ms=at + 5.0 * i,
+                      prompt_tokens=prompt, prefix=name, max_tokens=rng.choice([16, 32]))
+        current = replace(current, requests=(*current.requests, req))
+    return current.with_requests(current.requests)
+
+
+SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst)

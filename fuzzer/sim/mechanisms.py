@@ -1,0 +1,141 @@
+"""How the planted pathologies change the engine (``fuzzer.sim.pathologies`` names them).
+
+:class:`Mechanisms` is a mixin of :class:`fuzzer.sim.engine.Engine`: the engine's
+scheduler calls these hooks, each of which does nothing unless its pathology is on,
+and each records the pathology's name on the requests it delays (ground truth).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from fuzzer.sim import pathologies as P
+from fuzzer.sim.request import SimRequest
+
+if TYPE_CHECKING:
+    from fuzzer.sim.config import SimConfig
+    from fuzzer.sim.kv import KVCache
+
+
+class Mechanisms:
+    """The pathology hooks of the engine (state lives on the engine)."""
+
+    config: "SimConfig"
+    pathologies: frozenset[str]
+    _waiting: list[SimRequest]
+    _running: list[SimRequest]
+    _batch_full: bool
+    _last_step_end_s: float | None
+    _cold_extra_s: list[float]
+    kv: "KVCache"
+    #: The engine's: blocks a request needs to hold so many tokens of its sequence.
+    _blocks_for: Callable[[SimRequest, int], int]
+
+    def _reservation_refuses(self, req: SimRequest, need: int, required: int) -> bool:
+        """kv-reserve-admission: refuse ``req`` unless its whole output and every unused reservation fit too.
+
+        ``need``: the blocks admission needs now (its chunk, headroom); ``required``: the
+        blocks of its first chunk. The reservation is not allocated (KV usage does not
+        show it); running requests grow into theirs.
+        """
+        if P.KV_RESERVE_ADMISSION not in self.pathologies:
+            return False
+        total = self._blocks_for(req, req.prompt_len + req.max_tokens)
+        outstanding = sum(max(0, r.reserved_blocks - len(r.blocks)) for r in self._running)
+        if need + max(0, total - required) + outstanding <= self.kv.num_free:
+            req.reserved_blocks = total
+            return False
+        self._tag(P.KV_RESERVE_ADMISSION, self._waiting)  # it fits without the reservations
+        return True
+
+    def _newest_first(self) -> None:
+        """lifo-admission: enough waiting requests (never preempted) are taken newest first.
+
+        Preempted requests keep their place at the front (by design); the requests that a
+        later one overtakes are tagged when it is admitted (the engine's admission loop).
+        """
+        fresh = [r for r in self._waiting if not r.preemptions]
+        if len(fresh) < self.config.lifo_min_waiting:
+            return
+        resumed = [r for r in self._waiting if r.preemptions]
+        self._waiting[:] = resumed + sorted(fresh, key=lambda r: -r.ready_s)
+
+    def _prefill_first(self) -> bool:
+        """decode-starvation: a running request still in prefill takes the step; decodes wait."""
+        return P.DECODE_STARVATION in self.pathologies and not all(r.decoding for r in self._running)
+
+    def _leaks_abort(self, req: SimRequest) -> bool:
+        """disconnect-leak: the abort never reaches the engine; the request runs on to its length."""
+        if P.DISCONNECT_LEAK not in self.pathologies:
+            return False
+        req.leaked = True
+        req.delayed_by.add(P.DISCONNECT_LEAK)
+        return True
+
+    def _tag_leak_company(self, batch: Iterable[SimRequest]) -> None:
+        """disconnect-leak: a leaked request in the batch slows its peers and holds KV from the queue."""
+        if P.DISCONNECT_LEAK not in self.pathologies:
+            return
+        batch = list(batch)
+        if any(r.leaked for r in batch):
+            self._tag(P.DISCONNECT_LEAK, batch, self._waiting)
+
+
+    def _sticky_blocks(self) -> bool:
+        if P.STICKY_BATCH_FULL not in self.pathologies or not self._batch_full:
+            return False
+        if not self._running:
+            self._batch_full = False  # nothing left to shrink: the flag cannot outlive the batch
+            return False
+        return True
+
+    def _is_unchunked(self, req: SimRequest) -> bool:
+        return req.num_tokens > self.config.unchunked_min_prompt_tokens
+
+    def _reorder_bursts(self) -> None:
+        """Within each prefix group, waiting members go longest prompt first (stable)."""
+        slots: dict[int, list[int]] = {}
+        for i, req in enumerate(self._waiting):
+            if req.group_key is not None:
+                slots.setdefault(req.group_key, []).append(i)
+        for positions in slots.values():
+            if len(positions) < 2:
+                continue
+            members = [self._waiting[i] for i in positions]
+            ordered = sorted(members, key=lambda r: -r.prompt_len)
+            for pos, req in zip(positions, ordered):
+                self._waiting[pos] = req
+            for old, req in zip(positions, members):
+                if positions[ordered.index(req)] > old:
+                    req.delayed_by.add(P.HOL_PREFIX_BURST)
+
+    def _held_by_burst(self, req: SimRequest) -> bool:
+        """A longer member of the request's burst is still in prefill."""
+        if req.group_key is None:
+            return False
+        window = self.config.hol_burst_window_s / self.config.speed
+        return any(
+            other.group_key == req.group_key
+            and other.prompt_len > req.prompt_len
+            and other.first_token_s is None
+            and abs(other.arrival_s - req.arrival_s) <= window
+            for other in self._running
+        )
+
+    def _cold_start_due(self, now_s: float) -> bool:
+        last = self._last_step_end_s
+        return last is None or (now_s - last) * self.config.speed >= self.config.cold_idle_s
+
+    def _cold_start_extra(self, now_s: float) -> float:
+        if P.COLD_START not in self.pathologies:
+            return 0.0
+        cfg = self.config
+        if self._cold_start_due(now_s):
+            self._cold_extra_s = [cfg.cold_start_s * 0.5**k for k in range(cfg.cold_start_steps + 1)]
+        return self._cold_extra_s.pop(0) if self._cold_extra_s else 0.0
+
+    @staticmethod
+    def _tag(name: str, *groups: Iterable[SimRequest]) -> None:
+        for group in groups:
+            for req in group:
+                req.delayed_by.add(name)

@@ -1,0 +1,99 @@
+"""The shape operators (fuzzer.search.shapes) build what their public reports describe, and on the
+simulator they reach the pathology modelled on that report (ground truth, read by the test only)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fuzzer import trace as tf
+from fuzzer.search import shapes
+from fuzzer.search.mutators import OPERATORS, Limits, generate
+from fuzzer.sim import VirtualTarget
+
+LIMITS = Limits()
+
+
+def _children(op, count=40):
+    out = []
+    for i in range(count):
+        rng = random.Random(i)
+        parent = generate(rng, LIMITS)
+        child = op(parent, rng, LIMITS)
+        if child is not None:
+            out.append((i, parent, child))
+    return out
+
+
+def test_the_shapes_are_havoc_operators():
+    for op in shapes.SHAPE_OPERATORS:
+        assert OPERATORS[op.__name__] is op
+
+
+def test_long_outputs_ask_for_far_more_than_they_write():
+    for _, parent, child in _children(shapes.long_outputs):
+        new = [r for r in child.requests if r.id not in {p.id for p in parent.requests}]
+        longs = [r for r in new if r.max_tokens > LIMITS.max_output_tokens]
+        assert len(longs) >= 2 and all(not r.ignore_eos for r in longs)  # EOS ends them early
+        assert sum(r.prompt_tokens + r.max_tokens for r in longs) >= LIMITS.max_model_len // 2
+        behind = [r for r in new if r not in longs]
+        assert behind and min(r.at_ms for r in behind) > max(r.at_ms for r in longs)
+        assert all(r.prompt_tokens + r.max_tokens <= LIMITS.max_model_len for r in child.requests)
+
+
+def test_disconnect_long_leaves_a_long_stream_after_a_few_tokens():
+    for _, parent, child in _children(shapes.disconnect_long):
+        left = [r for r in child.requests if r.cancel_after_tokens is not None and r.cancel_after_tokens <= 16
+                and 2048 <= r.max_tokens <= 3072]
+        assert left and all(r.stream and r.ignore_eos for r in left)
+
+
+def test_long_prompt_beside_stream_sends_several_budgets_while_a_stream_runs():
+    for _, _, child in _children(shapes.long_prompt_beside_stream):
+        live = next(r for r in child.requests if r.id.startswith("live"))
+        big = next(r for r in child.requests if r.id.startswith("big"))
+        assert big.prompt_tokens >= 2 * LIMITS.token_budget and big.at_ms > live.at_ms and live.stream
+
+
+def test_prefix_burst_puts_short_members_among_long_ones():
+    for _, parent, child in _children(shapes.prefix_burst):
+        group = (set(child.prefixes) - set(parent.prefixes)).pop()
+        members = sorted((r for r in child.requests if r.prefix == group), key=lambda r: r.at_ms)
+        assert members[0].prompt_tokens > members[1].prompt_tokens  # a short one arrives during a long prefill
+        assert members[-1].at_ms - members[0].at_ms <= 40
+
+
+@pytest.mark.parametrize("op, pathology, share", [
+    (shapes.long_outputs, "kv-reserve-admission", 0.6),
+    (shapes.disconnect_long, "disconnect-leak", 0.6),
+    (shapes.prefix_burst, "hol-prefix-burst", 0.6),
+    (shapes.long_prompt_beside_stream, "unchunked-prefill", 0.6),
+])
+def test_a_shape_reaches_its_pathology_where_its_parent_does_not(op, pathology, share):
+    reached = tried = 0
+    for i, parent, child in _children(op, 30):
+        target = VirtualTarget(pathologies=(pathology,), seed=i)
+        if any(target.run(parent).ground_truth.values()):
+            continue  # the parent already shows it
+        tried += 1
+        result = target.run(child)
+        shows = not result.idle_after if pathology == "disconnect-leak" else any(result.ground_truth.values())
+        reached += shows
+    assert tried >= 10 and reached >= share * tried, (reached, tried)
+
+
+@pytest.mark.parametrize("max_model_len", [1, 64, 511, 512, 600, 4096])
+def test_shapes_fit_any_model_length_or_do_not_apply(max_model_len):
+    limits = Limits(max_model_len=max_model_len, max_output_tokens=min(1024, max_model_len))
+    for i in range(30):
+        rng = random.Random(i)
+        parent = generate(random.Random(i), Limits(max_model_len=max(max_model_len, 64)))
+        for op in shapes.SHAPE_OPERATORS:
+            child = op(parent, rng, limits)
+            if child is None:
+                continue
+            assert max_model_len >= shapes.MIN_MODEL_LEN
+            tf.validate(child)
+            added = [r for r in child.requests if r not in parent.requests]
+            assert all(r.prompt_tokens + r.max_tokens <= max_model_len for r in added), op.__name__
