@@ -24,7 +24,6 @@ import os
 import shutil
 import sqlite3
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

@@ -103,7 +103,6 @@ def test_findings_come_from_the_target_that_plants_them_and_are_rechecked_on_its
             pool.close()
         findings = store.list_findings()
     assert summary.reason is ExitReason.MAX_EXECS and summary.executions >= 50
-    by_target = {name: [f for f in findings if f.details["target"] == name] for name in targets}
     # The requests batched with a logprobs request are many times slower on the server that plants
     # logprobs-batch-cost: the campaign's worst finding is there, confirmed in every run.
     worst = max(findings, key=lambda f: f.slowdown or 0.0)
