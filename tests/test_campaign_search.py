@@ -91,3 +91,28 @@ async def test_the_null_baseline_does_not_pay_for_stability_runs():
     purposes = store.purposes(campaign_id=campaign.campaign_id)
     assert purposes["fuzz"] >= 5
     assert "stability" not in purposes
+
+
+async def test_once_a_disconnect_leak_is_confirmed_children_cancel_nothing():
+    # A leaking server keeps each cancelled request's work running: every later trace with a
+    # cancellation could only find the same leak, and would wait at the idle barrier first.
+    sim = VirtualTarget(pathologies=(P.DISCONNECT_LEAK,), seed=1)
+    calibration = await calibrate(sim, rng=random.Random(1))
+    store = Store.memory()
+    found_at: list[int] = []
+
+    def on_finding(finding_id, verdict):
+        if store.get_finding(finding_id).kind == "leak":
+            found_at.append(campaign.executions)
+
+    campaign = Campaign(sim, store, Settings(seed=1, max_execs=80), seeds=[tf.load(CORPUS / "cancel-retry.json")],
+                        target_key="sim:leak", calibration=calibration, on_finding=on_finding)
+    await campaign.run()
+    assert found_at, "the seed's disconnect leak was not confirmed"
+    later = [row for row in store.execution_rows(campaign_id=campaign.campaign_id)
+             if row["purpose"] == "fuzz" and row["number"] > found_at[0]]
+    assert len(later) >= 10
+    cancelling = [row["number"] for row in later
+                  if any(r.cancel_after_tokens is not None for r in store.get_trace(row["trace_hash"]).requests)]
+    assert not cancelling
+    assert len([f for f in store.list_findings() if f.kind == "leak"]) == 1

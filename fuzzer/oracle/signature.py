@@ -59,10 +59,19 @@ def signature(kind: FindingKind, trace: Trace, request_id: str | None = None, **
     shape: dict[str, Any] = {"kind": kind.value, **{k: v for k, v in sorted(extra.items())}}
     if request_id is not None:
         shape["victim"] = request_shape(trace, trace.request(request_id))
+    elif kind is FindingKind.LEAK:
+        return leak_signature(cancelled=any(r.cancel_after_tokens is not None for r in trace.requests))
     else:
         shape["trace"] = _trace_shape(trace)
     digest = hashlib.sha256(canonical_json(shape).encode()).hexdigest()[:12]
     return f"{kind.value}:{digest}"
+
+
+def leak_signature(*, cancelled: bool) -> str:
+    """The signature of every leak: a server that does not return to idle is one bug whatever the
+    trace's size; what tells two leaks apart is whether requests were cancelled (a disconnect leak)."""
+    shape = {"kind": FindingKind.LEAK.value, "trace": {"cancel": cancelled}}
+    return f"{FindingKind.LEAK.value}:{hashlib.sha256(canonical_json(shape).encode()).hexdigest()[:12]}"
 
 
 def _trace_shape(trace: Trace) -> dict[str, Any]:

@@ -291,6 +291,13 @@ def uncancel(trace, rng, limits):
     return None if req is None else _replace_request(trace, req, replace(req, cancel_after_tokens=None))
 
 
+def without_cancellations(trace: Trace) -> Trace:
+    """``trace`` with every request served to its end (no client disconnects)."""
+    if all(r.cancel_after_tokens is None for r in trace.requests):
+        return trace
+    return trace.with_requests([replace(r, cancel_after_tokens=None) for r in trace.requests])
+
+
 def n_logprobs(trace, rng, limits):
     """Raise a request's sampling work: n choices, logprobs, or both at once (vLLM 37343).
 
