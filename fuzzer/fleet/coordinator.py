@@ -36,7 +36,7 @@ from fuzzer.fleet.targets import FleetTarget
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import RECONFIRM_AFTER
+from fuzzer.search.confirming import recently_rejected
 from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
 from fuzzer.search.settings import ExitReason, Settings, stop_reason
 from fuzzer.store import Store
@@ -302,11 +302,7 @@ class Coordinator:
             return True
         if any(task.key == key for _, task in self._inflight.values()):
             return True
-        seen = self.rejected.get(key)
-        if seen is not None and seen < RECONFIRM_AFTER:
-            self.rejected[key] = seen + 1
-            return True
-        return False
+        return recently_rejected(self.rejected, key)
 
     def _confirmed(self, t: TargetState, task: Task, done) -> None:
         for run in done.runs:

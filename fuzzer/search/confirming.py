@@ -128,13 +128,7 @@ class Confirmer:
 
     def _skip(self, key: str) -> bool:
         """Found already, or rejected and not yet seen RECONFIRM_AFTER times since (counted here)."""
-        if key in self.found:
-            return True
-        seen = self.rejected.get(key)
-        if seen is not None and seen < RECONFIRM_AFTER:
-            self.rejected[key] = seen + 1
-            return True
-        return False
+        return key in self.found or recently_rejected(self.rejected, key)
 
     async def _check_slo(self, trace: Trace, result: ExecutionResult) -> Verdict | None:
         """Confirm the request furthest over the SLO (bounded re-runs); an OutOfTime drops it (no pending)."""
@@ -201,6 +195,16 @@ class Confirmer:
             self.new_findings.append((finding_id, str(verdict.kind)))
             self.last_find = self._clock()
             self._on_finding(finding_id, verdict)
+
+
+def recently_rejected(rejected: dict[str, int], key: str) -> bool:
+    """Whether ``key``'s confirmation came back SAME fewer than RECONFIRM_AFTER sightings ago
+    (this sighting is counted in ``rejected``)."""
+    seen = rejected.get(key)
+    if seen is not None and seen < RECONFIRM_AFTER:
+        rejected[key] = seen + 1
+        return True
+    return False
 
 
 def candidate_to_dict(c: Candidate) -> dict:
