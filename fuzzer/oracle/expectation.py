@@ -162,12 +162,18 @@ def _expect(
     loaded = serve(requests, prefixes, sent, model, assumption, False)
     preempted = max((sum(p.preemptions for p in v.values()) for v in variants), default=0)
     stalls = _preemption_stalls(variants) if preempted else {}
+    beside = _beside_preemption(variants) if preempted else set()
     out: dict[str, Expectation] = {}
     for r in requests:
         done = loaded[r.id]
         out_tokens = r.cancel_after_tokens or r.max_tokens
         alone = _idle(r.prompt_tokens, out_tokens, model, assumption, done.cached_tokens, r.n)
         every = [done, *(v[r.id] for v in variants)]
+        if r.id in beside and out_tokens > 1:
+            # It could be the one preempted on a real engine: a stall of its own recompute (its
+            # prompt and what it generated, from the prefix cache's share on) after a step's wait.
+            redo = _idle(r.prompt_tokens + out_tokens, 1, model, assumption, done.cached_tokens, 1).idle_ttft_s
+            stalls[r.id] = max(stalls.get(r.id, 0.0), redo + max(p.max_step_s for p in every))
         out[r.id] = Expectation(
             request_id=r.id,
             idle_ttft_s=alone.idle_ttft_s,
@@ -201,6 +207,22 @@ def _preemption_stalls(variants: list[dict[str, PaperRequest]]) -> dict[str, flo
             for start, end in gaps:
                 if lo < end and hi > start:
                     out[p.request_id] = max(out.get(p.request_id, 0.0), end - start)
+    return out
+
+
+def _beside_preemption(variants: list[dict[str, PaperRequest]]) -> set[str]:
+    """Ids of the requests in the system while a schedule preempted one (before its first token too).
+
+    Which running request is the newest when blocks run out drifts with step boundaries, so
+    each of these may be the one a real engine preempts (see :func:`_preemption_stalls`).
+    """
+    out: set[str] = set()
+    for v in variants:
+        spans = [(p.arrival_s, p.arrival_s + p.e2e_s) for p in v.values() if p.preemptions]
+        for p in v.values():
+            lo, hi = p.arrival_s, p.arrival_s + p.e2e_s
+            if any(lo < end and hi > start for start, end in spans):
+                out.add(p.request_id)
     return out
 
 
