@@ -63,15 +63,17 @@ def signature(kind: FindingKind, trace: Trace, request_id: str | None = None, **
         return leak_signature(cancelled=any(r.cancel_after_tokens is not None for r in trace.requests))
     else:
         shape["trace"] = _trace_shape(trace)
-    digest = hashlib.sha256(canonical_json(shape).encode()).hexdigest()[:12]
-    return f"{kind.value}:{digest}"
+    return _key(kind, shape)
 
 
 def leak_signature(*, cancelled: bool) -> str:
     """The signature of every leak: a server that does not return to idle is one bug whatever the
     trace's size; what tells two leaks apart is whether requests were cancelled (a disconnect leak)."""
-    shape = {"kind": FindingKind.LEAK.value, "trace": {"cancel": cancelled}}
-    return f"{FindingKind.LEAK.value}:{hashlib.sha256(canonical_json(shape).encode()).hexdigest()[:12]}"
+    return _key(FindingKind.LEAK, {"kind": FindingKind.LEAK.value, "trace": {"cancel": cancelled}})
+
+
+def _key(kind: FindingKind, shape: dict[str, Any]) -> str:
+    return f"{kind.value}:{hashlib.sha256(canonical_json(shape).encode()).hexdigest()[:12]}"
 
 
 def _trace_shape(trace: Trace) -> dict[str, Any]:

@@ -72,6 +72,8 @@ CHILDREN_PER_PICK = 4
 EXECUTION_SHARE = 0.05
 MAX_EXECUTION_S = 120.0
 AFFORD_TRIES = 4
+#: The signature of a leak on cancelled requests: once found, children cancel nothing (see _try).
+DISCONNECT_LEAK = leak_signature(cancelled=True)
 
 
 class Campaign:
@@ -375,7 +377,7 @@ class Campaign:
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""
-        if leak_signature(cancelled=True) in self.confirmer.found:
+        if DISCONNECT_LEAK in self.confirmer.found:
             # A disconnect leak is confirmed: a child's cancellations could only find it again, and
             # each would hold the next execution at the idle barrier until the leaked work ends.
             child = replace(child, trace=without_cancellations(child.trace))

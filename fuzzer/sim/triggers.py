@@ -32,6 +32,14 @@ def _trace(name: str, requests: list[dict], prefixes: dict[str, int] | None = No
     return from_dict({"name": name, "prefixes": prefixes or {}, "requests": requests})
 
 
+def _stream_then_long_prompt(name: str) -> Trace:
+    """D streams 200 tokens; 100 ms in, X's 8192-token prompt (four step budgets) arrives."""
+    return _trace(name, [
+        {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 200},
+        {"id": "X", "at_ms": 100, "prompt_tokens": 8192, "max_tokens": 4},
+    ])
+
+
 def _build() -> dict[str, Trigger]:
     return {
         # Two short members of a prefix group wait with six long ones (they arrive during L0's prefill).
@@ -49,17 +57,7 @@ def _build() -> dict[str, Trigger]:
             "ttft",
         ),
         # An 8192-token prompt arrives while D streams.
-        P.UNCHUNKED_PREFILL: Trigger(
-            _trace(
-                "trigger-unchunked-prefill",
-                [
-                    {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 200},
-                    {"id": "X", "at_ms": 100, "prompt_tokens": 8192, "max_tokens": 4},
-                ],
-            ),
-            "D",
-            "itl",
-        ),
+        P.UNCHUNKED_PREFILL: Trigger(_stream_then_long_prompt("trigger-unchunked-prefill"), "D", "itl"),
         # B asks for n=8, logprobs=20; C arrives while it runs.
         P.LOGPROBS_BATCH_COST: Trigger(
             _trace(
@@ -159,17 +157,7 @@ def _build() -> dict[str, Trigger]:
             "ttft",
         ),
         # X's 8192-token prompt is prefilled in four chunks of the budget; D streams meanwhile.
-        P.DECODE_STARVATION: Trigger(
-            _trace(
-                "trigger-decode-starvation",
-                [
-                    {"id": "D", "at_ms": 0, "prompt_tokens": 128, "max_tokens": 200},
-                    {"id": "X", "at_ms": 100, "prompt_tokens": 8192, "max_tokens": 4},
-                ],
-            ),
-            "D",
-            "itl",
-        ),
+        P.DECODE_STARVATION: Trigger(_stream_then_long_prompt("trigger-decode-starvation"), "D", "itl"),
     }
 
 
