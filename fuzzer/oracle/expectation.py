@@ -26,7 +26,7 @@ by the user; :meth:`SchedulerAssumption.describe` says in every verdict which we
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,6 +40,11 @@ from fuzzer.trace import Request, Trace, ceil_div
 # and confirmations re-run the same trace; results are kept for this many recent
 # (trace, send times, model, assumption) keys. An entry is a few KB.
 _EXPECT_CACHE_SIZE = 512
+
+#: Two first tokens this close came out of one engine step as far as a client can tell (its
+#: reads of concurrent streams interleave): a request served with a preempted one's last chunk
+#: was queued behind it (:func:`behind_preempted`).
+SAME_STEP_S = 0.010
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,11 @@ class Expectation:
     e2e_s: float
     #: Prompt tokens the paper schedule took from the prefix cache.
     cached_tokens: int = 0
+    #: Preempted for KV blocks in some KV-aware schedule of the envelope.
+    preempted: bool = False
+    #: The preempted request whose observed first token the TTFT and E2E bounds wait for
+    #: (:func:`behind_preempted`); None when they are the schedule's own.
+    behind: str | None = None
 
     def bound(self, metric: Metric) -> float | None:
         return {Metric.TTFT: self.ttft_s, Metric.MAX_ITL: self.max_itl_s, Metric.E2E: self.e2e_s}[metric]
@@ -121,7 +131,11 @@ def expect(
 def expected_preemptions(
     trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None = None
 ) -> int:
-    """The most preemptions any KV-aware variant of the envelope makes (0 without a KV capacity)."""
+    """The most preemptions any KV-aware variant of the envelope makes (0 without a KV capacity).
+
+    A prompt preempted in its prefill counts once more for each of its later chunks (``churn``):
+    an engine that re-admits it a chunk at a time may preempt it again at each.
+    """
     return _expect(*_key(trace, result), model, assumption, True)[1]
 
 
@@ -160,9 +174,10 @@ def _expect(
         if cap is not None:
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
     loaded = serve(requests, prefixes, sent, model, assumption, False)
-    preempted = max((sum(p.preemptions for p in v.values()) for v in variants), default=0)
+    preempted = max((sum(p.preemptions + p.churn for p in v.values()) for v in variants), default=0)
     stalls = _preemption_stalls(variants) if preempted else {}
     beside = _beside_preemption(variants) if preempted else set()
+    victims = {p.request_id for v in variants for p in v.values() if p.preemptions}
     out: dict[str, Expectation] = {}
     for r in requests:
         done = loaded[r.id]
@@ -184,8 +199,50 @@ def _expect(
             if out_tokens > 1 else None,
             e2e_s=max(p.e2e_s for p in every),
             cached_tokens=done.cached_tokens,
+            preempted=r.id in victims,
         )
     return out, preempted
+
+
+def behind_preempted(expectations: dict[str, Expectation], result: ExecutionResult) -> dict[str, Expectation]:
+    """``expectations`` with the wait of each request queued behind a preempted one, as observed.
+
+    An engine puts a request it preempted for KV blocks back at the head of its waiting queue
+    (vLLM v1: recompute preemption of the newest running request), and FCFS admission lets
+    nobody past the head: a long prompt that cannot fit beside the growing streams is
+    admitted, preempted and re-queued at the head again until they end, and everyone behind
+    it waits. Which request is the newest when blocks run out drifts with step boundaries and
+    the order in which same-instant requests reach the engine, so the paper schedule may
+    preempt another one, or none, at that moment. For a request P that some KV-aware schedule
+    of the envelope preempts (``Expectation.preempted``), a request V sent after P (FCFS
+    admits P first, so only P can be the running request preempted ahead of V) but before P's
+    first token, and served after it (or with it: ``SAME_STEP_S``), is bounded by P's first token (as observed, at most P's own
+    bound: P's lateness beyond its bound is P's finding, not V's excuse) plus V's idle TTFT.
+    The execution's evidence decides who was served after whom; the caller applies this only
+    when the server reported preemptions during the execution.
+    """
+    firsts: dict[str, tuple[float, float, float]] = {}
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is not None and e.preempted and r.ttft_s is not None:
+            firsts[r.request_id] = (r.sent_s, r.sent_s + r.ttft_s, r.sent_s + min(r.ttft_s, e.ttft_s))
+    if not firsts:
+        return expectations
+    out = dict(expectations)
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is None or r.ttft_s is None:
+            continue
+        served = r.sent_s + r.ttft_s
+        held = [(capped, pid) for pid, (sent, seen, capped) in firsts.items()
+                if pid != r.request_id and sent <= r.sent_s < seen <= served + SAME_STEP_S]
+        if not held:
+            continue
+        until, pid = max(held)
+        wait = until - r.sent_s + e.idle_ttft_s
+        if wait > e.ttft_s:
+            out[r.request_id] = replace(e, ttft_s=wait, e2e_s=e.e2e_s + wait - e.ttft_s, behind=pid)
+    return out
 
 
 def _preemption_stalls(variants: list[dict[str, PaperRequest]]) -> dict[str, float]:

@@ -36,7 +36,7 @@ from fuzzer.execute.http import SPEED_CHECK
 from fuzzer.execute.managed import server_death
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.calibration import Calibration
-from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions
+from fuzzer.oracle.expectation import Expectation, behind_preempted, expect, expected_preemptions
 from fuzzer.oracle.kinds import METRIC_KIND, Decision, FindingKind, Metric
 from fuzzer.oracle.order import Inversion, inversions
 from fuzzer.oracle.policy import CANDIDATE_FACTOR, DEFAULT_POLICY, FAILURE_QUORUM, OraclePolicy
@@ -69,6 +69,8 @@ class Observation:
     #: For a TTFT: the requests that overtook this one although FCFS serves it first
     #: (fuzzer.oracle.order), whatever the bound says; None when none did.
     order: Inversion | None = None
+    #: The preempted request whose observed first token this bound waits for, if any.
+    behind: str | None = None
 
     @property
     def flagged(self) -> bool:
@@ -130,7 +132,9 @@ def observe(
                 margin = policy.margin_s(calibration, metric, result.client_lag_s)
                 slow = value >= factor * bound and value - bound >= margin
                 inverted = overtaken.get(r.request_id) if metric is Metric.TTFT else None
-                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed, load, inverted)
+                behind = e.behind if metric is not Metric.MAX_ITL else None
+                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed, load, inverted,
+                                                   behind)
         streamed = r.request_id not in planned or planned[r.request_id].stream
         failure = None if queued_out(r, e, result, factor, streamed) else failure_kind(r.outcome)
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))
@@ -193,14 +197,19 @@ def bounds(
     """The expectations ``result`` is held against, and the candidate factor over them.
 
     With the server's KV capacity known, the KV-aware bound (by-design preemption is inside
-    it) and the plain factor; when the execution thrashed (``thrashed``: :func:`thrash` of
+    it; when the server reported preemptions, a request served after one the schedule
+    preempts waits for it as observed: :func:`~fuzzer.oracle.expectation.behind_preempted`)
+    and the plain factor; when the execution thrashed (``thrashed``: :func:`thrash` of
     it, computed once per execution by the caller) the KV-unaware bound, no allowance.
     Without a capacity, the KV-unaware bound and, under by-design KV pressure
     (:func:`kv_pressure`), a factor KV_PRESSURE_FACTOR times larger.
     """
     model, a = calibration.model, calibration.assumption
     if a.kv_blocks is not None:
-        return expect(trace, model, a, result, kv=not thrashed), policy.factor
+        expectations = expect(trace, model, a, result, kv=not thrashed)
+        if not thrashed and preemptions(result) > 0:
+            expectations = behind_preempted(expectations, result)
+        return expectations, policy.factor
     factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
     return expect(trace, model, a, result), factor
 
@@ -583,4 +592,8 @@ def _evidence(sample: Sequence[Observation]) -> str:
     if loads:
         text += (f", scaled by the engine's speed check after {len(loads)}/{len(sample)} run(s) "
                  f"(up to {max(loads):.2g}x slower than calibrated)")
+    behind = sorted({o.behind for o in sample if o.behind})
+    if behind:
+        text += (f", waiting as observed for {', '.join(behind)} (preempted for KV blocks by design, "
+                 f"back at the head of the queue) in {sum(o.behind is not None for o in sample)}/{len(sample)} run(s)")
     return text

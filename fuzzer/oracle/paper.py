@@ -69,6 +69,9 @@ class PaperRequest:
     max_step_s: float = 0.0
     #: Times the request was preempted for KV blocks (0 without a KV capacity).
     preemptions: int = 0
+    #: Further preemptions an engine that re-admits a preempted prompt chunk by chunk may make
+    #: of it (see :meth:`_KV.preempt`): by design, not thrash.
+    churn: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -140,6 +143,7 @@ class Job:
     #: KV blocks held (only with a KV capacity) and preemptions suffered.
     held: int = 0
     preemptions: int = 0
+    churn: int = 0
 
     @property
     def prefilled(self) -> bool:
@@ -156,6 +160,7 @@ class Job:
             cached_tokens=self.cached,
             max_step_s=self.max_step,
             preemptions=self.preemptions,
+            churn=self.churn,
         )
 
 
@@ -195,7 +200,7 @@ def schedule(
     1 ms reached its engine in that order. Otherwise each request's tokenization delays only
     itself, and a short prompt sent a moment after a long one may reach the engine first.
     """
-    kv = _KV(kv_blocks, a.block_size) if kv_blocks is not None else None
+    kv = _KV(kv_blocks, a.block_size, a.token_budget) if kv_blocks is not None else None
     waves = _waves(jobs, a.max_num_seqs)
     queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     free = -math.inf
@@ -303,6 +308,7 @@ def schedule(
             j.finish_s = max(j.finish_s or 0.0, w.finish_s or 0.0)
             j.max_step = max(j.max_step, w.max_step)
             j.preemptions += w.preemptions
+            j.churn += w.churn
     return jobs
 
 
@@ -340,9 +346,10 @@ class _KV:
     #: Blocks kept free per running request when admitting (each decode may need one next step).
     HEADROOM_PER_SEQ = 1
 
-    def __init__(self, capacity: int, block_size: int) -> None:
+    def __init__(self, capacity: int, block_size: int, token_budget: int) -> None:
         self.free = capacity
         self.block = block_size
+        self.budget = token_budget
 
     def blocks(self, j: Job, tokens: int) -> int:
         """Blocks that hold ``tokens`` of the job's sequence (each further choice its own output)."""
@@ -407,7 +414,15 @@ class _KV:
         return room
 
     def preempt(self, j: Job, waiting: deque[Job]) -> None:
-        """Recompute preemption: free the blocks, back to the front of the queue."""
+        """Recompute preemption: free the blocks, back to the front of the queue.
+
+        This schedule re-admits a preempted request only when its whole recompute fits. vLLM v1
+        (and the simulator) re-admit it a chunk at a time as soon as a chunk fits, so a prompt
+        preempted in its prefill may be preempted again at each of its later chunks until the
+        streams beside it leave room: ``churn`` counts those, for the thrash check.
+        """
+        if not j.prefilled:
+            j.churn += max(0, ceil_div(j.prompt + j.recompute, self.budget) - 1)
         self.free += j.held
         j.held = 0
         j.admitted = False
