@@ -37,7 +37,7 @@ import numpy as np
 
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.confirm import examine
-from fuzzer.oracle.judge import preemptions
+from fuzzer.oracle.evidence import preemptions
 from fuzzer.search.mutators import generate
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as sim_pathologies
@@ -115,12 +115,14 @@ MATERIAL_GAIN = 2.0
 _WARM_UP = _t([{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}])
 
 
-async def _calibration(seed: int, kv_blind: bool = False, full: bool = False):
+async def _calibration(seed: int, kv_blind: bool = False, full: bool = False, fifo: bool = False):
     target = VirtualTarget(seed=10_000 + seed)
     cal = await calibrate(target, rng=random.Random(seed), max_model_len=target.config.max_model_len,
                           early_stop=not full)
     if kv_blind:
         cal = dataclasses.replace(cal, assumption=dataclasses.replace(cal.assumption, kv_blocks=None))
+    if fifo:  # what a calibration over HTTP assumes: the envelope's frontend variants and burst-order slack
+        cal = dataclasses.replace(cal, assumption=dataclasses.replace(cal.assumption, frontend_fifo=True))
     return cal
 
 
@@ -200,6 +202,8 @@ async def main() -> None:
     parser.add_argument("--kv-blind", action="store_true", help="calibrate without the KV capacity (before)")
     parser.add_argument("--full-calibration", action="store_true",
                         help="every probe repeat, no early stop once the fit is settled (before)")
+    parser.add_argument("--frontend-fifo", action="store_true",
+                        help="judge under the assumption a calibration over HTTP stores (frontend in arrival order)")
     args = parser.parse_args()
     started = time.perf_counter()
     sets = {"random traces (generate)": generate, **({"KV-heavy bursts": _kv_heavy} if args.kv_heavy else {})}
@@ -208,7 +212,7 @@ async def main() -> None:
     names = [n for n in args.pathologies.split(",") if n]
     det: dict[str, collections.Counter] = {name: collections.Counter() for name in names}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        cal = await _calibration(seed, args.kv_blind, args.full_calibration)
+        cal = await _calibration(seed, args.kv_blind, args.full_calibration, args.frontend_fifo)
         print(f"seed {seed}: calibration {cal.probing}; {cal.probes} probes", flush=True)
         for label, make in sets.items():
             count = args.clean if make is generate else args.kv_heavy
@@ -220,7 +224,8 @@ async def main() -> None:
     wall = time.perf_counter() - started
 
     print(f"seeds: {args.first_seed}..{args.first_seed + args.seeds - 1}; wall time {wall:.0f} s; "
-          f"KV capacity {'hidden (KV-unaware bound)' if args.kv_blind else 'read by calibration'}\n")
+          f"KV capacity {'hidden (KV-unaware bound)' if args.kv_blind else 'read by calibration'}"
+          f"{'; frontend in arrival order (as over HTTP)' if args.frontend_fifo else ''}\n")
     print("| clean simulator | traces | preempted (KV full) | with a confirmed finding | of those preempted | "
           "false-positive rate | executions |")
     print("|---|---:|---:|---:|---:|---:|---:|")

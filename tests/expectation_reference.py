@@ -100,6 +100,7 @@ class _Job:
     finish_s: float | None = None
     max_step: float = 0.0
     ready_s: float = 0.0
+    chunk_steps: list = field(default_factory=list)
 
     @property
     def prefilled(self) -> bool:
@@ -115,6 +116,7 @@ class _Job:
             e2e_s=self.finish_s + shift,
             cached_tokens=self.cached,
             max_step_s=self.max_step,
+            chunk_steps=tuple(self.chunk_steps),
         )
 
 
@@ -184,6 +186,7 @@ def _schedule(
             j.tokens += 1
             j.token_times.append(t)
         for j, c in chunks:
+            j.chunk_steps.append((t - dt, dt))
             j.computed += c
             if j.group is not None and j.group not in ready and j.computed >= _cacheable(j, a.block_size) > 0:
                 ready[j.group] = t

@@ -27,7 +27,7 @@ from fuzzer.oracle.calibrate import (
 )
 from fuzzer.oracle.confirm import examine
 from fuzzer.oracle.expectation import expect, expected_preemptions
-from fuzzer.oracle.judge import bounds, preemptions, thrash
+from fuzzer.oracle.evidence import bounds, preemptions, thrash
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.model import SchedulerAssumption, StepModel, assumption_for
 from fuzzer.oracle.paper import serve

@@ -16,7 +16,8 @@ from test_oracle import _examine_sim
 
 from fuzzer import trace as tf
 from fuzzer.execution import ExecutionResult, RequestResult
-from fuzzer.oracle.judge import observe, preemptions
+from fuzzer.oracle.evidence import preemptions
+from fuzzer.oracle.judge import observe
 from fuzzer.oracle.expectation import expected_preemptions
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption

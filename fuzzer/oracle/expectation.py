@@ -26,13 +26,14 @@ by the user; :meth:`SchedulerAssumption.describe` says in every verdict which we
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.kinds import Metric
-from fuzzer.oracle.model import ENVELOPE_SCALES, SchedulerAssumption, StepModel
+from fuzzer.oracle.model import ENVELOPE_SCALES, FRONTEND_SLACK_S, SchedulerAssumption, StepModel
 from fuzzer.oracle.paper import Job, PaperRequest, schedule, serve
 from fuzzer.trace import Request, Trace, ceil_div
 
@@ -40,11 +41,6 @@ from fuzzer.trace import Request, Trace, ceil_div
 # and confirmations re-run the same trace; results are kept for this many recent
 # (trace, send times, model, assumption) keys. An entry is a few KB.
 _EXPECT_CACHE_SIZE = 512
-
-#: Two first tokens this close came out of one engine step as far as a client can tell (its
-#: reads of concurrent streams interleave): a request served with a preempted one's last chunk
-#: was queued behind it (:func:`behind_preempted`).
-SAME_STEP_S = 0.010
 
 
 @dataclass(frozen=True)
@@ -63,8 +59,8 @@ class Expectation:
     cached_tokens: int = 0
     #: Preempted for KV blocks in some KV-aware schedule of the envelope.
     preempted: bool = False
-    #: The preempted request whose observed first token the TTFT and E2E bounds wait for
-    #: (:func:`behind_preempted`); None when they are the schedule's own.
+    #: What the TTFT and E2E bounds wait for as the execution observed it (fuzzer.oracle.evidence:
+    #: a preempted request, a free slot); None when they are the schedule's own.
     behind: str | None = None
 
     def bound(self, metric: Metric) -> float | None:
@@ -139,6 +135,17 @@ def expected_preemptions(
     return _expect(*_key(trace, result), model, assumption, True)[1]
 
 
+def prefill_steps(
+    trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, durations) of every step computing a prompt chunk in any schedule of the envelope, by start.
+
+    Execution time, as ``sent_s``. :func:`fuzzer.oracle.evidence.exposed_to_steps` holds a stream
+    that was still in the system at such a moment to a gap that long.
+    """
+    return _expect(*_key(trace, result), model, assumption, True)[2]
+
+
 def _key(trace: Trace, result: ExecutionResult | None) -> tuple:
     sent = tuple((r.request_id, r.sent_s) for r in result.requests) if result is not None else ()
     return trace.requests, tuple(trace.prefixes.items()), sent
@@ -154,7 +161,7 @@ def _expect(
     model: StepModel,
     assumption: SchedulerAssumption,
     kv: bool,
-) -> tuple[dict[str, Expectation], int]:
+) -> tuple[dict[str, Expectation], int, tuple[np.ndarray, np.ndarray]]:
     prefixes, sent = dict(prefix_items), dict(sent_items)
     capacities: list[int | None] = [None]
     if kv and assumption.kv_blocks is not None and not _fits(requests, assumption):
@@ -171,6 +178,8 @@ def _expect(
             if assumption.frontend_fifo:
                 variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                       fifo_frontend=True))
+                variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                      fifo_frontend=True, shared_frontend=True))
         if cap is not None:
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
     loaded = serve(requests, prefixes, sent, model, assumption, False)
@@ -201,48 +210,38 @@ def _expect(
             cached_tokens=done.cached_tokens,
             preempted=r.id in victims,
         )
-    return out, preempted
+    if assumption.frontend_fifo:
+        out = _reached_in_any_order(out, {r.id: loaded[r.id].arrival_s for r in requests}, FRONTEND_SLACK_S)
+    steps = sorted({s for v in (loaded, *variants) for p in v.values() for s in p.chunk_steps})
+    starts = np.array([s for s, _ in steps], dtype=np.float64)
+    durations = np.array([d for _, d in steps], dtype=np.float64)
+    return out, preempted, (starts, durations)
 
 
-def behind_preempted(expectations: dict[str, Expectation], result: ExecutionResult) -> dict[str, Expectation]:
-    """``expectations`` with the wait of each request queued behind a preempted one, as observed.
+def _reached_in_any_order(out: dict[str, Expectation], arrival: dict[str, float], slack: float) -> dict[str, Expectation]:
+    """``out`` with each request bounded as if queued behind every request sent up to ``slack`` after it.
 
-    An engine puts a request it preempted for KV blocks back at the head of its waiting queue
-    (vLLM v1: recompute preemption of the newest running request), and FCFS admission lets
-    nobody past the head: a long prompt that cannot fit beside the growing streams is
-    admitted, preempted and re-queued at the head again until they end, and everyone behind
-    it waits. Which request is the newest when blocks run out drifts with step boundaries and
-    the order in which same-instant requests reach the engine, so the paper schedule may
-    preempt another one, or none, at that moment. For a request P that some KV-aware schedule
-    of the envelope preempts (``Expectation.preempted``), a request V sent after P (FCFS
-    admits P first, so only P can be the running request preempted ahead of V) but before P's
-    first token, and served after it (or with it: ``SAME_STEP_S``), is bounded by P's first token (as observed, at most P's own
-    bound: P's lateness beyond its bound is P's finding, not V's excuse) plus V's idle TTFT.
-    The execution's evidence decides who was served after whom; the caller applies this only
-    when the server reported preemptions during the execution.
+    Over HTTP, requests sent within a few milliseconds of each other reach the engine in an order
+    the client does not see (connections are served concurrently; a chat request's template
+    renders first): the first of a burst of thirty may be handed to the engine last. A request
+    behind another gets its first token at most one step of its own after that one's, so its
+    TTFT bound is at least the later request's bound, from its own send, plus its idle TTFT
+    (and its E2E bound moves as much). ``slack`` is the frontend's FRONTEND_SLACK_S, a quarter
+    of the order check's reach (fuzzer.oracle.order), so a later arrival in plain sight
+    still counts against FCFS.
     """
-    firsts: dict[str, tuple[float, float, float]] = {}
-    for r in result.requests:
-        e = expectations.get(r.request_id)
-        if e is not None and e.preempted and r.ttft_s is not None:
-            firsts[r.request_id] = (r.sent_s, r.sent_s + r.ttft_s, r.sent_s + min(r.ttft_s, e.ttft_s))
-    if not firsts:
-        return expectations
-    out = dict(expectations)
-    for r in result.requests:
-        e = expectations.get(r.request_id)
-        if e is None or r.ttft_s is None:
+    order = sorted(arrival, key=arrival.__getitem__)
+    done = {k: arrival[k] + e.ttft_s for k, e in out.items()}
+    extended = dict(out)
+    for i, v in enumerate(order):
+        later = [done[w] for w in itertools.takewhile(lambda w: arrival[w] - arrival[v] <= slack, order[i + 1:])]
+        if not later:
             continue
-        served = r.sent_s + r.ttft_s
-        held = [(capped, pid) for pid, (sent, seen, capped) in firsts.items()
-                if pid != r.request_id and sent <= r.sent_s < seen <= served + SAME_STEP_S]
-        if not held:
-            continue
-        until, pid = max(held)
-        wait = until - r.sent_s + e.idle_ttft_s
+        e = out[v]
+        wait = max(later) - arrival[v] + e.idle_ttft_s
         if wait > e.ttft_s:
-            out[r.request_id] = replace(e, ttft_s=wait, e2e_s=e.e2e_s + wait - e.ttft_s, behind=pid)
-    return out
+            extended[v] = replace(e, ttft_s=wait, e2e_s=e.e2e_s + wait - e.ttft_s)
+    return extended
 
 
 def _preemption_stalls(variants: list[dict[str, PaperRequest]]) -> dict[str, float]:

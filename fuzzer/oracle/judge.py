@@ -36,7 +36,8 @@ from fuzzer.execute.http import SPEED_CHECK
 from fuzzer.execute.managed import server_death
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.calibration import Calibration
-from fuzzer.oracle.expectation import Expectation, behind_preempted, expect, expected_preemptions
+from fuzzer.oracle.evidence import bounds, preemptions, thrash
+from fuzzer.oracle.expectation import Expectation
 from fuzzer.oracle.kinds import METRIC_KIND, Decision, FindingKind, Metric
 from fuzzer.oracle.order import Inversion, inversions
 from fuzzer.oracle.policy import CANDIDATE_FACTOR, DEFAULT_POLICY, FAILURE_QUORUM, OraclePolicy
@@ -177,53 +178,6 @@ def slower_engine(result: ExecutionResult, calibration: Calibration, policy: Ora
         return 1.0
     ratio = result.speed_check_itl_s / expected
     return min(ratio, policy.slower_engine_max) if ratio >= policy.slower_engine_min else 1.0
-
-
-def thrash(
-    trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
-) -> bool:
-    """More preemptions than the KV-aware schedule explains, by more than thrash allows (needs a KV capacity)."""
-    a = calibration.assumption
-    if a.kv_blocks is None:
-        return False
-    excess = preemptions(result) - expected_preemptions(trace, calibration.model, a, result)
-    return excess > policy.thrash_excess_per_request * len(result.requests)
-
-
-def bounds(
-    trace: Trace, result: ExecutionResult, calibration: Calibration, thrashed: bool,
-    policy: OraclePolicy = DEFAULT_POLICY,
-) -> tuple[dict[str, Expectation], float]:
-    """The expectations ``result`` is held against, and the candidate factor over them.
-
-    With the server's KV capacity known, the KV-aware bound (by-design preemption is inside
-    it; when the server reported preemptions, a request served after one the schedule
-    preempts waits for it as observed: :func:`~fuzzer.oracle.expectation.behind_preempted`)
-    and the plain factor; when the execution thrashed (``thrashed``: :func:`thrash` of
-    it, computed once per execution by the caller) the KV-unaware bound, no allowance.
-    Without a capacity, the KV-unaware bound and, under by-design KV pressure
-    (:func:`kv_pressure`), a factor KV_PRESSURE_FACTOR times larger.
-    """
-    model, a = calibration.model, calibration.assumption
-    if a.kv_blocks is not None:
-        expectations = expect(trace, model, a, result, kv=not thrashed)
-        if not thrashed and preemptions(result) > 0:
-            expectations = behind_preempted(expectations, result)
-        return expectations, policy.factor
-    factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
-    return expect(trace, model, a, result), factor
-
-
-def kv_pressure(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
-    """By-design KV pressure: some preemptions, but not more than thrash allows."""
-    count = preemptions(result)
-    return 0 < count <= policy.thrash_preemptions_per_request * len(result.requests)
-
-
-def preemptions(result: ExecutionResult) -> int:
-    """Preemptions the server reported during the execution (0 when it reports none)."""
-    counts = [s.values["preemptions"] for s in result.samples if "preemptions" in s.values]
-    return int(max(counts) - counts[0]) if len(counts) >= 2 else 0
 
 
 def _measured(r: RequestResult) -> dict[Metric, float | None]:
@@ -594,6 +548,7 @@ def _evidence(sample: Sequence[Observation]) -> str:
                  f"(up to {max(loads):.2g}x slower than calibrated)")
     behind = sorted({o.behind for o in sample if o.behind})
     if behind:
-        text += (f", waiting as observed for {', '.join(behind)} (preempted for KV blocks by design, "
-                 f"back at the head of the queue) in {sum(o.behind is not None for o in sample)}/{len(sample)} run(s)")
+        text += (f", waiting as observed for {', '.join(behind)} (a request preempted for KV blocks by design, "
+                 f"back at the head of the queue, or a free slot) in "
+                 f"{sum(o.behind is not None for o in sample)}/{len(sample)} run(s)")
     return text

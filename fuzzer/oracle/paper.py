@@ -72,6 +72,9 @@ class PaperRequest:
     #: Further preemptions an engine that re-admits a preempted prompt chunk by chunk may make
     #: of it (see :meth:`_KV.preempt`): by design, not thrash.
     churn: int = 0
+    #: (start, duration) of each step that computed a chunk of its prompt, in execution time
+    #: (not from its send): a step that long happens at that moment.
+    chunk_steps: tuple[tuple[float, float], ...] = ()
 
     @property
     def ttft_s(self) -> float:
@@ -93,11 +96,12 @@ def serve(
     window: float = 1.0,
     kv_blocks: int | None = None,
     fifo_frontend: bool = False,
+    shared_frontend: bool = False,
 ) -> dict[str, PaperRequest]:
     """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
 
     ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited).
-    ``fifo_frontend``: see :func:`schedule`.
+    ``fifo_frontend``, ``shared_frontend``: see :func:`schedule`.
     """
     jobs = [
         Job(
@@ -112,7 +116,7 @@ def serve(
         for r in requests
     ]
     done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks,
-                    fifo_frontend=fifo_frontend)
+                    fifo_frontend=fifo_frontend, shared_frontend=shared_frontend)
     return {j.id: j.paper(model) for j in done}
 
 
@@ -144,6 +148,7 @@ class Job:
     held: int = 0
     preemptions: int = 0
     churn: int = 0
+    chunk_steps: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def prefilled(self) -> bool:
@@ -161,6 +166,7 @@ class Job:
             max_step_s=self.max_step,
             preemptions=self.preemptions,
             churn=self.churn,
+            chunk_steps=tuple(self.chunk_steps),
         )
 
 
@@ -179,6 +185,7 @@ def schedule(
     window: float = 1.0,
     kv_blocks: int | None = None,
     fifo_frontend: bool = False,
+    shared_frontend: bool = False,
 ) -> list[Job]:
     """Run the jobs through the paper scheduler; fills token times and finish times in place.
 
@@ -199,13 +206,26 @@ def schedule(
     server was measured to: four 4096-token prompts and then four 64-token ones sent within
     1 ms reached its engine in that order. Otherwise each request's tokenization delays only
     itself, and a short prompt sent a moment after a long one may reach the engine first.
+
+    ``shared_frontend`` (with ``fifo_frontend``): the frontend and the engine share one thread,
+    and a step starts only once the frontend has handled every request that reached it: a
+    burst's tokenization holds up the steps of the requests before it (the simulator's one
+    event loop; a one-process server). Stretches of pure decoding are not held up (an upper
+    bound only for the first step of a busy period, where bursts land).
     """
     kv = _KV(kv_blocks, a.block_size, a.token_budget) if kv_blocks is not None else None
     waves = _waves(jobs, a.max_num_seqs)
     queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     free = -math.inf
+    busy: deque[list[float]] = deque()  # the frontend's busy periods, [start, end], when it shares the engine's thread
     for j in sorted(jobs, key=lambda j: j.arrival_s):  # stable: same-instant requests keep trace order
-        j.ready_s = (max(j.arrival_s, free) if fifo_frontend else j.arrival_s) + model.frontend_s(j.prompt)
+        start = max(j.arrival_s, free) if fifo_frontend else j.arrival_s
+        j.ready_s = start + model.frontend_s(j.prompt)
+        if shared_frontend and j.ready_s > start:
+            if busy and start <= busy[-1][1]:
+                busy[-1][1] = max(busy[-1][1], j.ready_s)
+            else:
+                busy.append([start, j.ready_s])
         free = j.ready_s
         for w in waves.get(id(j), ()):  # later waves of n: the same prompt, tokenized once
             w.ready_s = j.ready_s
@@ -219,6 +239,10 @@ def schedule(
     steps = 0
     last_dt = 0.0
     while pending or waiting or running:
+        while busy and busy[0][1] <= t:
+            busy.popleft()
+        if busy and busy[0][0] <= t:
+            t = busy.popleft()[1]  # the frontend holds the thread until it has handled every request it has
         horizon = t
         if lookahead and running and pending and pending[0].ready_s <= t + last_dt:
             # The boundary may fall up to one step after the first new arrival.
@@ -295,6 +319,7 @@ def schedule(
             j.tokens += 1
             j.token_times.append(t)
         for j, c in chunks:
+            j.chunk_steps.append((t - dt, dt))
             j.computed += c
             if j.group is not None and j.group not in ready and j.computed >= _cacheable(j, a.block_size) > 0:
                 ready[j.group] = t
@@ -309,6 +334,7 @@ def schedule(
             j.max_step = max(j.max_step, w.max_step)
             j.preemptions += w.preemptions
             j.churn += w.churn
+            j.chunk_steps += w.chunk_steps
     return jobs
 
 

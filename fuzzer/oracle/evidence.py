@@ -1,0 +1,211 @@
+"""What an execution is held against: the envelope, and waits its own evidence shows (ARCHITECTURE.md, "Oracle").
+
+:func:`bounds` gives the expectations :func:`fuzzer.oracle.judge.observe` holds every request
+against, and the candidate factor over them.
+
+The paper schedule (:mod:`fuzzer.oracle.expectation`) times every request from the calibrated
+step costs. Some waits are by design but depend on timing the model gets only roughly: which
+running request is the newest when KV blocks run out, when a slot frees on a server with a few
+slots. The execution shows them: who was served after whom, when each request ended. Each
+function here takes the expectations and the execution and returns the expectations with such
+waits, as observed, in the TTFT and E2E bounds of the requests they held up; the verdict names
+what a bound waited for (``Expectation.behind``). A predecessor's own time counts only up to
+what the oracle accepts for it (its bound, or the candidate factor times it), so a request held
+up by a slow predecessor is excused no further than that predecessor is: the predecessor's
+excess is its own finding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import numpy as np
+
+from fuzzer.execution import ExecutionResult
+from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions, prefill_steps
+from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
+from fuzzer.trace import Trace
+
+#: Two first tokens this close came out of one engine step as far as a client can tell (its
+#: reads of concurrent streams interleave): a request served with a preempted one's last chunk
+#: was queued behind it (:func:`behind_preempted`).
+SAME_STEP_S = 0.010
+
+
+
+
+
+def thrash(
+    trace: Trace, result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY
+) -> bool:
+    """More preemptions than the KV-aware schedule explains, by more than thrash allows (needs a KV capacity)."""
+    a = calibration.assumption
+    if a.kv_blocks is None:
+        return False
+    excess = preemptions(result) - expected_preemptions(trace, calibration.model, a, result)
+    return excess > policy.thrash_excess_per_request * len(result.requests)
+
+
+def bounds(
+    trace: Trace, result: ExecutionResult, calibration: Calibration, thrashed: bool,
+    policy: OraclePolicy = DEFAULT_POLICY,
+) -> tuple[dict[str, Expectation], float]:
+    """The expectations ``result`` is held against, and the candidate factor over them.
+
+    With the server's KV capacity known, the KV-aware bound (by-design preemption is inside
+    it; when the server reported preemptions, a request served after one the schedule
+    preempts waits for it as observed: :func:`behind_preempted`)
+    and the plain factor; when the execution thrashed (``thrashed``: :func:`thrash` of
+    it, computed once per execution by the caller) the KV-unaware bound, no allowance.
+    Either way a request that found every slot taken waits for the first to free as observed
+    (:func:`waited_for_slot`), and a stream's max-ITL bound holds the
+    longest prompt-chunk step of its observed life (:func:`exposed_to_steps`).
+    Without a capacity, the KV-unaware bound and, under by-design KV pressure
+    (:func:`kv_pressure`), a factor KV_PRESSURE_FACTOR times larger.
+    """
+    model, a = calibration.model, calibration.assumption
+    if a.kv_blocks is not None:
+        expectations, factor = expect(trace, model, a, result, kv=not thrashed), policy.factor
+        if not thrashed and preemptions(result) > 0:
+            expectations = behind_preempted(expectations, result)
+    else:
+        expectations = expect(trace, model, a, result)
+        factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
+    expectations = waited_for_slot(expectations, result, {q.id: q.n for q in trace.requests}, a.max_num_seqs,
+                                   policy.factor)
+    return exposed_to_steps(expectations, result, prefill_steps(trace, model, a, result)), factor
+
+
+def kv_pressure(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
+    """By-design KV pressure: some preemptions, but not more than thrash allows."""
+    count = preemptions(result)
+    return 0 < count <= policy.thrash_preemptions_per_request * len(result.requests)
+
+
+def preemptions(result: ExecutionResult) -> int:
+    """Preemptions the server reported during the execution (0 when it reports none)."""
+    counts = [s.values["preemptions"] for s in result.samples if "preemptions" in s.values]
+    return int(max(counts) - counts[0]) if len(counts) >= 2 else 0
+
+
+def behind_preempted(expectations: dict[str, Expectation], result: ExecutionResult) -> dict[str, Expectation]:
+    """``expectations`` with the wait of each request queued behind a preempted one, as observed.
+
+    An engine puts a request it preempted for KV blocks back at the head of its waiting queue
+    (vLLM v1: recompute preemption of the newest running request), and FCFS admission lets
+    nobody past the head: a long prompt that cannot fit beside the growing streams is
+    admitted, preempted and re-queued at the head again until they end, and everyone behind
+    it waits. Which request is the newest when blocks run out drifts with step boundaries and
+    the order in which same-instant requests reach the engine, so the paper schedule may
+    preempt another one, or none, at that moment. For a request P that some KV-aware schedule
+    of the envelope preempts (``Expectation.preempted``), a request V sent after P (FCFS
+    admits P first, so only P can be the running request preempted ahead of V) but before P's
+    first token, and served after it (or with it: ``SAME_STEP_S``), is bounded by P's first token (as observed, at most P's own
+    bound: P's lateness beyond its bound is P's finding, not V's excuse) plus V's idle TTFT.
+    The execution's evidence decides who was served after whom; the caller applies this only
+    when the server reported preemptions during the execution.
+    """
+    firsts: dict[str, tuple[float, float, float]] = {}
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is not None and e.preempted and r.ttft_s is not None:
+            firsts[r.request_id] = (r.sent_s, r.sent_s + r.ttft_s, r.sent_s + min(r.ttft_s, e.ttft_s))
+    if not firsts:
+        return expectations
+    out = dict(expectations)
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is None or r.ttft_s is None:
+            continue
+        served = r.sent_s + r.ttft_s
+        held = [(capped, pid) for pid, (sent, seen, capped) in firsts.items()
+                if pid != r.request_id and sent <= r.sent_s < seen <= served + SAME_STEP_S]
+        if not held:
+            continue
+        until, pid = max(held)
+        wait = until - r.sent_s + e.idle_ttft_s
+        if wait > e.ttft_s:
+            out[r.request_id] = _waited(e, wait, pid)
+    return out
+
+
+def waited_for_slot(
+    expectations: dict[str, Expectation], result: ExecutionResult, seqs: Mapping[str, int], max_num_seqs: int,
+    factor: float,
+) -> dict[str, Expectation]:
+    """``expectations`` with the wait of each request that found every slot taken, as observed.
+
+    A server runs at most ``max_num_seqs`` sequences (llama-server: its slots); a request that
+    arrives when the requests sent before it fill them waits until enough of them end. The paper
+    schedule times those ends from the calibrated decode cost; on a real engine a batch of
+    streams may decode slower than calibrated (a GPU's 4-sequence step, say) without anything
+    being wrong, and the newcomer's wait moves with them. So a request V whose predecessors
+    (sent no later than V, not ended when V was sent) hold the slots V needs is bounded by the
+    observed end that frees them, plus V's idle TTFT. Each predecessor's end counts at most at
+    ``factor`` times its own E2E bound (beyond that it would be a finding of its own). V must
+    have been served after that end (or with it: ``SAME_STEP_S``). ``seqs``: the sequences each
+    request takes (its ``n``), by id.
+    """
+    def width(request_id: str) -> int:
+        return min(max(1, seqs.get(request_id, 1)), max_num_seqs)
+
+    ends: list[tuple[str, float, float, int]] = []  # (id, sent, end as accepted, seqs)
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is None or r.e2e_s is None:
+            continue
+        ends.append((r.request_id, r.sent_s, r.sent_s + min(r.e2e_s, factor * e.e2e_s), width(r.request_id)))
+    out = dict(expectations)
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is None or r.ttft_s is None:
+            continue
+        held = sorted((end, pid, n) for pid, sent, end, n in ends
+                      if pid != r.request_id and sent <= r.sent_s < end)
+        need = sum(n for _, _, n in held) + width(r.request_id) - max_num_seqs
+        if need <= 0:
+            continue
+        freed = 0
+        for end, pid, n in held:
+            freed += n
+            if freed >= need:
+                break
+        if r.sent_s + r.ttft_s + SAME_STEP_S < end:
+            continue  # served before that slot freed: it did not wait for it
+        wait = end - r.sent_s + e.idle_ttft_s
+        if wait > e.ttft_s:
+            out[r.request_id] = _waited(e, wait, f"a slot ({pid} ended)")
+    return out
+
+
+def _waited(e: Expectation, ttft_s: float, behind: str) -> Expectation:
+    return replace(e, ttft_s=ttft_s, e2e_s=e.e2e_s + ttft_s - e.ttft_s, behind=behind)
+
+
+def exposed_to_steps(
+    expectations: dict[str, Expectation], result: ExecutionResult, steps: tuple[np.ndarray, np.ndarray]
+) -> dict[str, Expectation]:
+    """``expectations`` with each stream's max-ITL bound at least the longest prefill step of its observed life.
+
+    The paper schedule exposes a stream to the steps made while it is in the system on paper; a
+    real engine that decodes a little slower than calibrated (a GPU server's batch of four, the
+    client reading SSE events) keeps it in the system longer, and a prompt chunk computed then
+    sits between two of its tokens: one step of the schedule, by design. ``steps``: (starts,
+    durations) of the schedules' prompt-chunk steps (:func:`fuzzer.oracle.expectation.prefill_steps`).
+    A stall of several steps (a skipped stream, an unchunked prompt) stays above this bound.
+    """
+    starts, durations = steps
+    if not starts.size:
+        return expectations
+    out = dict(expectations)
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is None or e.max_itl_s is None or len(r.token_times_s) < 2:
+            continue
+        first, last = r.sent_s + r.token_times_s[0], r.sent_s + r.token_times_s[-1]
+        during = durations[(starts >= first) & (starts < last)]
+        if during.size and float(during.max()) > e.max_itl_s:
+            out[r.request_id] = replace(e, max_itl_s=float(during.max()))
+    return out
