@@ -9,10 +9,12 @@ loop tokenized the rest). Each test has a control that the rule does not excuse.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from fuzzer.execution import ExecutionResult, Outcome, RequestResult
-from fuzzer.oracle.evidence import exposed_to_steps, waited_for_slot
+from fuzzer.oracle.evidence import exposed_to_steps, waited_for_blocks, waited_for_slot
 from fuzzer.oracle.expectation import Expectation, expect
 from fuzzer.oracle.model import FRONTEND_SLACK_S, SchedulerAssumption, StepModel
 from fuzzer.oracle.paper import serve
@@ -66,6 +68,27 @@ def test_a_request_asking_for_several_choices_takes_as_many_slots():
     two = {k: 1 for k in expectations} | {"s3": 2}  # s0-s3 hold 5 of 6 slots: v fits
     assert waited_for_slot(expectations, result, two, 6, 2.0)["v"].behind is None
     assert waited_for_slot(expectations, result, two | {"v": 2}, 6, 2.0)["v"].behind == "a slot (s0 ended)"
+
+
+# --- a stream preempted for KV blocks ------------------------------------------------------------------
+
+
+def test_a_preemptible_stream_that_resumed_right_after_a_request_ended_waited_for_its_blocks():
+    # d's tokens: every 10 ms to 1.0 s, then nothing until 3.05 s; o ended at 3.0 s (its blocks freed).
+    times = (*np.arange(0.02, 1.0, 0.01).tolist(), 3.05, 3.06)
+    d = RequestResult("d", "d", 0.0, 0.0, Outcome.OK, ttft_s=0.02, first_event_s=0.02, token_times_s=times,
+                      e2e_s=3.06)
+    bound = Expectation("d", 0.02, 0.01, 1.0, 0.02, 0.2, 1.2, preemptible=True)
+    expectations = {"d": bound, "o": _e("o", 0.02, 2.0)}
+    result = _result(d, _r("o", 0.0, 0.02, 3.0))
+    assert waited_for_blocks(expectations, result, 2.0)["d"].max_itl_s == 3.0 - times[-3] + 0.2
+    # Controls: a stream no KV-aware schedule may preempt; a gap that ends long after anything ended
+    # (o ends at 1.5 s, the gap at 3.05 s); o's end beyond twice its E2E bound (0.7 s) counts at 1.4 s.
+    assert waited_for_blocks({**expectations, "d": replace(bound, preemptible=False)}, result, 2.0)["d"] == replace(
+        bound, preemptible=False)
+    early = _result(d, _r("o", 0.0, 0.02, 1.5))
+    assert waited_for_blocks(expectations, early, 2.0)["d"] == bound
+    assert waited_for_blocks({**expectations, "o": _e("o", 0.02, 0.7)}, result, 2.0)["d"] == bound
 
 
 # --- a stream still in the system when a prompt chunk is computed ----------------------------------

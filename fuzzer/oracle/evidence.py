@@ -56,7 +56,8 @@ def bounds(
 
     With the server's KV capacity known, the KV-aware bound (by-design preemption is inside
     it; when the server reported preemptions, a request served after one the schedule
-    preempts waits for it as observed: :func:`behind_preempted`)
+    preempts waits for it as observed, :func:`behind_preempted`, and a stream it may preempt
+    waits for the blocks other requests' ends free, :func:`waited_for_blocks`)
     and the plain factor; when the execution thrashed (``thrashed``: :func:`thrash` of
     it, computed once per execution by the caller) the KV-unaware bound, no allowance.
     Either way a request that found every slot taken waits for the first to free as observed
@@ -69,7 +70,7 @@ def bounds(
     if a.kv_blocks is not None:
         expectations, factor = expect(trace, model, a, result, kv=not thrashed), policy.factor
         if not thrashed and preemptions(result) > 0:
-            expectations = behind_preempted(expectations, result)
+            expectations = waited_for_blocks(behind_preempted(expectations, result), result, policy.factor)
     else:
         expectations = expect(trace, model, a, result)
         factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
@@ -128,6 +129,40 @@ def behind_preempted(expectations: dict[str, Expectation], result: ExecutionResu
         wait = until - r.sent_s + e.idle_ttft_s
         if wait > e.ttft_s:
             out[r.request_id] = _waited(e, wait, pid)
+    return out
+
+
+def waited_for_blocks(
+    expectations: dict[str, Expectation], result: ExecutionResult, factor: float
+) -> dict[str, Expectation]:
+    """``expectations`` with each preemptible stream's longest gap bounded by the KV blocks it waited for, as observed.
+
+    A stream preempted for KV blocks (recompute) goes back to the head of the waiting queue and is
+    re-admitted when blocks free, that is when running requests end; on paper those ends come from
+    the calibrated decode cost and which stream is preempted drifts with step boundaries
+    (``Expectation.preemptible``). When the stream's longest gap ends within its own max-ITL bound
+    (its recompute and a step) after another request ended, it waited for that request's blocks:
+    its bound is the wait from the gap's start to that end plus its own bound. Each end counts at
+    most at ``factor`` times that request's E2E bound. The caller applies this only when the server
+    reported preemptions and the execution did not thrash.
+    """
+    ends = []
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is not None and r.e2e_s is not None:
+            ends.append((r.sent_s + min(r.e2e_s, factor * e.e2e_s), r.request_id))
+    out = dict(expectations)
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is None or not e.preemptible or e.max_itl_s is None or len(r.token_times_s) < 2:
+            continue
+        gaps = np.diff(np.asarray(r.token_times_s))
+        k = int(np.argmax(gaps))
+        start, end = r.sent_s + r.token_times_s[k], r.sent_s + r.token_times_s[k + 1]
+        freed = [(t, pid) for t, pid in ends if pid != r.request_id and start < t <= end and end - t <= e.max_itl_s]
+        if freed:
+            t, pid = max(freed)
+            out[r.request_id] = replace(e, max_itl_s=max(e.max_itl_s, t - start + e.max_itl_s))
     return out
 
 

@@ -59,6 +59,9 @@ class Expectation:
     cached_tokens: int = 0
     #: Preempted for KV blocks in some KV-aware schedule of the envelope.
     preempted: bool = False
+    #: In the system while some KV-aware schedule preempted a request: it may be the one a real
+    #: engine preempts (its max-ITL bound holds its own recompute).
+    preemptible: bool = False
     #: What the TTFT and E2E bounds wait for as the execution observed it (fuzzer.oracle.evidence:
     #: a preempted request, a free slot); None when they are the schedule's own.
     behind: str | None = None
@@ -209,6 +212,7 @@ def _expect(
             e2e_s=max(p.e2e_s for p in every),
             cached_tokens=done.cached_tokens,
             preempted=r.id in victims,
+            preemptible=r.id in beside,
         )
     if assumption.frontend_fifo:
         out = _reached_in_any_order(out, {r.id: loaded[r.id].arrival_s for r in requests}, FRONTEND_SLACK_S)
