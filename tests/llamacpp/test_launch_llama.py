@@ -49,7 +49,10 @@ def test_a_missing_model_is_one_line_with_the_servers_last_words(llama_server_bi
     assert len(lines) == 1 and lines[0].startswith("error: the launched server exited with status"), proc.stderr
 
 
-@pytest.mark.timeout(900)  # two calibrations of a real server on a shared 2-core machine
+# Two calibrations of a real server on a 2-core machine: 6 minutes in all on a quiet one
+# (2026-11-25), over 880 s in a CI run on the same machine the same day (a calibration whose
+# noise is high is measured again once): a generous limit, not a figure.
+@pytest.mark.timeout(1860)
 def test_the_outcome_differs_between_four_slots_and_one(llama_server_binary, marked_model, tmp_path):
     model, mark = marked_model
     trace = tmp_path / "hol.json"
@@ -57,7 +60,7 @@ def test_the_outcome_differs_between_four_slots_and_one(llama_server_binary, mar
     proc = subprocess.run(
         [FUZZ, "replay", str(trace), "--launch", _command(llama_server_binary, model, "-np", "4"),
          "--variant", "np1=-np 1", "--runs", "3", "--seed", "1", "--db", str(tmp_path / "l.db"), "--json"],
-        capture_output=True, text=True, timeout=880,
+        capture_output=True, text=True, timeout=1800,
     )
     # Exit 1 when a configuration has a finding, 0 when none has: with one slot the short requests
     # wait out the long one by design, which np1's own calibration (one slot) explains; judged by
