@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fuzzer.execution import ExecutionResult
+from fuzzer.execution import ExecutionResult, RequestResult
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.expectation import Expectation, expect, expected_preemptions, prefill_steps
 from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
@@ -32,9 +32,6 @@ from fuzzer.trace import Trace
 #: reads of concurrent streams interleave): a request served with a preempted one's last chunk
 #: was queued behind it (:func:`behind_preempted`).
 SAME_STEP_S = 0.010
-
-
-
 
 
 def thrash(
@@ -76,7 +73,7 @@ def bounds(
         factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
     expectations = waited_for_slot(expectations, result, {q.id: q.n for q in trace.requests}, a.max_num_seqs,
                                    policy.factor)
-    return exposed_to_steps(expectations, result, prefill_steps(trace, model, a, result)), factor
+    return exposed_to_steps(expectations, result, prefill_steps(trace, model, a, result, kv=not thrashed)), factor
 
 
 def kv_pressure(result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
@@ -128,7 +125,7 @@ def behind_preempted(expectations: dict[str, Expectation], result: ExecutionResu
         until, pid = max(held)
         wait = until - r.sent_s + e.idle_ttft_s
         if wait > e.ttft_s:
-            out[r.request_id] = _waited(e, wait, pid)
+            out[r.request_id] = e.waiting_until(wait, pid)
     return out
 
 
@@ -146,11 +143,8 @@ def waited_for_blocks(
     most at ``factor`` times that request's E2E bound. The caller applies this only when the server
     reported preemptions and the execution did not thrash.
     """
-    ends = []
-    for r in result.requests:
-        e = expectations.get(r.request_id)
-        if e is not None and r.e2e_s is not None:
-            ends.append((r.sent_s + min(r.e2e_s, factor * e.e2e_s), r.request_id))
+    ends = [(end, r.request_id) for r in result.requests
+            if (end := _accepted_end(r, expectations.get(r.request_id), factor)) is not None]
     out = dict(expectations)
     for r in result.requests:
         e = expectations.get(r.request_id)
@@ -186,12 +180,8 @@ def waited_for_slot(
     def width(request_id: str) -> int:
         return min(max(1, seqs.get(request_id, 1)), max_num_seqs)
 
-    ends: list[tuple[str, float, float, int]] = []  # (id, sent, end as accepted, seqs)
-    for r in result.requests:
-        e = expectations.get(r.request_id)
-        if e is None or r.e2e_s is None:
-            continue
-        ends.append((r.request_id, r.sent_s, r.sent_s + min(r.e2e_s, factor * e.e2e_s), width(r.request_id)))
+    ends = [(r.request_id, r.sent_s, end, width(r.request_id)) for r in result.requests
+            if (end := _accepted_end(r, expectations.get(r.request_id), factor)) is not None]
     out = dict(expectations)
     for r in result.requests:
         e = expectations.get(r.request_id)
@@ -211,12 +201,8 @@ def waited_for_slot(
             continue  # served before that slot freed: it did not wait for it
         wait = end - r.sent_s + e.idle_ttft_s
         if wait > e.ttft_s:
-            out[r.request_id] = _waited(e, wait, f"a slot ({pid} ended)")
+            out[r.request_id] = e.waiting_until(wait, f"a slot ({pid} ended)")
     return out
-
-
-def _waited(e: Expectation, ttft_s: float, behind: str) -> Expectation:
-    return replace(e, ttft_s=ttft_s, e2e_s=e.e2e_s + ttft_s - e.ttft_s, behind=behind)
 
 
 def exposed_to_steps(
@@ -244,3 +230,10 @@ def exposed_to_steps(
         if during.size and float(during.max()) > e.max_itl_s:
             out[r.request_id] = replace(e, max_itl_s=float(during.max()))
     return out
+
+
+def _accepted_end(r: RequestResult, e: Expectation | None, factor: float) -> float | None:
+    """When ``r`` ended, as far as the oracle accepts it: at most ``factor`` times its E2E bound after its send."""
+    if e is None or r.e2e_s is None:
+        return None
+    return r.sent_s + min(r.e2e_s, factor * e.e2e_s)

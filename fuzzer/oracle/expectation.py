@@ -66,6 +66,10 @@ class Expectation:
     #: a preempted request, a free slot); None when they are the schedule's own.
     behind: str | None = None
 
+    def waiting_until(self, ttft_s: float, behind: str | None = None) -> Expectation:
+        """These bounds with the first token no sooner than ``ttft_s`` after the send (E2E moves as much)."""
+        return replace(self, ttft_s=ttft_s, e2e_s=self.e2e_s + ttft_s - self.ttft_s, behind=behind)
+
     def bound(self, metric: Metric) -> float | None:
         return {Metric.TTFT: self.ttft_s, Metric.MAX_ITL: self.max_itl_s, Metric.E2E: self.e2e_s}[metric]
 
@@ -139,14 +143,16 @@ def expected_preemptions(
 
 
 def prefill_steps(
-    trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None = None
+    trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None = None,
+    *, kv: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(starts, durations) of every step computing a prompt chunk in any schedule of the envelope, by start.
 
     Execution time, as ``sent_s``. :func:`fuzzer.oracle.evidence.exposed_to_steps` holds a stream
-    that was still in the system at such a moment to a gap that long.
+    that was still in the system at such a moment to a gap that long. ``kv``: as for :func:`expect`
+    (the same schedules, from the same cache entry).
     """
-    return _expect(*_key(trace, result), model, assumption, True)[2]
+    return _expect(*_key(trace, result), model, assumption, kv)[2]
 
 
 def _key(trace: Trace, result: ExecutionResult | None) -> tuple:
@@ -244,7 +250,7 @@ def _reached_in_any_order(out: dict[str, Expectation], arrival: dict[str, float]
         e = out[v]
         wait = max(later) - arrival[v] + e.idle_ttft_s
         if wait > e.ttft_s:
-            extended[v] = replace(e, ttft_s=wait, e2e_s=e.e2e_s + wait - e.ttft_s)
+            extended[v] = e.waiting_until(wait)
     return extended
 
 

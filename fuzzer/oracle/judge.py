@@ -70,7 +70,7 @@ class Observation:
     #: For a TTFT: the requests that overtook this one although FCFS serves it first
     #: (fuzzer.oracle.order), whatever the bound says; None when none did.
     order: Inversion | None = None
-    #: The preempted request whose observed first token this bound waits for, if any.
+    #: What this bound waits for as the execution observed it (``Expectation.behind``), if anything.
     behind: str | None = None
 
     @property
