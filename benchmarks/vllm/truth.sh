@@ -14,7 +14,8 @@
 #
 # Environment: VPY (the vLLM venv's python; default: .ci/vllm-server.sh's), FUZZ (default
 # .venv/bin/fuzz), PORT (default 8101), CAMPAIGN_PLANTED (default 10m), CAMPAIGN_STOCK
-# (default 20m), CORPUS_RUNS (default 10).
+# (default 20m), CORPUS_RUNS (default 10), SEED (the campaigns' --seed, default 1), PLANTED (the
+# planted classes the planted steps run, default "HolLongestFirst LifoAdmission DecodeStarvation").
 set -euo pipefail
 OUT="${1:?usage: truth.sh OUT_DIR [STEP...]}"
 shift
@@ -82,17 +83,17 @@ for step in "${STEPS[@]}"; do
             done
         done ;;
     planted-campaigns)
-        for cls in HolLongestFirst LifoAdmission DecodeStarvation; do
+        for cls in ${PLANTED:-HolLongestFirst LifoAdmission DecodeStarvation}; do
             start_server "$cls" "$cls"
             cp "$OUT/calibrated.db" "$OUT/campaign-$cls.db"
-            fuzz campaign --target "$URL" --server vllm --db "$OUT/campaign-$cls.db" --seed 1 \
+            fuzz campaign --target "$URL" --server vllm --db "$OUT/campaign-$cls.db" --seed "${SEED:-1}" \
                 --duration "${CAMPAIGN_PLANTED:-10m}" >"$OUT/campaign-$cls.log" 2>&1 || true
             stop_server
         done ;;
     stock-campaign)
         start_server stock
         cp "$OUT/calibrated.db" "$OUT/campaign-stock.db"
-        fuzz campaign --target "$URL" --server vllm --db "$OUT/campaign-stock.db" --seed 1 \
+        fuzz campaign --target "$URL" --server vllm --db "$OUT/campaign-stock.db" --seed "${SEED:-1}" \
             --duration "${CAMPAIGN_STOCK:-20m}" >"$OUT/campaign-stock.log" 2>&1 || true
         stop_server ;;
     stock-corpus)
