@@ -37,6 +37,9 @@ from fuzzer.oracle.kinds import Metric
               help="Running sequences at most. Default: the engine's documented default.")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, metavar="N",
               help="KV block size in tokens. Default: the engine's documented default.")
+@click.option("--long-prefill-token-threshold", "long_prefill", type=click.IntRange(min=0), default=None, metavar="N",
+              help="The server caps a request's prompt tokens per step at N beside others (vLLM's flag of that "
+                   "name). Default: measured (a probe counts the steps of a long prompt beside a stream).")
 @click.option("--repeats", type=click.IntRange(min=1, max=20), default=4, show_default=True,
               help="Repetitions of every probe, at most: half are run first, the rest only when the fit is not "
                    "yet settled (more: a tighter fit and a larger noise baseline).")
@@ -44,8 +47,8 @@ from fuzzer.oracle.kinds import Metric
 @click.option("--api-key-env", default=API_KEY_ENV, show_default=True, metavar="VAR",
               help="Environment variable holding the API key (never stored or printed).")
 @json_option
-def command(target, launch, target_file, db_path, server, model, token_budget, max_num_seqs, block_size, repeats, seed, api_key_env,
-            as_json) -> None:
+def command(target, launch, target_file, db_path, server, model, token_budget, max_num_seqs, block_size, long_prefill,
+            repeats, seed, api_key_env, as_json) -> None:
     """Fit idle TTFT versus prompt length and decode step time; print the model.
 
     The server is warmed up first, then probed with requests that run one at a
@@ -59,7 +62,8 @@ def command(target, launch, target_file, db_path, server, model, token_budget, m
         fuzz calibrate --target-file llama.toml
     """
     managed = resolve(target, launch, target_file)
-    overrides = {"token_budget": token_budget, "max_num_seqs": max_num_seqs, "block_size": block_size}
+    overrides = {"token_budget": token_budget, "max_num_seqs": max_num_seqs, "block_size": block_size,
+                 "long_prefill_threshold": long_prefill}
     key, cal = asyncio.run(_calibrate(target, server, model, api_key_env, overrides, repeats, seed,
                                       launch=managed.spec if managed else None))
     from fuzzer.store import Store
@@ -91,7 +95,8 @@ async def _calibrate(
         assert info is not None
         assumption = scheduler_assumption(info, **overrides)
         cal = await calibrate(http, assumption=assumption, rng=random.Random(seed), repeats=repeats,
-                              max_model_len=info.max_model_len)
+                              max_model_len=info.max_model_len,
+                              measure_cap=overrides.get("long_prefill_threshold") is None)
         return calibration_key(launch.identity if launch is not None else target, info.model), cal
 
 

@@ -43,9 +43,16 @@ from fuzzer.errors import ConfigError
     show_default=True,
     help="Serve this many generation requests before any fault (e.g. 1000 lets a fuzzer calibrate first).",
 )
+@click.option("--long-prefill-token-threshold", "long_prefill", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="N", help="A legitimate policy, not a pathology: a request computes at most N prompt tokens "
+                                "a step beside others (vLLM's flag of that name; 0: no cap).")
+@click.option("--max-long-partial-prefills", "long_partials", type=click.IntRange(min=0), default=0, show_default=True,
+              metavar="K", help="With the cap: at most K prompts longer than it in partial prefill at a time, "
+                                "shorter ones passing a waiting long one (vLLM v0's flag; 0: no limit).")
 @click.option("--parent-pid", type=int, default=None, hidden=True, help="Exit when this process is gone.")
 @click.option("--list", "list_only", is_flag=True, help="Describe the pathologies and faults, and exit.")
-def command(host, port, pathologies, speed, seed, ground_truth, faults, fault_rate, fault_grace, parent_pid, list_only) -> None:
+def command(host, port, pathologies, speed, seed, ground_truth, faults, fault_rate, fault_grace, long_prefill,
+            long_partials, parent_pid, list_only) -> None:
     """Serve a simulated vLLM-like server until interrupted.
 
     It speaks vLLM's OpenAI-compatible API and metrics; planted pathologies are
@@ -56,6 +63,7 @@ def command(host, port, pathologies, speed, seed, ground_truth, faults, fault_ra
         fuzz sim --port 8000 --pathologies hol-prefix-burst,cold-start
         fuzz sim --faults http-500,crash --fault-rate 0.1
         fuzz sim --list
+        fuzz sim --long-prefill-token-threshold 512 --max-long-partial-prefills 1
     """
     from fuzzer.sim import SimConfig, describe, parse  # noqa: PLC0415 - keep `fuzz --help` fast
     from fuzzer.sim import faults as sim_faults  # noqa: PLC0415
@@ -83,6 +91,7 @@ def command(host, port, pathologies, speed, seed, ground_truth, faults, fault_ra
         sys.stdout.flush()
 
     serve_forever(
-        host, port, SimConfig(speed=speed), names, seed, on_ready=ready, ground_truth_path=ground_truth,
+        host, port, SimConfig(speed=speed, long_prefill_token_threshold=long_prefill,
+                              max_long_partial_prefills=long_partials), names, seed, on_ready=ready, ground_truth_path=ground_truth,
         faults=plan, parent_pid=parent_pid,
     )

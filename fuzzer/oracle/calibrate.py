@@ -37,6 +37,7 @@ from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
 from fuzzer.execution import RequestResult, Target
 from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration, Fit
+from fuzzer.oracle.chunkcap import chunk_cap
 from fuzzer.oracle.expectation import idle_expectation
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, StepModel, assumption_for
@@ -155,8 +156,12 @@ async def calibrate(
     max_model_len: int | None = None,
     remeasure: bool = True,
     early_stop: bool = True,
+    measure_cap: bool = True,
 ) -> Calibration:
     """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure.
+
+    With ``measure_cap`` and no cap in the assumption, the long-prefill cap is measured too
+    (:func:`fuzzer.oracle.chunkcap.chunk_cap`); a user who names the cap (0 included) passes False.
 
     ``max_model_len`` (from the server's /v1/models) lets the decode probes use longer
     contexts; without it they stay at 4096 tokens, which every served model accepts.
@@ -234,6 +239,12 @@ async def calibrate(
         # A noisy round is often a burst of load on the host: measure once more, keep the quieter.
         again = await measured()
         cal = min((cal, again), key=lambda c: c.judged_noise()[1])
+    if measure_cap and not assumption.long_prefill_threshold:  # a user's (or an earlier measurement's) cap stands
+        found = await chunk_cap(target, cal, longest)
+        if found:
+            assumption = replace(assumption, long_prefill_threshold=found,
+                                 source=f"{assumption.source}; long-prefill cap measured")
+            cal = replace(cal, assumption=assumption)
     return cal
 
 

@@ -121,7 +121,9 @@ def expect(
     each request gets the largest value. Which step a request lands in (and which later arrivals'
     chunks share that step) depends on step boundaries that drift with noise; the
     envelope keeps a request that merely met an unlucky boundary from looking slow. The
-    max-ITL bound is the longest step the request was exposed to.
+    max-ITL bound is the longest step the request was exposed to. Under a long-prefill cap
+    (``assumption.long_prefill_threshold``) every schedule caps each request's chunks, and one
+    more keeps at most one long prompt in partial prefill at a time (:func:`fuzzer.oracle.paper.schedule`).
 
     With ``kv`` and a known KV capacity (``assumption.kv_blocks``), the envelope also holds
     the same variants with the KV cache modelled (:mod:`fuzzer.oracle.paper`: recompute preemption
@@ -191,6 +193,11 @@ def _expect(
                                       fifo_frontend=True, shared_frontend=True))
         if cap is not None:
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
+        if assumption.long_prefill_threshold:
+            # At most one prompt over the cap in partial prefill at a time: a legitimate policy
+            # under which a long prompt waits out the previous long one's capped prefill.
+            variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                  fifo_frontend=assumption.frontend_fifo, one_long=True))
     loaded = serve(requests, prefixes, sent, model, assumption, False)
     preempted = max((sum(p.preemptions + p.churn for p in v.values()) for v in variants), default=0)
     stalls = _preemption_stalls(variants) if preempted else {}

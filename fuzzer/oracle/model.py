@@ -134,12 +134,23 @@ class SchedulerAssumption:
     #: over HTTP (assumption_for), False for the in-process simulator, whose frontend
     #: tokenizes every request on its own.
     frontend_fifo: bool = False
+    #: A cap on the prompt tokens one request computes in a step while other requests are
+    #: running or waiting (vLLM's ``--long-prefill-token-threshold``; 0: none, vLLM's default),
+    #: as the user gives it or calibration measures it (:func:`fuzzer.oracle.calibrate.chunk_cap`).
+    #: The paper schedule then caps every chunk so, and its envelope also holds the schedule
+    #: that keeps at most one prompt longer than the cap in partial prefill at a time, shorter
+    #: ones passing it in the queue (vLLM v0's ``--max-long-partial-prefills 1``): legitimate
+    #: policies under which a long prompt is served later than plain FCFS serves it.
+    long_prefill_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"scheduler assumption {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.long_prefill_threshold, int) or self.long_prefill_threshold < 0:
+            raise ConfigError("scheduler assumption long_prefill_threshold must be a non-negative integer, "
+                              f"got {self.long_prefill_threshold!r}")
         if self.kv_blocks is not None and (not isinstance(self.kv_blocks, int) or self.kv_blocks < 1):
             raise ConfigError(f"scheduler assumption kv_blocks must be a positive integer or None, got {self.kv_blocks!r}")
 
@@ -148,9 +159,13 @@ class SchedulerAssumption:
         order = "admission in arrival order" if self.arrival_order else "admission order not assumed"
         if self.frontend_fifo:
             order += ", frontend in arrival order"
+        cap = ""
+        if self.long_prefill_threshold:
+            cap = (f", at most {self.long_prefill_threshold} prompt tokens per request per step beside others "
+                   "(long-prefill threshold; one long prompt in partial prefill at a time allowed)")
         return (
             f"max_num_batched_tokens={self.token_budget}, max_num_seqs={self.max_num_seqs}, "
-            f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv}, "
+            f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv}{cap}, "
             f"{order} ({self.source})"
         )
 
@@ -164,6 +179,7 @@ class SchedulerAssumption:
             "kv_blocks": self.kv_blocks,
             "arrival_order": self.arrival_order,
             "frontend_fifo": self.frontend_fifo,
+            "long_prefill_threshold": self.long_prefill_threshold,
         }
 
     @classmethod
@@ -185,6 +201,7 @@ def assumption_for(
     token_budget: int | None = None,
     max_num_seqs: int | None = None,
     block_size: int | None = None,
+    long_prefill_threshold: int | None = None,
 ) -> SchedulerAssumption:
     """The assumption for a server kind, from its adapter's documented defaults and user overrides."""
     found: dict[str, Any] = {}
@@ -212,7 +229,8 @@ def assumption_for(
     source = f"{kind} default" if found else "no documented default; vLLM's assumed"
     overrides = {
         k: v
-        for k, v in (("token_budget", token_budget), ("max_num_seqs", max_num_seqs), ("block_size", block_size))
+        for k, v in (("token_budget", token_budget), ("max_num_seqs", max_num_seqs), ("block_size", block_size),
+                     ("long_prefill_threshold", long_prefill_threshold))
         if v is not None
     }
     if overrides:

@@ -97,11 +97,12 @@ def serve(
     kv_blocks: int | None = None,
     fifo_frontend: bool = False,
     shared_frontend: bool = False,
+    one_long: bool = False,
 ) -> dict[str, PaperRequest]:
     """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
 
     ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited).
-    ``fifo_frontend``, ``shared_frontend``: see :func:`schedule`.
+    ``fifo_frontend``, ``shared_frontend``, ``one_long``: see :func:`schedule`.
     """
     jobs = [
         Job(
@@ -116,7 +117,7 @@ def serve(
         for r in requests
     ]
     done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks,
-                    fifo_frontend=fifo_frontend, shared_frontend=shared_frontend)
+                    fifo_frontend=fifo_frontend, shared_frontend=shared_frontend, one_long=one_long)
     return {j.id: j.paper(model) for j in done}
 
 
@@ -186,6 +187,7 @@ def schedule(
     kv_blocks: int | None = None,
     fifo_frontend: bool = False,
     shared_frontend: bool = False,
+    one_long: bool = False,
 ) -> list[Job]:
     """Run the jobs through the paper scheduler; fills token times and finish times in place.
 
@@ -212,6 +214,12 @@ def schedule(
     burst's tokenization holds up the steps of the requests before it (the simulator's one
     event loop; a one-process server). Stretches of pure decoding are not held up (an upper
     bound only for the first step of a busy period, where bursts land).
+
+    With a long-prefill threshold (``a.long_prefill_threshold`` > 0), a request computes at most
+    that many prompt tokens in a step while others are running or waiting (vLLM v1's
+    ``--long-prefill-token-threshold``). ``one_long`` (with a threshold): at most one prompt
+    longer than the threshold is in partial prefill at a time; a waiting one beyond it is passed
+    over by shorter ones behind it (vLLM v0's ``--max-long-partial-prefills 1``).
     """
     kv = _KV(kv_blocks, a.block_size, a.token_budget) if kv_blocks is not None else None
     waves = _waves(jobs, a.max_num_seqs)
@@ -254,7 +262,9 @@ def schedule(
         if not waiting and not running:
             t = pending[0].ready_s
             continue
-        room = kv.make_room(running, waiting, a.token_budget) if kv is not None else {}
+        threshold = a.long_prefill_threshold
+        limit = threshold if threshold and len(running) + len(waiting) > 1 else a.token_budget
+        room = kv.make_room(running, waiting, a.token_budget, limit) if kv is not None else {}
         decoding = [j for j in running if j.prefilled]
         decode_seqs = sum(j.n for j in decoding)
         context = sum(j.n * (j.prompt + j.tokens) for j in decoding)
@@ -280,25 +290,33 @@ def schedule(
         chunks: list[tuple[Job, int]] = []
         for j in running:
             if not j.prefilled and budget > 0:
-                c = min(j.prompt + j.recompute - j.computed, budget, room.get(id(j), budget))
+                c = min(j.prompt + j.recompute - j.computed, budget, room.get(id(j), budget), limit)
                 if c > 0:
                     chunks.append((j, c))
                     budget -= c
         seqs = sum(j.n for j in running)
-        while waiting and budget > 0 and seqs + waiting[0].n <= a.max_num_seqs:
+        long_busy = one_long and threshold > 0 and any(not j.prefilled and j.prompt > threshold for j in running)
+        i = 0
+        while i < len(waiting) and budget > 0 and seqs + waiting[i].n <= a.max_num_seqs:
+            if long_busy and waiting[i].prompt > threshold:
+                i += 1  # one long prompt in partial prefill at a time: shorter ones pass it
+                continue
             if kv is not None and running:
-                blocks = kv.admit_blocks(waiting[0], t, ready, a, budget, len(running))
+                blocks = kv.admit_blocks(waiting[i], t, ready, a, min(budget, limit), len(running))
                 if blocks is None:
                     break  # its blocks do not fit: head-of-line, as vLLM's FCFS admission
-            j = waiting.popleft()
+            j = waiting[i]
+            del waiting[i]
             _admit(j, t, ready, a)
             running.append(j)
             seqs += j.n
-            c = min(j.prompt + j.recompute - j.computed, budget)
+            left = j.prompt + j.recompute - j.computed
+            c = min(left, budget, limit)
             chunks.append((j, c))
             budget -= c
             if kv is not None:
-                kv.hold(j, kv.admitted_tokens(j, j.computed, budget + c))
+                kv.hold(j, kv.admitted_tokens(j, j.computed, min(budget + c, limit)))
+            long_busy = long_busy or (one_long and threshold > 0 and j.prompt > threshold and c < left)
         prefill = sum(c for _, c in chunks)
         pairs = sum(c * (j.computed + c / 2) for j, c in chunks)  # attention of each chunk over its prompt so far
         dt = model.step_s(prefill, decode_seqs, context, pairs)
@@ -410,9 +428,10 @@ class _KV:
         """Tokens whose blocks a job takes when admitted (see :meth:`admit_blocks`)."""
         return j.prompt + j.recompute if j.preemptions else cached + min(j.prompt + j.recompute - cached, budget)
 
-    def make_room(self, running: list[Job], waiting: deque[Job], token_budget: int) -> dict[int, int]:
+    def make_room(self, running: list[Job], waiting: deque[Job], token_budget: int, limit: int) -> dict[int, int]:
         """Give every running request the blocks of this step's work, preempting the newest when short.
 
+        ``limit``: the most prompt tokens one request computes in the step (the long-prefill cap).
         Returns id(job) -> the prefill chunk its blocks cover (decodes are not listed).
         """
         budget = token_budget - sum(j.n for j in running if j.prefilled)
@@ -423,7 +442,7 @@ class _KV:
             if j.prefilled:
                 want = j.prompt + j.tokens
             else:
-                c = min(j.prompt + j.recompute - j.computed, max(budget, 0))
+                c = min(j.prompt + j.recompute - j.computed, max(budget, 0), limit)
                 budget -= c
                 room[id(j)] = c
                 want = j.computed + c

@@ -39,6 +39,13 @@ class SimConfig:
     #: decode may need one new block per step, so admission leaves that headroom and a
     #: preempted request is not re-admitted only to be preempted again (vLLM's watermark).
     admission_headroom_blocks_per_seq: int = 1
+    #: A request computes at most this many prompt tokens in a step while other requests are
+    #: running or waiting (vLLM v1's --long-prefill-token-threshold; 0: no cap, vLLM's default).
+    long_prefill_token_threshold: int = 0
+    #: With the cap: at most this many prompts longer than it in partial prefill at a time, a
+    #: waiting one beyond that passed over by shorter ones (vLLM v0's --max-long-partial-prefills;
+    #: 0: no limit). Both are legitimate policies, not pathologies: nothing is tagged.
+    max_long_partial_prefills: int = 0
 
     # --- step time: overhead + prefill tokens + decode sequences + context tokens -------
     #: Fixed cost of one step (scheduling, launch, sampling): the decode floor.
@@ -88,6 +95,10 @@ class SimConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SimConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("long_prefill_token_threshold", "max_long_partial_prefills"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"SimConfig.{name} must be an integer >= 0, got {value!r}")
         if self.speed <= 0:
             raise ConfigError(f"SimConfig.speed must be > 0 (2 runs twice as fast), got {self.speed!r}")
         for f in fields(self):

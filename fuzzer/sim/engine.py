@@ -16,6 +16,11 @@ One step, as vLLM v1's scheduler (ARCHITECTURE.md, "Engines"):
    cache lookup, a chunk of the prompt, and admission stops at the first request
    whose blocks do not fit (head-of-line, by design).
 
+With ``long_prefill_token_threshold`` a request computes at most that many prompt tokens in a
+step while others are running or waiting, and with ``max_long_partial_prefills`` at most that
+many prompts longer than the threshold are in partial prefill at a time (shorter ones pass a
+waiting long one): legitimate policies of vLLM (v1 and v0), off by default.
+
 Planted pathologies (``fuzzer.sim.pathologies``) change this when enabled and
 tag the requests they delay.
 """
@@ -92,6 +97,8 @@ class Engine(Mechanisms):
         self._last_step_end_s: float | None = None
         self._cold_extra_s: list[float] = []
         self._batch_full = False
+        #: Prompt tokens one request may compute in the current step (the long-prefill cap).
+        self._chunk_cap = self.config.max_num_batched_tokens
         #: Called with the ground truth of every request as it finishes (the server's JSON-lines file).
         self.on_finish: Callable[[GroundTruth], None] | None = None
 
@@ -362,6 +369,8 @@ class Engine(Mechanisms):
                     self._tag(P.UNCHUNKED_PREFILL, (r for r in self._running if r is not head))
                     return [(head, tokens)]
 
+        threshold = cfg.long_prefill_token_threshold
+        self._chunk_cap = threshold if threshold and len(self._running) + len(self._waiting) > 1 else cfg.max_num_batched_tokens
         starve = self._prefill_first()
         scheduled, budget = self._schedule_running(cfg.max_num_batched_tokens, skip_decodes=starve)
         if starve and not scheduled:  # the prefill found no KV: decodes go on rather than deadlock
@@ -377,8 +386,12 @@ class Engine(Mechanisms):
             self._reorder_bursts()
         if P.LIFO_ADMISSION in on:
             self._newest_first()
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
-            req = self._waiting[0]
+        passed = 0  # waiting prompts passed over by the long-partial-prefill limit
+        while len(self._waiting) > passed and budget > 0 and len(self._running) < cfg.max_num_seqs:
+            req = self._waiting[passed]
+            if self._long_limited(req):
+                passed += 1
+                continue
             if P.UNCHUNKED_PREFILL in on and self._is_unchunked(req):
                 break  # it gets a step of its own next time
             if P.HOL_PREFIX_BURST in on and self._held_by_burst(req):
@@ -397,6 +410,16 @@ class Engine(Mechanisms):
             self._batch_full = True
         return scheduled
 
+    def _long_limited(self, req: SimRequest) -> bool:
+        """Is ``req`` a long prompt that the long-partial-prefill limit keeps waiting this step?"""
+        cfg = self.config
+        threshold, limit = cfg.long_prefill_token_threshold, cfg.max_long_partial_prefills
+        if not (threshold and limit and req.prompt_len > threshold):
+            return False
+        partial = sum(1 for r in self._running
+                      if r.prompt_len > threshold and not r.decoding and r.num_computed < r.num_tokens)
+        return partial >= limit
+
     def _schedule_running(self, budget: int, *, skip_decodes: bool) -> tuple[list[tuple[SimRequest, int]], int]:
         """Running requests first, in admission order: (what they compute, the budget left)."""
         scheduled: list[tuple[SimRequest, int]] = []
@@ -409,7 +432,7 @@ class Engine(Mechanisms):
             if req.decoding:
                 tokens, cost = 1, req.n
             else:
-                tokens = min(req.num_tokens - req.num_computed, budget)
+                tokens = min(req.num_tokens - req.num_computed, budget, self._chunk_cap)
                 cost = tokens
             if cost > budget:
                 i += 1
@@ -438,7 +461,7 @@ class Engine(Mechanisms):
             hits = self.kv.lookup(req.hashes, (req.num_tokens - 1) // cfg.block_size)
         cached = len(hits) * cfg.block_size
         remaining = req.num_tokens - cached
-        tokens = remaining if unchunked else min(remaining, budget)
+        tokens = remaining if unchunked else min(remaining, budget, self._chunk_cap)
         thrash = P.PREEMPTION_THRASH in self.pathologies
         if thrash and req.preemptions:
             tokens = min(tokens, cfg.thrash_resume_chunk_tokens)

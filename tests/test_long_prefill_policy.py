@@ -1,0 +1,148 @@
+"""A long-prefill cap is a legitimate policy: measured by calibration, modelled by the bound, named in the verdict.
+
+vLLM's ``--long-prefill-token-threshold`` (the knob its maintainers answer head-of-line reports
+with) caps the prompt tokens one request computes in a step while others are running or
+waiting; vLLM v0's ``--max-long-partial-prefills 1`` also keeps a second long prompt waiting
+while shorter ones pass it. Both serve a long prompt later than plain FCFS does; neither is a bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from test_kv_bound import SIM_MODEL
+
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.confirm import examine
+from fuzzer.oracle.model import SchedulerAssumption
+from fuzzer.oracle.paper import serve
+from fuzzer.sim import SimConfig, VirtualTarget
+from fuzzer.trace import from_dict
+
+CAPPED = SchedulerAssumption(long_prefill_threshold=256)
+
+
+def _trace(requests):
+    return from_dict({"prefixes": {}, "requests": requests})
+
+
+def test_the_paper_schedule_caps_a_prompts_chunks_only_beside_others():
+    alone = _trace([{"id": "L", "at_ms": 0, "prompt_tokens": 4096, "max_tokens": 2}])
+    beside = _trace([{"id": "S", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 200},
+                     {"id": "L", "at_ms": 50, "prompt_tokens": 4096, "max_tokens": 2}])
+    plain = SchedulerAssumption()
+    # Alone, nobody is starved: the whole budget (vLLM lifts the cap for a lone request).
+    assert len(serve(alone.requests, {}, {}, SIM_MODEL, CAPPED, False)["L"].chunk_steps) == 2
+    assert len(serve(beside.requests, {}, {}, SIM_MODEL, plain, False)["L"].chunk_steps) == 3  # 2047 a step beside S
+    capped = serve(beside.requests, {}, {}, SIM_MODEL, CAPPED, False)
+    assert len(capped["L"].chunk_steps) == 4096 // 256
+    assert capped["L"].ttft_s > serve(beside.requests, {}, {}, SIM_MODEL, plain, False)["L"].ttft_s
+
+
+def test_one_long_prompt_in_partial_prefill_at_a_time_lets_shorter_ones_pass():
+    trace = _trace([{"id": "S", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 300},
+                    {"id": "L1", "at_ms": 30, "prompt_tokens": 2048, "max_tokens": 2},
+                    {"id": "L2", "at_ms": 30, "prompt_tokens": 2048, "max_tokens": 2},
+                    {"id": "q", "at_ms": 40, "prompt_tokens": 128, "max_tokens": 2}])
+    shared = serve(trace.requests, {}, {}, SIM_MODEL, CAPPED, False)
+    one = serve(trace.requests, {}, {}, SIM_MODEL, CAPPED, False, one_long=True)
+    # Capped chunks side by side: L2 prefills beside L1. One at a time: L2 starts once L1's prefill is done.
+    assert shared["L2"].chunk_steps[0][0] == shared["L1"].chunk_steps[0][0]
+    assert one["L2"].chunk_steps[0][0] >= one["L1"].chunk_steps[-1][0]
+    assert one["L2"].arrival_s + one["L2"].ttft_s > shared["L2"].arrival_s + shared["L2"].ttft_s
+    assert one["q"].arrival_s + one["q"].ttft_s < one["L2"].arrival_s + one["L2"].ttft_s  # q passed L2
+
+
+def test_the_simulator_serves_under_the_cap_and_the_long_partial_limit():
+    trace = _trace([{"id": "S", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 300},
+                    {"id": "L1", "at_ms": 40, "prompt_tokens": 2048, "max_tokens": 2},
+                    {"id": "L2", "at_ms": 41, "prompt_tokens": 2048, "max_tokens": 2},
+                    {"id": "q", "at_ms": 50, "prompt_tokens": 128, "max_tokens": 2}])
+
+    def first_tokens(**knobs):
+        result = VirtualTarget(SimConfig(noise_sigma=0.0, **knobs), seed=1).run(trace)
+        return {r.request_id: r.sent_s + r.ttft_s for r in result.requests}
+
+    plain = first_tokens()
+    capped = first_tokens(long_prefill_token_threshold=256)
+    one = first_tokens(long_prefill_token_threshold=256, max_long_partial_prefills=1)
+    assert plain["L1"] < plain["L2"] <= plain["q"]  # FCFS with the whole budget (q shares L2's last step)
+    assert capped["q"] < capped["L1"]  # capped chunks: q's prompt fits beside them
+    assert capped["L1"] > plain["L1"]
+    assert one["q"] < one["L2"] and one["L2"] > capped["L2"]  # L2 waits for L1's whole prefill
+
+
+#: An engine whose steps cost mostly their overhead (a GPU's, unlike the simulator's default), so
+#: a cap multiplies a long prompt's prefill time: 8192 tokens in 32 steps of 256 instead of 5.
+GPU_LIKE = dict(step_overhead_s=0.015, prefill_token_s=3e-6)
+
+
+@pytest.mark.parametrize("threshold, partials, low, high", [(0, 0, 0, 0), (512, 0, 450, 600), (256, 1, 230, 290),
+                                                            (64, 0, 64, 80)])
+def test_calibration_measures_the_cap_it_applies_and_none_where_there_is_none(threshold, partials, low, high):
+    config = SimConfig(long_prefill_token_threshold=threshold, max_long_partial_prefills=partials, **GPU_LIKE)
+    cal = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4),
+                                max_model_len=config.max_model_len))
+    assert low <= cal.assumption.long_prefill_threshold <= high
+    if threshold:
+        assert "long-prefill cap measured" in cal.assumption.source
+        assert f"at most {cal.assumption.long_prefill_threshold} prompt tokens per request" in cal.assumption.describe()
+    assert Calibration.from_dict(cal.to_dict()) == cal
+
+
+def test_a_cap_that_costs_little_is_not_measured():
+    # The simulator's default steps cost mostly their tokens (30 us each against a 3.5 ms overhead):
+    # a 6144-token prompt capped at 512 takes 13 steps instead of 4 but only ~15% longer, within
+    # what the uncapped bound's factor allows anyway.
+    config = SimConfig(long_prefill_token_threshold=512)
+    cal = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4), max_model_len=config.max_model_len))
+    assert cal.assumption.long_prefill_threshold == 0
+
+
+def test_a_cap_the_user_names_is_kept_and_not_measured():
+    config = SimConfig(long_prefill_token_threshold=256, **GPU_LIKE)
+    named = asyncio.run(calibrate(VirtualTarget(config, seed=4), assumption=SchedulerAssumption(long_prefill_threshold=1000),
+                                  rng=random.Random(4), max_model_len=config.max_model_len))
+    assert named.assumption.long_prefill_threshold == 1000
+    none = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4), max_model_len=config.max_model_len,
+                                 measure_cap=False))
+    assert none.assumption.long_prefill_threshold == 0
+    # A calibration stored before the field existed reads as no cap.
+    data = none.to_dict()
+    del data["assumption"]["long_prefill_threshold"]
+    assert Calibration.from_dict(data).assumption.long_prefill_threshold == 0
+
+
+#: A stream, three long prompts and short requests behind them, all within 50 ms.
+LONG_BURST = _trace(
+    [{"id": "S", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 600},
+     {"id": "L1", "at_ms": 30, "prompt_tokens": 8192, "max_tokens": 8},
+     {"id": "L2", "at_ms": 32, "prompt_tokens": 8192, "max_tokens": 8},
+     {"id": "L3", "at_ms": 34, "prompt_tokens": 6000, "max_tokens": 8}]
+    + [{"id": f"q{i}", "at_ms": 36 + 3 * i, "prompt_tokens": 200, "max_tokens": 64} for i in range(6)]
+)
+
+
+@pytest.mark.parametrize("threshold, partials", [(256, 1), (512, 0)])
+def test_a_clean_server_with_a_cap_gives_no_finding_and_would_without_the_measured_cap(threshold, partials):
+    config = SimConfig(long_prefill_token_threshold=threshold, max_long_partial_prefills=partials, **GPU_LIKE)
+    cal = asyncio.run(calibrate(VirtualTarget(config, seed=1000), rng=random.Random(0),
+                                max_model_len=config.max_model_len))
+    assert cal.assumption.long_prefill_threshold > 0
+    blind = cal.with_assumption(replace(cal.assumption, long_prefill_threshold=0))
+
+    def findings(calibration):
+        target = VirtualTarget(config, seed=3)
+        target.run(_trace([{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}]))
+        return asyncio.run(examine(target, LONG_BURST, calibration, runs=3, rng=np.random.default_rng(3))).findings
+
+    assert findings(cal) == ()
+    # The control: judged as if the server gave a long prompt the whole budget, its long prompts are
+    # "slow" (3.7-4.7x with cap 256 and one long prefill at a time, 2.3x with cap 512).
+    wrong = findings(blind)
+    assert wrong and {v.request_id for v in wrong} <= {"L1", "L2", "L3"}
