@@ -97,6 +97,8 @@ def test_calibration_fits_the_server_and_reads_its_kv_capacity(calibrated):
     # The KV capacity comes from /metrics' vllm:cache_config_info (num_gpu_blocks, block_size).
     assert assumption["kv_blocks"] == KV_BLOCKS and assumption["block_size"] == KV_BLOCK_SIZE, assumption
     assert assumption["token_budget"] == TOKEN_BUDGET
+    # Stock vLLM has no long-prefill cap (--long-prefill-token-threshold 0): the cap probe must not invent one.
+    assert assumption["long_prefill_threshold"] == 0, assumption
     assert cal["ttft_fit"]["slope"] > 0 and cal["ttft_fit"]["n"] >= 5
     # Attention makes a long prompt's prefill grow faster than its length (2048 tokens ~0.12 s, 8000
     # ~1.5 s on one machine): the chunked probes show it and the model carries it. (Per decode
