@@ -39,7 +39,7 @@ from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.confirm import examine
 from fuzzer.oracle.evidence import preemptions
 from fuzzer.search.mutators import generate
-from fuzzer.sim import VirtualTarget
+from fuzzer.sim import SimConfig, VirtualTarget
 from fuzzer.sim import pathologies as sim_pathologies
 from fuzzer.trace import Trace, from_dict
 
@@ -115,10 +115,17 @@ MATERIAL_GAIN = 2.0
 _WARM_UP = _t([{"id": "warm", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 2}])
 
 
-async def _calibration(seed: int, kv_blind: bool = False, full: bool = False, fifo: bool = False):
-    target = VirtualTarget(seed=10_000 + seed)
+#: SimConfig overrides of every simulator of the run (``--sim``): a differently built engine.
+SIM = SimConfig()
+
+
+async def _calibration(seed: int, kv_blind: bool = False, full: bool = False, fifo: bool = False,
+                       blind_cap: bool = False):
+    target = VirtualTarget(SIM, seed=10_000 + seed)
     cal = await calibrate(target, rng=random.Random(seed), max_model_len=target.config.max_model_len,
                           early_stop=not full)
+    if blind_cap:  # the control: judged as if the server gave every prompt the whole budget
+        cal = dataclasses.replace(cal, assumption=dataclasses.replace(cal.assumption, long_prefill_threshold=0))
     if kv_blind:
         cal = dataclasses.replace(cal, assumption=dataclasses.replace(cal.assumption, kv_blocks=None))
     if fifo:  # what a calibration over HTTP assumes: the envelope's frontend variants and burst-order slack
@@ -138,7 +145,7 @@ def _kv_heavy(rng: random.Random) -> Trace:
 
 async def _false_positives(seed: int, count: int, cal, make=generate) -> dict:
     rng, nrng = random.Random(seed), np.random.default_rng(seed)
-    target = VirtualTarget(seed=seed)
+    target = VirtualTarget(SIM, seed=seed)
     flagged, kinds, executions, preempted, flagged_preempted = 0, collections.Counter(), 0, 0, 0
     for _ in range(count):
         exam = await examine(target, make(rng), cal, runs=3, rng=nrng)
@@ -170,8 +177,8 @@ async def _detection(name: str, seed: int, count: int, cal) -> dict:
     declared = {i.name: i.kind for i in sim_pathologies.describe()}[name]
     for i in range(count):
         trace = VARIANTS[name](rng)
-        target = VirtualTarget(pathologies=(name,), seed=seed * 1000 + i)
-        clean = VirtualTarget(seed=seed * 1000 + i)
+        target = VirtualTarget(SIM, pathologies=(name,), seed=seed * 1000 + i)
+        clean = VirtualTarget(SIM, seed=seed * 1000 + i)
         if name != "cold-start":
             target.run(_WARM_UP)
             clean.run(_WARM_UP)
@@ -204,7 +211,14 @@ async def main() -> None:
                         help="every probe repeat, no early stop once the fit is settled (before)")
     parser.add_argument("--frontend-fifo", action="store_true",
                         help="judge under the assumption a calibration over HTTP stores (frontend in arrival order)")
+    parser.add_argument("--sim", default="", metavar="K=V,...",
+                        help="SimConfig overrides of every simulator, e.g. long_prefill_token_threshold=256")
+    parser.add_argument("--blind-cap", action="store_true",
+                        help="judge without the long-prefill cap calibration measured (the control)")
     args = parser.parse_args()
+    global SIM
+    SIM = SimConfig(**{k: (float(v) if "." in v or "e-" in v else int(v))
+                       for k, v in (item.split("=", 1) for item in args.sim.split(",") if item)})
     started = time.perf_counter()
     sets = {"random traces (generate)": generate, **({"KV-heavy bursts": _kv_heavy} if args.kv_heavy else {})}
     fp = {name: collections.Counter() for name in sets}
@@ -212,8 +226,9 @@ async def main() -> None:
     names = [n for n in args.pathologies.split(",") if n]
     det: dict[str, collections.Counter] = {name: collections.Counter() for name in names}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        cal = await _calibration(seed, args.kv_blind, args.full_calibration, args.frontend_fifo)
-        print(f"seed {seed}: calibration {cal.probing}; {cal.probes} probes", flush=True)
+        cal = await _calibration(seed, args.kv_blind, args.full_calibration, args.frontend_fifo, args.blind_cap)
+        print(f"seed {seed}: calibration {cal.probing}; {cal.probes} probes; "
+              f"{cal.assumption.describe()}", flush=True)
         for label, make in sets.items():
             count = args.clean if make is generate else args.kv_heavy
             r = await _false_positives(seed, count, cal, make) if count else {}
