@@ -35,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/llamacpp/conftest.py imports its helpers as pytest puts them: top-level
 
 from fuzzer.cli._target import parse_duration
 from fuzzer.execute.http import HttpTarget
