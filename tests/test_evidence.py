@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fuzzer.execution import ExecutionResult, Outcome, RequestResult
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
 from fuzzer.oracle.evidence import exposed_to_steps, waited_for_blocks, waited_for_slot
 from fuzzer.oracle.expectation import Expectation, expect
 from fuzzer.oracle.model import FRONTEND_SLACK_S, SchedulerAssumption, StepModel
@@ -89,6 +89,35 @@ def test_a_preemptible_stream_that_resumed_right_after_a_request_ended_waited_fo
     early = _result(d, _r("o", 0.0, 0.02, 1.5))
     assert waited_for_blocks(expectations, early, 2.0)["d"] == bound
     assert waited_for_blocks({**expectations, "o": _e("o", 0.02, 0.7)}, result, 2.0)["d"] == bound
+
+
+def test_a_preemptible_stream_that_resumed_right_after_another_preemption_waited_for_its_blocks():
+    # Found on stock vLLM (a HolLongestFirst campaign's mutant, replayed on stock: KV at 100%, 1-4
+    # preemptions a run): a 1536-token stream silent 1.62 s, with no request ending or starting inside
+    # the silence; the blocks it got back were freed by preempting another stream.
+    times = (*np.arange(0.02, 1.0, 0.01).tolist(), 3.05, 3.06)
+    d = RequestResult("d", "d", 0.0, 0.0, Outcome.OK, ttft_s=0.02, first_event_s=0.02, token_times_s=times,
+                      e2e_s=3.06)
+    bound = Expectation("d", 0.02, 0.01, 1.0, 0.02, 0.2, 1.2, preemptible=True)
+    expectations = {"d": bound, "o": _e("o", 0.02, 4.0)}
+
+    def scraped(*counts: tuple[float, float]) -> ExecutionResult:
+        samples = tuple(MetricSample(t, {"preemptions": c}) for t, c in counts)
+        return replace(_result(d, _r("o", 0.0, 0.02, 3.5)), samples=samples)
+
+    # The counter rose between the scrapes at 2.95 s and 3.0 s: d waited from its gap's start to 3.0 s.
+    rose = scraped((0.5, 0.0), (1.0, 1.0), (2.95, 1.0), (3.0, 2.0), (3.5, 2.0))
+    assert waited_for_blocks(expectations, rose, 2.0)["d"].max_itl_s == 3.0 - times[-3] + 0.2
+    # Controls: only its own preemption, at the gap's start; a rise long before the gap ended; a stream
+    # no KV-aware schedule may preempt.
+    own = scraped((0.5, 0.0), (1.0, 1.0), (3.5, 1.0))
+    assert waited_for_blocks(expectations, own, 2.0)["d"] == bound
+    early = scraped((0.5, 0.0), (1.0, 1.0), (1.5, 1.0), (1.6, 2.0), (3.5, 2.0))
+    assert waited_for_blocks(expectations, early, 2.0)["d"] == bound
+    fixed = {**expectations, "d": replace(bound, preemptible=False)}
+    assert waited_for_blocks(fixed, rose, 2.0)["d"] == fixed["d"]
+    # ... unless no KV-aware schedule preempted anyone while the server did: then any stream may have been.
+    assert waited_for_blocks(fixed, rose, 2.0, anyone=True)["d"].max_itl_s == 3.0 - times[-3] + 0.2
 
 
 # --- a stream still in the system when a prompt chunk is computed ----------------------------------

@@ -67,7 +67,11 @@ def bounds(
     if a.kv_blocks is not None:
         expectations, factor = expect(trace, model, a, result, kv=not thrashed), policy.factor
         if not thrashed and preemptions(result) > 0:
-            expectations = waited_for_blocks(behind_preempted(expectations, result), result, policy.factor)
+            # When no KV-aware schedule preempted anyone, the server ran out of blocks where the model did not:
+            # any of its streams may have been the one preempted.
+            anyone = expected_preemptions(trace, model, a, result) == 0
+            expectations = waited_for_blocks(behind_preempted(expectations, result), result, policy.factor,
+                                             anyone=anyone)
     else:
         expectations = expect(trace, model, a, result)
         factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
@@ -130,34 +134,47 @@ def behind_preempted(expectations: dict[str, Expectation], result: ExecutionResu
 
 
 def waited_for_blocks(
-    expectations: dict[str, Expectation], result: ExecutionResult, factor: float
+    expectations: dict[str, Expectation], result: ExecutionResult, factor: float, *, anyone: bool = False
 ) -> dict[str, Expectation]:
     """``expectations`` with each preemptible stream's longest gap bounded by the KV blocks it waited for, as observed.
 
     A stream preempted for KV blocks (recompute) goes back to the head of the waiting queue and is
-    re-admitted when blocks free, that is when running requests end; on paper those ends come from
-    the calibrated decode cost and which stream is preempted drifts with step boundaries
-    (``Expectation.preemptible``). When the stream's longest gap ends within its own max-ITL bound
-    (its recompute and a step) after another request ended, it waited for that request's blocks:
-    its bound is the wait from the gap's start to that end plus its own bound. Each end counts at
-    most at ``factor`` times that request's E2E bound. The caller applies this only when the server
-    reported preemptions and the execution did not thrash.
+    re-admitted when blocks free: when running requests end, or when the engine preempts another
+    running request (vLLM v1 frees the newest's blocks; under pressure streams take turns). On
+    paper those moments come from the calibrated decode cost and which stream is preempted drifts
+    with step boundaries (``Expectation.preemptible``). When the stream's longest gap ends within its
+    own max-ITL bound (its recompute and a step) after another request ended, or after a metrics
+    scrape that saw the server's preemption counter rise, it waited for those blocks: its bound is
+    the wait from the gap's start to that moment plus its own bound. Each end counts at most at
+    ``factor`` times that request's E2E bound; a preemption at the scrape that first showed it (or
+    at the gap's end, when that scrape came later). The caller applies this only when the server
+    reported preemptions and the execution did not thrash; with ``anyone`` (no KV-aware schedule
+    preempted, yet the server did) every stream is taken as preemptible.
     """
     ends = [(end, r.request_id) for r in result.requests
             if (end := _accepted_end(r, expectations.get(r.request_id), factor)) is not None]
+    rises = _preempted_at(result)
     out = dict(expectations)
     for r in result.requests:
         e = expectations.get(r.request_id)
-        if e is None or not e.preemptible or e.max_itl_s is None or len(r.token_times_s) < 2:
+        if e is None or not (e.preemptible or anyone) or e.max_itl_s is None or len(r.token_times_s) < 2:
             continue
         gaps = np.diff(np.asarray(r.token_times_s))
         k = int(np.argmax(gaps))
         start, end = r.sent_s + r.token_times_s[k], r.sent_s + r.token_times_s[k + 1]
-        freed = [(t, pid) for t, pid in ends if pid != r.request_id and start < t <= end and end - t <= e.max_itl_s]
+        freed = [t for t, pid in ends if pid != r.request_id and start < t <= end and end - t <= e.max_itl_s]
+        freed += [min(seen, end) for before, seen in rises if before < end and seen > start
+                  and end - min(seen, end) <= e.max_itl_s]
         if freed:
-            t, pid = max(freed)
+            t = max(freed)
             out[r.request_id] = replace(e, max_itl_s=max(e.max_itl_s, t - start + e.max_itl_s))
     return out
+
+
+def _preempted_at(result: ExecutionResult) -> list[tuple[float, float]]:
+    """(previous scrape, scrape) of every metrics scrape that saw the server's preemption counter rise."""
+    counted = [(s.t_s, s.values["preemptions"]) for s in result.samples if "preemptions" in s.values]
+    return [(t0, t1) for (t0, c0), (t1, c1) in zip(counted, counted[1:]) if c1 > c0]
 
 
 def waited_for_slot(
