@@ -73,12 +73,17 @@ def test_a_request_asking_for_several_choices_takes_as_many_slots():
 # --- a stream preempted for KV blocks ------------------------------------------------------------------
 
 
+#: A stream d whose tokens come every 10 ms to 1.0 s, then nothing until 3.05 s; its bounds (a
+#: preemptible stream, max ITL 0.2 s: its recompute and a step).
+SILENT_TIMES = (*np.arange(0.02, 1.0, 0.01).tolist(), 3.05, 3.06)
+SILENT = RequestResult("d", "d", 0.0, 0.0, Outcome.OK, ttft_s=0.02, first_event_s=0.02, token_times_s=SILENT_TIMES,
+                       e2e_s=3.06)
+SILENT_BOUND = Expectation("d", 0.02, 0.01, 1.0, 0.02, 0.2, 1.2, preemptible=True)
+
+
 def test_a_preemptible_stream_that_resumed_right_after_a_request_ended_waited_for_its_blocks():
-    # d's tokens: every 10 ms to 1.0 s, then nothing until 3.05 s; o ended at 3.0 s (its blocks freed).
-    times = (*np.arange(0.02, 1.0, 0.01).tolist(), 3.05, 3.06)
-    d = RequestResult("d", "d", 0.0, 0.0, Outcome.OK, ttft_s=0.02, first_event_s=0.02, token_times_s=times,
-                      e2e_s=3.06)
-    bound = Expectation("d", 0.02, 0.01, 1.0, 0.02, 0.2, 1.2, preemptible=True)
+    # d is silent from 1.0 s to 3.05 s; o ended at 3.0 s (its blocks freed).
+    times, d, bound = SILENT_TIMES, SILENT, SILENT_BOUND
     expectations = {"d": bound, "o": _e("o", 0.02, 2.0)}
     result = _result(d, _r("o", 0.0, 0.02, 3.0))
     assert waited_for_blocks(expectations, result, 2.0)["d"].max_itl_s == 3.0 - times[-3] + 0.2
@@ -95,10 +100,7 @@ def test_a_preemptible_stream_that_resumed_right_after_another_preemption_waited
     # Found on stock vLLM (a HolLongestFirst campaign's mutant, replayed on stock: KV at 100%, 1-4
     # preemptions a run): a 1536-token stream silent 1.62 s, with no request ending or starting inside
     # the silence; the blocks it got back were freed by preempting another stream.
-    times = (*np.arange(0.02, 1.0, 0.01).tolist(), 3.05, 3.06)
-    d = RequestResult("d", "d", 0.0, 0.0, Outcome.OK, ttft_s=0.02, first_event_s=0.02, token_times_s=times,
-                      e2e_s=3.06)
-    bound = Expectation("d", 0.02, 0.01, 1.0, 0.02, 0.2, 1.2, preemptible=True)
+    times, d, bound = SILENT_TIMES, SILENT, SILENT_BOUND
     expectations = {"d": bound, "o": _e("o", 0.02, 4.0)}
 
     def scraped(*counts: tuple[float, float]) -> ExecutionResult:

@@ -83,7 +83,7 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
         if p.ttft_s < CANDIDATE_FACTOR * _probe_ttft(trace, sent, model, assumption, 0) + margin_s:
             return 0  # no slower than an uncapped engine serves it
         runs.append((p.ttft_s, steps, sent, trace))
-    ttft, steps, sent, trace = min(runs)
+    ttft, _, sent, trace = min(runs, key=lambda run: run[0])  # the quicker run (tuples of dicts do not compare)
     # Counted steps are at most the prefill's (one may precede its arrival): the cap is at least prompt / fewest.
     lo, hi = max(MIN_CAP_TOKENS, prompt // min(r[1] for r in runs)), budget - 1
     if _probe_ttft(trace, sent, model, assumption, lo) < ttft - margin_s:

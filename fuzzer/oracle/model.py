@@ -136,7 +136,7 @@ class SchedulerAssumption:
     frontend_fifo: bool = False
     #: A cap on the prompt tokens one request computes in a step while other requests are
     #: running or waiting (vLLM's ``--long-prefill-token-threshold``; 0: none, vLLM's default),
-    #: as the user gives it or calibration measures it (:func:`fuzzer.oracle.calibrate.chunk_cap`).
+    #: as the user gives it or calibration measures it (:func:`fuzzer.oracle.chunkcap.chunk_cap`).
     #: The paper schedule then caps every chunk so, and its envelope also holds the schedule
     #: that keeps at most one prompt longer than the cap in partial prefill at a time, shorter
     #: ones passing it in the queue (vLLM v0's ``--max-long-partial-prefills 1``): legitimate

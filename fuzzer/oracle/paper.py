@@ -295,11 +295,12 @@ def schedule(
                     chunks.append((j, c))
                     budget -= c
         seqs = sum(j.n for j in running)
-        long_busy = one_long and threshold > 0 and any(not j.prefilled and j.prompt > threshold for j in running)
+        one = one_long and threshold > 0  # one long prompt in partial prefill at a time
+        long_busy = one and any(not j.prefilled and j.prompt > threshold for j in running)
         i = 0
         while i < len(waiting) and budget > 0 and seqs + waiting[i].n <= a.max_num_seqs:
             if long_busy and waiting[i].prompt > threshold:
-                i += 1  # one long prompt in partial prefill at a time: shorter ones pass it
+                i += 1  # shorter ones pass it
                 continue
             if kv is not None and running:
                 blocks = kv.admit_blocks(waiting[i], t, ready, a, min(budget, limit), len(running))
@@ -316,7 +317,7 @@ def schedule(
             budget -= c
             if kv is not None:
                 kv.hold(j, kv.admitted_tokens(j, j.computed, min(budget + c, limit)))
-            long_busy = long_busy or (one_long and threshold > 0 and j.prompt > threshold and c < left)
+            long_busy = long_busy or (one and j.prompt > threshold and c < left)
         prefill = sum(c for _, c in chunks)
         pairs = sum(c * (j.computed + c / 2) for j, c in chunks)  # attention of each chunk over its prompt so far
         dt = model.step_s(prefill, decode_seqs, context, pairs)

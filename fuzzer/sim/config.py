@@ -91,14 +91,11 @@ class SimConfig:
             "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks",
             "thrash_resume_chunk_tokens", "unchunked_min_prompt_tokens", "lifo_min_waiting",
         )
-        for name in positive_ints:
+        off_at_zero = ("long_prefill_token_threshold", "max_long_partial_prefills")
+        for name, least in [*((n, 1) for n in positive_ints), *((n, 0) for n in off_at_zero)]:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"SimConfig.{name} must be an integer >= 1, got {value!r}")
-        for name in ("long_prefill_token_threshold", "max_long_partial_prefills"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"SimConfig.{name} must be an integer >= 0, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"SimConfig.{name} must be an integer >= {least}, got {value!r}")
         if self.speed <= 0:
             raise ConfigError(f"SimConfig.speed must be > 0 (2 runs twice as fast), got {self.speed!r}")
         for f in fields(self):
