@@ -8,14 +8,39 @@ guest), the worker dies of SIGILL in ``cpu_attention_with_kv_cache`` on the firs
 every completion is a 500. Without AMX the same kernels take the AVX-512 / AVX2 "vec" path,
 the one AMD machines take anyway: every machine then runs the same attention code.
 Set FUZZ_VLLM_ALLOW_AMX=1 to leave vLLM's choice alone.
+
+The patch is applied when ``torch.cpu`` is first imported, not by importing torch here: every
+Python process on this PYTHONPATH runs this file, and the server's worker starts many that never
+import torch (torch inductor checks each kernel it loads in a ``python -c`` subprocess, during
+serving). Importing torch in each took 1.3 s of CPU: on 2 cores the worker's step waited for it
+and the fuzzer's own event loop was starved of CPU for up to seconds (benchmarks/README.md,
+"Real server: vLLM").
 """
 
+import importlib.abc
+import importlib.machinery
 import os
+import sys
+
+
+class _AmxOff(importlib.abc.MetaPathFinder):
+    """Finds ``torch.cpu`` as the path finder would, and patches the module once it has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cpu":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module._is_amx_tile_supported = lambda: False
+
+        spec.loader.exec_module = exec_module
+        return spec
+
 
 if os.environ.get("FUZZ_VLLM_ALLOW_AMX") != "1":
-    try:
-        import torch.cpu
-    except ImportError:  # make_model.py's imports, or a python without torch: nothing to keep off
-        pass
-    else:
-        torch.cpu._is_amx_tile_supported = lambda: False
+    sys.meta_path.insert(0, _AmxOff())
