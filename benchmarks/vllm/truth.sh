@@ -15,7 +15,9 @@
 # Environment: VPY (the vLLM venv's python; default: .ci/vllm-server.sh's), FUZZ (default
 # .venv/bin/fuzz), PORT (default 8101), CAMPAIGN_PLANTED (default 10m), CAMPAIGN_STOCK
 # (default 20m), CORPUS_RUNS (default 10), SEED (the campaigns' --seed, default 1), PLANTED (the
-# planted classes the planted steps run, default "HolLongestFirst LifoAdmission DecodeStarvation").
+# planted classes the planted steps run, default "HolLongestFirst LifoAdmission DecodeStarvation"),
+# SERVER_CPUS (the CPUs the server is pinned to, taskset's list; default every CPU but the last,
+# which is left to the fuzzer: tests/vllm_cpu/conftest.py says why; "all": no pinning).
 set -euo pipefail
 OUT="${1:?usage: truth.sh OUT_DIR [STEP...]}"
 shift
@@ -31,6 +33,11 @@ mkdir -p "$OUT"
 MODEL="$OUT/tiny-llama"
 [ -f "$MODEL/config.json" ] || "$VPY" "$ROOT/tests/vllm_cpu/make_model.py" "$MODEL" >/dev/null
 
+NCPU="$(nproc)"
+SERVER_CPUS="${SERVER_CPUS:-$([ "$NCPU" -gt 1 ] && echo "0-$((NCPU - 2))" || echo all)}"
+PIN=()
+[ "$SERVER_CPUS" != all ] && PIN=(taskset -c "$SERVER_CPUS")
+
 SERVER_PGID=""
 stop_server() {
     if [ -n "$SERVER_PGID" ]; then
@@ -45,7 +52,7 @@ trap stop_server EXIT INT TERM
 start_server() {  # start_server NAME [SCHEDULER_CLASS]
     local name="$1" cls="${2:-}" extra=()
     [ -n "$cls" ] && extra=(--scheduler-cls "planted.$cls")
-    PYTHONPATH="$ROOT/tests/vllm_cpu" HF_HUB_OFFLINE=1 setsid "$VPY" -m vllm.entrypoints.openai.api_server \
+    PYTHONPATH="$ROOT/tests/vllm_cpu" HF_HUB_OFFLINE=1 setsid "${PIN[@]}" "$VPY" -m vllm.entrypoints.openai.api_server \
         --model "$MODEL" --served-model-name tiny-llama --host 127.0.0.1 --port "$PORT" \
         --dtype bfloat16 --enforce-eager --kv-cache-memory-bytes 64M --max-model-len 8192 "${extra[@]}" \
         >"$OUT/server-$name.log" 2>&1 &

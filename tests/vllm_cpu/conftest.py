@@ -11,6 +11,13 @@ which has torch and transformers); it is loaded offline. The server is
 start), three processes (API server, engine core, worker) started in a session of their
 own, so that stopping it kills the whole process group. A planted scheduler
 (`planted.py`) is chosen with --scheduler-cls; the engine core imports it through PYTHONPATH.
+
+The server runs on every CPU but one (``server_cpus``), which is left to the client. vLLM's CPU
+worker spins on its core between steps, and its engine core and API server are busy while it
+serves: on a 2-core machine, with the server free to use both, the test process (the fuzzer's
+client) waited for a CPU for seconds at a time, its event loop stalled (``client_lag_s`` of
+0.5-7 s in most campaign executions) and every timing it took was late. Pinned, the worst stall
+was 6 ms (benchmarks/README.md, "Real server: vLLM").
 """
 
 from __future__ import annotations
@@ -109,6 +116,29 @@ def write_model(python: Path, out: Path, *, seed: int = MODEL_SEED) -> Path:
     return out
 
 
+def server_cpus() -> set[int] | None:
+    """The CPUs the test servers may use: $FUZZ_VLLM_SERVER_CPUS ("0-2,5"; "all": no pinning),
+    else every CPU this process may use but the last one (None on a 1-CPU machine)."""
+    spec = os.environ.get("FUZZ_VLLM_SERVER_CPUS", "").strip()
+    if spec == "all":
+        return None
+    if spec:
+        cpus: set[int] = set()
+        for part in spec.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+        return cpus
+    mine = sorted(os.sched_getaffinity(0))
+    return set(mine[:-1]) if len(mine) > 1 else None
+
+
+def _pin(cpus: set[int] | None):
+    """A preexec_fn that confines the server (and the processes it starts) to ``cpus``."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def _server_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
@@ -187,7 +217,8 @@ def start_vllm_server(python: Path, model_dir: Path, log: Path, *, scheduler_cls
     started = time.perf_counter()
     with open(log, "wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=_server_env(), start_new_session=True, cwd=str(log.parent))
+                                   env=_server_env(), start_new_session=True, cwd=str(log.parent),
+                                   preexec_fn=_pin(server_cpus()))
     base_url = f"http://127.0.0.1:{port}"
     deadline = started + READY_TIMEOUT_S
     try:

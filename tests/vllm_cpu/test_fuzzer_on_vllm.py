@@ -9,6 +9,7 @@ end is checked here, not what the oracle concludes about it.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from fuzzer import trace as trace_format
 
 from . import schedules
-from .conftest import MAX_MODEL_LEN, SERVED_MODEL_NAME, group_members, post_json
+from .conftest import MAX_MODEL_LEN, SERVED_MODEL_NAME, group_members, post_json, server_cpus
 
 pytestmark = pytest.mark.vllm
 
@@ -78,6 +79,15 @@ def test_the_server_runs_as_three_processes_in_a_group_of_its_own(vllm_server):
     members = group_members(vllm_server.pid)
     assert vllm_server.pid in members and len(members) >= 3, members  # API server, engine core, worker
     print(f"\nvLLM ready in {vllm_server.ready_s:.1f} s")
+
+
+def test_the_server_leaves_a_cpu_to_the_client(vllm_server):
+    cpus = server_cpus()
+    if cpus is None:
+        pytest.skip("one CPU (or FUZZ_VLLM_SERVER_CPUS=all): nothing to leave to the client")
+    for pid in group_members(vllm_server.pid):
+        assert os.sched_getaffinity(pid) <= cpus, pid  # every process of the server, the worker included
+    assert set(os.sched_getaffinity(0)) - cpus, "the test process has a CPU the server does not use"
 
 
 def test_tokenize_counts_the_prompt_the_completion_reports(vllm_server):
