@@ -177,3 +177,39 @@ async def test_with_a_duration_mutants_longer_than_their_share_of_it_are_passed_
     assert len(ran) > over
     # Without a duration there is no budget (the benchmarks count executions, not seconds).
     assert _campaign(Store.memory(), VirtualTarget(seed=3), [seed_trace], max_execs=2).execution_budget_s() is None
+
+
+class _Stalling(_Clocked):
+    """As _Clocked, but every third execution says its client stalled (a client short of CPU)."""
+
+    def __init__(self, inner, stall_s):
+        super().__init__(inner)
+        self.stall_s = stall_s
+        self.runs = 0
+
+    async def execute(self, trace):
+        from dataclasses import replace
+
+        result = await super().execute(trace)
+        self.runs += 1
+        return replace(result, client_lag_s=self.stall_s if self.runs % 3 == 0 else 0.004)
+
+
+async def test_executions_whose_client_starved_are_counted_and_the_summary_says_what_to_do(seed_trace):
+    from fuzzer.cli.campaign import client_stall_hint
+
+    store = Store.memory()
+    target = _Stalling(VirtualTarget(seed=3), stall_s=1.5)
+    stats = (await Campaign(target, store, Settings(seed=5, max_execs=9, idle_share=0.0), seeds=[seed_trace],
+                            target_key="sim:test", clock=lambda: target.now).run()).stats
+    lags = [store.get_execution(r["id"]).client_lag_s for r in store.execution_rows(campaign_id=stats.campaign_id)]
+    assert stats.client_stalls == sum(lag > 0.1 for lag in lags) >= 3  # the 4 ms ones are the loop's jitter
+    assert stats.worst_client_stall_s == 1.5
+    hint = client_stall_hint(stats)
+    assert f"in {stats.client_stalls} of {stats.executions} executions" in hint and "worst 1.50 s" in hint
+    assert "taskset" in hint
+    # A client that never stalled past 100 ms gets no count (and the summary no hint).
+    quiet = _Stalling(VirtualTarget(seed=3), stall_s=0.05)
+    stats = (await Campaign(quiet, Store.memory(), Settings(seed=5, max_execs=6, idle_share=0.0), seeds=[seed_trace],
+                            target_key="sim:test", clock=lambda: quiet.now).run()).stats
+    assert stats.client_stalls == 0 and stats.worst_client_stall_s == 0.0

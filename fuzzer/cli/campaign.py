@@ -291,9 +291,20 @@ def _stats_table(s: Stats) -> Table:
         ("server", s.server),
         ("time by phase", time_line(s.time_s)),
     ]
+    if s.client_stalls:
+        rows.append(("client stalls", f"{s.client_stalls} executions over 100 ms, worst {s.worst_client_stall_s:.2f} s"))
     for k, v in rows:
         table.add_row(k, v)
     return table
+
+
+def client_stall_hint(s: Stats) -> str:
+    """What a campaign whose client stalled should tell its user (the cause, the cost, the cure)."""
+    return (f"  the fuzzer's event loop stalled over 100 ms in {s.client_stalls} of {s.executions} executions "
+            f"(worst {s.worst_client_stall_s:.2f} s): it was short of CPU, most often because the server "
+            "runs on the same cores. Latencies within a stall are not held against the server, so smaller "
+            "bugs go unseen; run the fuzzer on a core the server does not use (e.g. start the server "
+            "under `taskset -c 0-N` and leave a core free)")
 
 
 def _print_summary(summary: Summary, db_path: str) -> None:
@@ -311,6 +322,8 @@ def _print_summary(summary: Summary, db_path: str) -> None:
         out.print("  time: " + time_line(s.time_s))
     if s.too_long:
         out.print(f"  mutants passed over as longer than their share of --duration: {s.too_long}")
+    if s.client_stalls:
+        out.print(client_stall_hint(s))
     for finding_id, kind in summary.new_findings:
         out.print(f"  new finding {finding_id}: {kind}")
     db = "" if db_path == "fuzz.db" else f" --db {db_path}"

@@ -25,6 +25,10 @@ from fuzzer.execute.periodic import Periodic
 DEFAULT_INTERVAL_S = 0.005
 #: A stall longer than this gets a harness warning on the execution.
 WARN_S = 0.020
+#: A stall longer than this is a client short of CPU, not the event loop's own jitter: a campaign
+#: counts such executions and says what to do about them (the fuzzer on cores the server does
+#: not use; measured on vLLM's CPU build sharing 2 cores with the client, benchmarks/README.md).
+STARVED_S = 0.100
 
 
 class LagMonitor(Periodic):

@@ -36,6 +36,7 @@ from dataclasses import replace
 import numpy as np
 
 from fuzzer.errors import FuzzError, TargetError
+from fuzzer.execute import clientlag
 from fuzzer.execute.managed import CrashLoop
 from fuzzer.execute.recovery import backoff
 from fuzzer.execution import ExecutionResult, Target
@@ -137,6 +138,9 @@ class Campaign:
         #: and mutants run over it because no try fitted (fuzzer.search.campaign.AFFORD_TRIES).
         self.too_long = 0
         self.over_budget = 0
+        #: Executions whose client stalled past clientlag.STARVED_S, and the worst stall seen.
+        self.client_stalls = 0
+        self.worst_client_stall_s = 0.0
 
     # --- setup and resume ---------------------------------------------------------------
 
@@ -277,6 +281,9 @@ class Campaign:
             # We left the server idle this long on purpose; an HTTP idle barrier only sees its own polls.
             result = replace(result, idle_before_s=idled_s)
         self.server_time.record(purpose, result.duration_s)
+        if (result.client_lag_s or 0.0) > clientlag.STARVED_S:
+            self.client_stalls += 1
+            self.worst_client_stall_s = max(self.worst_client_stall_s, result.client_lag_s or 0.0)
         if self.calibration is not None and self.calibration.assumption.kv_blocks is None:
             # A server may report its KV capacity only once its engine is up (vLLM's cache_config_info).
             self.calibration = with_target_kv(self.calibration, self.target)
@@ -513,6 +520,7 @@ class Campaign:
             candidates=self.confirmer.candidates, confirmations=self.confirmer.confirmations, elapsed_s=elapsed,
             since_last_find_s=None if self.confirmer.last_find is None else self._clock() - self.confirmer.last_find,
             server=self._server, time_s=self.time_spent.by_phase(elapsed), too_long=self.too_long,
+            client_stalls=self.client_stalls, worst_client_stall_s=self.worst_client_stall_s,
         )
 
     def _emit(self) -> None:
