@@ -303,8 +303,8 @@ def client_stall_hint(s: Stats) -> str:
     return (f"  the fuzzer's event loop stalled over 100 ms in {s.client_stalls} of {s.executions} executions "
             f"(worst {s.worst_client_stall_s:.2f} s): it was short of CPU, most often because the server "
             "runs on the same cores. Latencies within a stall are not held against the server, so smaller "
-            "bugs go unseen; run the fuzzer on a core the server does not use (e.g. start the server "
-            "under `taskset -c 0-N` and leave a core free)")
+            "bugs go unseen; leave the fuzzer a core the server does not use (e.g. `taskset -a -p -c 0-N PID` "
+            "on the server's busiest processes; README, \"vLLM on any machine\")")
 
 
 def _print_summary(summary: Summary, db_path: str) -> None:
