@@ -80,14 +80,6 @@ def judge_findings(store: Store, truth: dict[str, set[str]], campaign_id: int | 
     return out
 
 
-def _campaign_row(db: Path) -> tuple[int, dict] | None:
-    with Store.open(db, create=False) as store:
-        campaign = store.latest_campaign()
-        if campaign is None:
-            return None
-        return campaign["id"], campaign["state"].get("stats", {})
-
-
 def run(launch: str, *, duration: str, seed: int, stop_when_right: bool, keep: Path | None,
         extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:

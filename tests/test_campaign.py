@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from conftest import CORPUS
@@ -188,8 +189,6 @@ class _Stalling(_Clocked):
         self.runs = 0
 
     async def execute(self, trace):
-        from dataclasses import replace
-
         result = await super().execute(trace)
         self.runs += 1
         return replace(result, client_lag_s=self.stall_s if self.runs % 3 == 0 else 0.004)

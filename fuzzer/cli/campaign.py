@@ -29,6 +29,7 @@ from fuzzer.cli._target import (
     sim_key,
 )
 from fuzzer.errors import ConfigError
+from fuzzer.execute import clientlag
 from fuzzer.oracle.calibration import Calibration, calibration_keys
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.campaign import Campaign
@@ -292,15 +293,19 @@ def _stats_table(s: Stats) -> Table:
         ("time by phase", time_line(s.time_s)),
     ]
     if s.client_stalls:
-        rows.append(("client stalls", f"{s.client_stalls} executions over 100 ms, worst {s.worst_client_stall_s:.2f} s"))
+        rows.append(("client stalls", f"{s.client_stalls} executions over {_STARVED_MS:.0f} ms, "
+                                      f"worst {s.worst_client_stall_s:.2f} s"))
     for k, v in rows:
         table.add_row(k, v)
     return table
 
 
+_STARVED_MS = 1000 * clientlag.STARVED_S
+
+
 def client_stall_hint(s: Stats) -> str:
     """What a campaign whose client stalled should tell its user (the cause, the cost, the cure)."""
-    return (f"  the fuzzer's event loop stalled over 100 ms in {s.client_stalls} of {s.executions} executions "
+    return (f"  the fuzzer's event loop stalled over {_STARVED_MS:.0f} ms in {s.client_stalls} of {s.executions} executions "
             f"(worst {s.worst_client_stall_s:.2f} s): it was short of CPU, most often because the server "
             "runs on the same cores. Latencies within a stall are not held against the server, so smaller "
             "bugs go unseen; leave the fuzzer a core the server does not use (e.g. `taskset -a -p -c 0-N PID` "

@@ -120,7 +120,7 @@ class Stats:
     time_s: Mapping[str, float] = field(default_factory=dict)
     #: Mutants this run skipped: their FCFS bound went past the execution budget.
     too_long: int = 0
-    #: Executions of this run whose client's event loop stalled past 100 ms (a client short of
+    #: Executions of this run whose client's event loop stalled past clientlag.STARVED_S (a client short of
     #: CPU), and the worst stall (fuzzer.execute.clientlag).
     client_stalls: int = 0
     worst_client_stall_s: float = 0.0

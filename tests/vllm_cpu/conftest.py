@@ -135,22 +135,19 @@ def server_cpus() -> set[int] | None:
     return set(mine[:-1]) if len(mine) > 1 else None
 
 
-def pin_engine(api_server_pid: int, cpus: set[int] | None) -> list[int]:
+def pin_engine(api_server_pid: int, cpus: set[int] | None) -> None:
     """Pin every thread of every process of the server's group but the API server to ``cpus``
-    (their later threads and children inherit it); the pids pinned."""
+    (their later threads and children inherit it)."""
     if cpus is None:
-        return []
-    pinned = []
+        return
     for pid in group_members(api_server_pid):
         if pid == api_server_pid:
             continue
         try:
             for task in Path(f"/proc/{pid}/task").iterdir():
                 os.sched_setaffinity(int(task.name), cpus)
-        except (OSError, ValueError):  # gone meanwhile (a short-lived child)
+        except OSError:  # gone meanwhile (a short-lived child)
             continue
-        pinned.append(pid)
-    return pinned
 
 
 def _server_env() -> dict[str, str]:
