@@ -190,6 +190,49 @@ def test_futility_stops_after_one_clean_rerun_and_costs_a_real_stall_nothing():
     assert runs[0] == runs[1] >= OraclePolicy().min_runs
 
 
+def test_curtailment_stops_once_different_is_out_of_reach_and_decides_as_the_cap_would():
+    class Fading(PaperTarget):
+        """Stalls ``small`` in its first two runs only: it recurs once, then never again."""
+
+        def run(self, trace):
+            self.delay_s = {"small": 0.5} if self.executions < 2 else {}
+            return super().run(trace)
+
+    cand = Candidate(FindingKind.TTFT_OUTLIER, "small", Metric.TTFT, ratio=5.0)
+    runs, verdicts = [], []
+    for futility in (False, True):
+        target = Fading(seed=2)
+        target._idle_s = 0.5
+        verdicts.append(asyncio.run(confirm(target, BURST, cand, _calibration(), rng=_rng(), futility=futility)))
+        runs.append(target.executions)
+    capped, curtailed = verdicts
+    assert runs[0] == OraclePolicy().max_runs and not capped.is_finding
+    # Two slow runs of nine: the tenth cannot put the median at the factor, so it is not run.
+    assert runs[1] == OraclePolicy().max_runs - 1
+    assert curtailed.decision is Decision.UNSTABLE and not curtailed.is_finding and curtailed.reproduced == 2
+    assert "out of reach within 10 runs" in curtailed.detail and "ttft 2/9" in curtailed.detail
+
+
+def test_out_of_reach_counts_what_half_of_the_final_sample_needs():
+    from fuzzer.oracle.confirm import out_of_reach
+
+    slow = _warm(delay_s={"small": 0.5}, seed=1)
+    fast = _warm(seed=1)
+
+    def reports(target, n):
+        return [r for _ in range(n) for r in observe(BURST, target.run(BURST), _calibration()) if r.request_id == "small"]
+
+    policy = OraclePolicy()
+    one_slow = reports(slow, 1)
+    # 1 slow run of 5: 5 runs left, 6 of 10 would be slow at best: reachable.
+    assert out_of_reach(one_slow + reports(fast, 4), [False] * 5, _calibration(), policy) is None
+    # 1 slow of 7: 3 left, 4 of 10 at best: out of reach (and no overtaking to count on).
+    why = out_of_reach(one_slow + reports(fast, 6), [False] * 7, _calibration(), policy)
+    assert why is not None and "ttft 1/7" in why
+    # at the cap there is nothing left to decide early
+    assert out_of_reach(one_slow + reports(fast, 9), [False] * 10, _calibration(), policy) is None
+
+
 def test_futility_keeps_the_cold_arm_for_a_slowdown_seen_after_idle():
     policy = OraclePolicy(cold_idle_s=5.0)
     cand = Candidate(FindingKind.TTFT_OUTLIER, "small", Metric.TTFT, ratio=5.0, after_idle=True)

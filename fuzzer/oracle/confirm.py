@@ -9,7 +9,8 @@ follows, each run after an idle period. Only DIFFERENT becomes a finding.
 With ``futility`` (the campaign's confirmations) each arm starts with one run: a candidate
 whose request that run shows within its bound and in FCFS order is SAME at once (the
 budget of runs is a cap, not a plan); one that recurs gets the rest of MIN_RUNS and the
-test as above, so a real finding costs what it did.
+test as above, so a real finding costs what it did; and each arm stops once DIFFERENT is out of
+reach within MAX_RUNS (:func:`out_of_reach`), UNSTABLE or SAME as the cap would have said.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from fuzzer.oracle.judge import (
     observe,
     shows_failure,
 )
-from fuzzer.oracle.kinds import Decision, FindingKind
+from fuzzer.oracle.kinds import Decision, FindingKind, Metric
 from fuzzer.oracle.policy import DEFAULT_POLICY, MIN_RUNS, OraclePolicy
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.verdict import Verdict
@@ -82,10 +83,14 @@ async def confirm(
                 verdict = _did_not_recur(trace, candidate, reports[0], calibration, "re-run")
                 break
             continue  # it recurs: the rest of MIN_RUNS, then the test
+        cold_runs = [after_idle(r, policy) for r in results]
         verdict = latency_verdict(
-            trace, candidate.request_id, reports, [after_idle(r, policy) for r in results], calibration, rng, policy,
+            trace, candidate.request_id, reports, cold_runs, calibration, rng, policy,
         ) if candidate.request_id else None
         if verdict is None or verdict.decision in (Decision.DIFFERENT, Decision.SAME, Decision.INSUFFICIENT_DATA):
+            break
+        if futility and (why := out_of_reach(reports, cold_runs, calibration, policy)) is not None:
+            verdict = _curtailed(verdict, why)
             break
     assert verdict is not None
     if verdict.is_finding or not (candidate.after_idle or candidate.kind is FindingKind.COLD_START):
@@ -156,6 +161,47 @@ def _did_not_recur(trace: Trace, candidate: Candidate, report: RequestReport, ca
 
 
 _FUTILITY_METHOD = "sequential futility: the first re-run did not show the candidate again"
+
+
+def out_of_reach(reports: Sequence[RequestReport], cold: Sequence[bool], calibration: Calibration,
+                 policy: OraclePolicy) -> str | None:
+    """Why no continuation up to ``policy.max_runs`` runs can make the candidate DIFFERENT, or None.
+
+    Curtailment, the exact stop of a sequential test: the bound's test needs the median ratio
+    of its metric's sample to reach the factor (times the baseline's median), so at least half
+    of the final sample must; the order check needs ``order_min_runs`` inversions and
+    ``order_quorum`` of the runs. When the runs left cannot supply either for any metric, running
+    them cannot change the outcome. The factor is the policy's (a KV-pressure factor is larger),
+    so this errs towards running on.
+    """
+    left = policy.max_runs - len(reports)
+    if left <= 0:
+        return None
+    warm = [rep for rep, c in zip(reports, cold) if not c] or list(reports)
+    counts = []
+    for metric in Metric:
+        baseline = calibration.baseline.get(metric, ())
+        obs = [o for rep in warm if (o := rep.observations.get(metric)) is not None]
+        if not baseline or not obs:
+            continue
+        need = policy.factor * float(np.median(baseline))
+        over = sum(o.ratio >= need for o in obs)
+        if 2 * (over + left) >= len(obs) + left:
+            return None  # half of the final sample can still reach the factor
+        counts.append(f"{metric} {over}/{len(obs)}")
+    ttft = [o for rep in reports if (o := rep.observations.get(Metric.TTFT)) is not None]
+    overtaken = sum(o.order is not None for o in ttft)
+    if overtaken + left >= policy.order_min_runs and (overtaken + left) >= policy.order_quorum * (len(ttft) + left):
+        return None
+    return (f"out of reach within {policy.max_runs} runs: at or above {policy.factor:g}x its bound in "
+            f"{', '.join(counts) or 'no'} run(s), overtaken in {overtaken}/{len(ttft)}; "
+            "sequential confirmation stopped there")
+
+
+def _curtailed(verdict: Verdict, why: str) -> Verdict:
+    """``verdict`` (UNKNOWN) decided early: SAME when no run reproduced it, else UNSTABLE."""
+    decision = Decision.UNSTABLE if verdict.reproduced else Decision.SAME
+    return replace(verdict, decision=decision, detail="; ".join(d for d in (verdict.detail, why) if d))
 
 
 def _reports(
