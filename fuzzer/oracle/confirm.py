@@ -9,7 +9,7 @@ follows, each run after an idle period. Only DIFFERENT becomes a finding.
 With ``futility`` (the campaign's confirmations) each arm starts with one run: a candidate
 whose request that run shows within its bound and in FCFS order is SAME at once (the
 budget of runs is a cap, not a plan); one that recurs gets the rest of MIN_RUNS and the
-test as above, so a real finding costs what it did; and each arm stops once DIFFERENT is out of
+test as above, so a real finding costs what it did; and the warm arm stops once DIFFERENT is out of
 reach within MAX_RUNS (:func:`out_of_reach`), UNSTABLE or SAME as the cap would have said.
 """
 
