@@ -55,6 +55,33 @@ async def test_a_failing_target_is_a_target_error():
         await calibrate(PaperTarget(fail={f's{i}': Outcome.HTTP_ERROR for i in range(200)}), rng=random.Random(1))
 
 
+async def test_attention_is_measured_where_the_context_holds_no_prompt_of_two_budgets():
+    # llama-server's 4096-token slots with its 2048-token batch: no prompt of two budgets fits, and
+    # without a longer-than-one-step probe the fit saw no attention term (a 4063-token prompt's
+    # second chunk cost 2.6x its first on a CPU, and streams beside it were "stalled" 2x their bound).
+    from fuzzer.oracle.calibrate import long_prefill_lengths
+
+    assert long_prefill_lengths(2048, 4094) == (4032,)
+    assert long_prefill_lengths(2048, 8190) == (4096, 6144)
+    assert long_prefill_lengths(2048, 2500) == ()  # under 1.5 budgets: one step and a sliver, no probe
+    # A 2048-token chunk after 2048 computed ones: 72 ms of tokens and 250 ms of attention pairs.
+    true = replace(TRUE, prefill_pair_s=4e-8)
+    cal = await calibrate(PaperTarget(true, noise=0.01), rng=random.Random(1), clock=lambda: 0.0,
+                          max_model_len=4096)
+    assert cal.model.prefill_pair_s == pytest.approx(true.prefill_pair_s, rel=0.3)
+    # The control: the same server calibrated as before, without the long probe, measures no attention.
+    import fuzzer.oracle.calibrate as calibrate_module
+
+    blind = calibrate_module.long_prefill_lengths
+    calibrate_module.long_prefill_lengths = lambda budget, longest: ()
+    try:
+        before = await calibrate(PaperTarget(true, noise=0.01), rng=random.Random(1), clock=lambda: 0.0,
+                                 max_model_len=4096)
+    finally:
+        calibrate_module.long_prefill_lengths = blind
+    assert before.model.prefill_pair_s == 0.0
+
+
 def test_stored_calibration_of_another_format_is_refused():
     with pytest.raises(TargetError, match="run `fuzz calibrate` again"):
         Calibration.from_dict({"format": 99})

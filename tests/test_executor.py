@@ -301,6 +301,19 @@ async def test_more_choices_than_the_probe_saw_accepted_are_unsupported(server):
     assert result.request("e400_n2").outcome is Outcome.REJECTED  # within the limit: a real rejection
 
 
+async def test_usage_of_one_choice_with_n_is_whole_output_not_a_protocol_fault(server):
+    # llama-server streams n choices of max_tokens each and reports max_tokens in usage: that is its
+    # accounting, not a short output. A usage short of both conventions is still a mismatch.
+    url, _ = server
+    caps = {"completions": True, "chat": True, "stream_options": True, "ignore_eos": True, "n": True,
+            "max_n": 4, "logprobs": True, "tokenize": True}
+    async with HttpTarget(url, capabilities=caps, rng=random.Random(2), idle_after_timeout_s=0.2) as t:
+        result = await t.execute(trace(req("ok_n2", n=2), req("short_n2", n=2, at_ms=1)))
+    assert result.request("ok_n2").outcome is Outcome.OK and result.request("ok_n2").completion_tokens == 8
+    assert result.request("short_n2").outcome is Outcome.TOKEN_MISMATCH
+    assert "expected 16" in result.request("short_n2").detail
+
+
 async def test_a_server_that_never_drains_is_seen_before_and_after(server):
     url, state = server
     state.stuck = 1

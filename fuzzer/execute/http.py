@@ -560,8 +560,10 @@ class HttpTarget:
             and self.info is not None
             and self.info.accepts("ignore_eos")
             and completion_tokens is not None
-            and completion_tokens != r.max_tokens * r.n
+            and completion_tokens not in (r.max_tokens * r.n, r.max_tokens)
         ):
+            # usage counts every choice (OpenAI, vLLM) or, with n > 1, one choice (llama-server 11434
+            # streams n choices of max_tokens each but reports max_tokens): either is the whole output.
             outcome = Outcome.TOKEN_MISMATCH
             detail = f"{completion_tokens} completion tokens with ignore_eos, expected {r.max_tokens * r.n}"
         return RequestResult(

@@ -53,6 +53,10 @@ PREFILL_LENGTHS = (16, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 #: prefill grow faster than its length (StepModel.prefill_pair_s), which the short ones
 #: barely show.
 LONG_PREFILL_BUDGETS = (2, 3)
+#: ... or, where the context holds no prompt of two budgets, the longest one it holds if that is
+#: at least this many budgets (rounded down to LONG_PREFILL_ROUND tokens).
+LONG_PREFILL_MIN_BUDGETS = 1.5
+LONG_PREFILL_ROUND = 64
 #: The chunked prompts must take this many times what the one-step line predicts before the
 #: fit adds an attention term: a linear server's long prompts stay within its noise of it.
 PAIR_EVIDENCE = 1.25
@@ -175,7 +179,7 @@ async def calibrate(
     rng = rng or random.Random(0)
     budget = assumption.token_budget
     longest = (max_model_len or DEFAULT_MAX_MODEL_LEN) - 2
-    lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS} | {k * budget for k in LONG_PREFILL_BUDGETS if k * budget <= longest})
+    lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS} | set(long_prefill_lengths(budget, longest)))
     prefixes = sorted({min(n, max(assumption.block_size, budget - CACHED_SUFFIX_TOKENS)) for n in CACHED_PREFIXES})
     contexts = list(DECODE_CONTEXTS)
     if max_model_len is not None:
@@ -333,6 +337,18 @@ async def tokenize_token_s(target: Target) -> float | None:
         fastest.append(min(times))
     short, long = TOKENIZE_PROBE_TOKENS
     return TOKENIZE_ALLOWANCE * max(0.0, (fastest[1] - fastest[0]) / (long - short))
+
+
+def long_prefill_lengths(budget: int, longest: int) -> tuple[int, ...]:
+    """The chunked-prefill probe lengths: LONG_PREFILL_BUDGETS token budgets where the context
+    allows; where not even two fit but the context still holds a prompt of LONG_PREFILL_MIN_BUDGETS
+    budgets, the longest prompt it holds (llama-server's 4096-token slots with its 2048-token
+    batch: without a two-step probe a prompt's second chunk, which attends to the first, cost
+    2.6x the first on a CPU and the fit saw no attention term)."""
+    fitting = tuple(k * budget for k in LONG_PREFILL_BUDGETS if k * budget <= longest)
+    if fitting or longest < LONG_PREFILL_MIN_BUDGETS * budget:
+        return fitting
+    return (longest // LONG_PREFILL_ROUND * LONG_PREFILL_ROUND,)
 
 
 def batch_sizes(assumption: SchedulerAssumption) -> tuple[int, ...]:
