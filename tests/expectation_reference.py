@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult
@@ -55,6 +55,8 @@ def expect(
     variants.append(paper_schedule(trace, model, assumption, result, lookahead=True))
     variants.append(paper_schedule(trace, model, assumption, result, lookahead=True, window=0.0))
     variants.append(paper_schedule(trace, model.with_frontend_slack(), assumption, result, lookahead=True, window=0.0))
+    if any(r.n > 1 for r in trace.requests):
+        variants.append(_fanout(trace, model, assumption, result))
     loaded = paper_schedule(trace, model, assumption, result)
     out: dict[str, Expectation] = {}
     for r in trace.requests:
@@ -71,6 +73,26 @@ def expect(
             max_itl_s=max(max(p.max_step_s, p.max_itl_s or 0.0) for p in every) if out_tokens > 1 else None,
             e2e_s=max(p.e2e_s for p in every),
             cached_tokens=done.cached_tokens,
+        )
+    return out
+
+
+def _fanout(trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None):
+    """Every choice of a request with n > 1 a request of its own, right behind it, that computes the
+    prompt (lookahead, window 0); the request ends with its last choice."""
+    sent = {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
+    jobs = [
+        _Job(id=r.id if k == 0 else f"{r.id}~{k}", arrival_s=sent.get(r.id, r.at_ms / 1000.0), prompt=r.prompt_tokens,
+             group=r.prefix, prefix=trace.prefix_tokens(r), out=r.cancel_after_tokens or r.max_tokens, n=1)
+        for r in trace.requests for k in range(r.n)
+    ]
+    done = {j.id: j.paper(model) for j in _schedule(jobs, model, assumption, lookahead=True, window=0.0)}
+    out = {}
+    for r in trace.requests:
+        first, others = done[r.id], [done[f"{r.id}~{k}"] for k in range(1, r.n)]
+        out[r.id] = replace(
+            first, e2e_s=max(p.e2e_s for p in (first, *others)), max_step_s=max(p.max_step_s for p in (first, *others)),
+            chunk_steps=first.chunk_steps + tuple(s for p in others for s in p.chunk_steps),
         )
     return out
 

@@ -193,6 +193,10 @@ def _expect(
                                       fifo_frontend=True, shared_frontend=True))
         if cap is not None:
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
+        if any(r.n > 1 for r in requests):
+            # Each choice its own request that computes the prompt (fuzzer.oracle.paper.schedule, ``fanout``).
+            variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                  fifo_frontend=assumption.frontend_fifo, fanout=True))
         if assumption.long_prefill_threshold:
             # At most one prompt over the cap in partial prefill at a time: a legitimate policy
             # under which a long prompt waits out the previous long one's capped prefill.

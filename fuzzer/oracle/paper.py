@@ -98,11 +98,12 @@ def serve(
     fifo_frontend: bool = False,
     shared_frontend: bool = False,
     one_long: bool = False,
+    fanout: bool = False,
 ) -> dict[str, PaperRequest]:
     """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
 
     ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited).
-    ``fifo_frontend``, ``shared_frontend``, ``one_long``: see :func:`schedule`.
+    ``fifo_frontend``, ``shared_frontend``, ``one_long``, ``fanout``: see :func:`schedule`.
     """
     jobs = [
         Job(
@@ -117,7 +118,7 @@ def serve(
         for r in requests
     ]
     done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks,
-                    fifo_frontend=fifo_frontend, shared_frontend=shared_frontend, one_long=one_long)
+                    fifo_frontend=fifo_frontend, shared_frontend=shared_frontend, one_long=one_long, fanout=fanout)
     return {j.id: j.paper(model) for j in done}
 
 
@@ -188,6 +189,7 @@ def schedule(
     fifo_frontend: bool = False,
     shared_frontend: bool = False,
     one_long: bool = False,
+    fanout: bool = False,
 ) -> list[Job]:
     """Run the jobs through the paper scheduler; fills token times and finish times in place.
 
@@ -220,9 +222,15 @@ def schedule(
     ``--long-prefill-token-threshold``). ``one_long`` (with a threshold): at most one prompt
     longer than the threshold is in partial prefill at a time; a waiting one beyond it is passed
     over by shorter ones behind it (vLLM v0's ``--max-long-partial-prefills 1``).
+
+    ``fanout``: every choice of a request asking for ``n`` > 1 is a request of its own that
+    computes the prompt (waves of one choice, queued behind choice 0), as an engine does that
+    splits ``n`` into child requests which share only prefix blocks already computed: the held-out
+    vLLM-like server prefilled an n=8 request's 256-token prompt eight times in one step. vLLM v1
+    splits ``n`` too, but shares a prompt repeated within a batch.
     """
     kv = _KV(kv_blocks, a.block_size, a.token_budget) if kv_blocks is not None else None
-    waves = _waves(jobs, a.max_num_seqs)
+    waves = _waves(jobs, 1 if fanout else a.max_num_seqs)
     queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     free = -math.inf
     busy: deque[list[float]] = deque()  # the frontend's busy periods, [start, end], when it shares the engine's thread
