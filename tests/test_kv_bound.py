@@ -35,7 +35,7 @@ from fuzzer.sim import VirtualTarget
 from fuzzer.sim import pathologies as P
 from fuzzer.sim.metrics import SimMetrics
 from fuzzer.sim.triggers import TRIGGERS
-from fuzzer.trace import Trace, from_dict
+from fuzzer.trace import Request, Trace, from_dict
 
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 #: The simulator's own step costs (fuzzer/sim/config.py), for schedules compared with its engine.
@@ -257,3 +257,20 @@ def test_a_stream_beside_a_preemption_may_be_the_preempted_one_its_stall_bound_h
     alone = _t([{"id": "a", "at_ms": 0, "prompt_tokens": 4096, "max_tokens": 64}])
     assert expect(alone, cal.model, cal.assumption)["a"].max_itl_s < redo
 
+
+
+def test_a_request_of_n_choices_preempted_on_paper_counts_n_preemptions():
+    # A server counts a preemption per sequence (vLLM v1 splits n into child requests): the clean
+    # held-out vLLM-like server preempted an n=8 request's children one by one, 11 preemptions where
+    # the paper schedule counted 3 jobs, and the execution was judged as thrash (a 2.9 s by-design
+    # stall of the newest stream became a 38x "finding").
+    model = StepModel(overhead_s=0.004, prefill_token_s=30e-6, decode_seq_s=50e-6, context_token_s=1e-8)
+    a = SchedulerAssumption(kv_blocks=600, block_size=16)
+    streams = tuple(Request(id=f"r{i}", at_ms=i, prompt_tokens=1000, max_tokens=400) for i in range(5))
+    trace = Trace(requests=(*streams, Request(id="heavy", at_ms=6, prompt_tokens=1000, max_tokens=400, n=4)))
+    on_paper = serve(trace.requests, {}, {}, model, a, False, kv_blocks=600)
+    assert [k for k, p in on_paper.items() if p.preemptions] == ["heavy"]  # one job, preempted once
+    assert expected_preemptions(trace, model, a) >= 4 * on_paper["heavy"].preemptions
+    # the control: the same requests with one choice each count one preemption a request
+    single = Trace(requests=(*streams, Request(id="heavy", at_ms=6, prompt_tokens=1000, max_tokens=400)))
+    assert expected_preemptions(single, model, a) < 4
