@@ -27,6 +27,7 @@ async def test_calibration_recovers_a_known_step_model():
     assert m.decode_seq_s == pytest.approx(TRUE.decode_seq_s, rel=0.25)
     assert m.context_token_s == pytest.approx(TRUE.context_token_s, rel=0.35)
     assert m.request_overhead_s == pytest.approx(TRUE.request_overhead_s, abs=0.001)
+    assert TRUE.prefill_pair_s == 0.0 and m.prefill_pair_s == 0.0  # a linear server: no attention invented
     assert cal.created_at == 1234.0 and cal.target == "paper://known-model"
     # The measured noise is of the order of the planted 3% and the baseline sits at 1.
     assert 0.005 < cal.noise[Metric.TTFT] < 0.08
@@ -64,6 +65,7 @@ async def test_attention_is_measured_where_the_context_holds_no_prompt_of_two_bu
     assert long_prefill_lengths(2048, 4094) == (4032,)
     assert long_prefill_lengths(2048, 8190) == (4096, 6144)
     assert long_prefill_lengths(2048, 2500) == ()  # under 1.5 budgets: one step and a sliver, no probe
+    assert long_prefill_lengths(2048, 4094, fallback=False) == ()  # 4096 guessed, not reported: no probe
     # A 2048-token chunk after 2048 computed ones: 72 ms of tokens and 250 ms of attention pairs.
     true = replace(TRUE, prefill_pair_s=4e-8)
     cal = await calibrate(PaperTarget(true, noise=0.01), rng=random.Random(1), clock=lambda: 0.0,
@@ -73,7 +75,7 @@ async def test_attention_is_measured_where_the_context_holds_no_prompt_of_two_bu
     import fuzzer.oracle.calibrate as calibrate_module
 
     blind = calibrate_module.long_prefill_lengths
-    calibrate_module.long_prefill_lengths = lambda budget, longest: ()
+    calibrate_module.long_prefill_lengths = lambda budget, longest, fallback: ()
     try:
         before = await calibrate(PaperTarget(true, noise=0.01), rng=random.Random(1), clock=lambda: 0.0,
                                  max_model_len=4096)

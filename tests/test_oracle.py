@@ -489,3 +489,28 @@ def test_the_judged_symptom_is_the_earliest_one_seen_in_most_runs_not_a_flicker(
     runs = [_report(ttft=i < 1, max_itl=False, e2e=i < 3) for i in range(10)]
     assert _judged_metric(runs) is Metric.E2E
     assert _judged_metric([_report(ttft=False, e2e=False)] * 3) is None
+
+
+class _SlowOnce(PaperTarget):
+    """``delay_s`` in the first execution only: a latency candidate that three runs leave undecided."""
+
+    def run(self, trace):
+        result = super().run(trace)
+        self.delay_s = {}
+        return result
+
+
+def test_a_trace_that_crashes_the_server_every_run_is_not_re_run_to_confirm_a_latency():
+    # A launched server's restarts are a budget (a dying server in CI: 3 replay runs and 3
+    # confirmation runs made 6 deaths: a crash loop, exit 2 instead of the crash finding).
+    down = {"big2": Outcome.CONNECTION_ERROR, "small": Outcome.CONNECTION_ERROR}
+    target = _SlowOnce(delay_s={"big1": 0.8}, fail=down)
+    target._idle_s = target.idle_gap_s  # warm
+    exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng()))
+    kinds = {f.kind for f in exam.findings}
+    assert FindingKind.CRASH in kinds and not kinds - FAILURE_KINDS and target.executions == 3
+    # The control: the same slow first run on a server that stays up is re-run to confirm.
+    target = _SlowOnce(delay_s={"big1": 0.8})
+    target._idle_s = target.idle_gap_s
+    exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng()))
+    assert target.executions > 3 and [v.request_id for v in exam.confirmations] == ["big1"]

@@ -179,7 +179,9 @@ async def calibrate(
     rng = rng or random.Random(0)
     budget = assumption.token_budget
     longest = (max_model_len or DEFAULT_MAX_MODEL_LEN) - 2
-    lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS} | set(long_prefill_lengths(budget, longest)))
+    # The longest-that-fits probe only where the server reported its context: 4096 is a guess.
+    long = long_prefill_lengths(budget, longest, fallback=max_model_len is not None)
+    lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS} | set(long))
     prefixes = sorted({min(n, max(assumption.block_size, budget - CACHED_SUFFIX_TOKENS)) for n in CACHED_PREFIXES})
     contexts = list(DECODE_CONTEXTS)
     if max_model_len is not None:
@@ -339,14 +341,15 @@ async def tokenize_token_s(target: Target) -> float | None:
     return TOKENIZE_ALLOWANCE * max(0.0, (fastest[1] - fastest[0]) / (long - short))
 
 
-def long_prefill_lengths(budget: int, longest: int) -> tuple[int, ...]:
+def long_prefill_lengths(budget: int, longest: int, *, fallback: bool = True) -> tuple[int, ...]:
     """The chunked-prefill probe lengths: LONG_PREFILL_BUDGETS token budgets where the context
     allows; where not even two fit but the context still holds a prompt of LONG_PREFILL_MIN_BUDGETS
-    budgets, the longest prompt it holds (llama-server's 4096-token slots with its 2048-token
+    budgets (and ``fallback``: the context is the server's own, not DEFAULT_MAX_MODEL_LEN's
+    guess), the longest prompt it holds (llama-server's 4096-token slots with its 2048-token
     batch: without a two-step probe a prompt's second chunk, which attends to the first, cost
     2.6x the first on a CPU and the fit saw no attention term)."""
     fitting = tuple(k * budget for k in LONG_PREFILL_BUDGETS if k * budget <= longest)
-    if fitting or longest < LONG_PREFILL_MIN_BUDGETS * budget:
+    if fitting or not fallback or longest < LONG_PREFILL_MIN_BUDGETS * budget:
         return fitting
     return (longest // LONG_PREFILL_ROUND * LONG_PREFILL_ROUND,)
 
@@ -502,11 +505,19 @@ def fit(
 
 
 def _beyond_the_line(prefill: Sequence[Probe], line: Fit, overhead_s: float, budget: int) -> bool:
-    """Do the chunked prompts take clearly longer than the one-step prompts' line says
-    (by PAIR_EVIDENCE, over the noise)? Then the prefill grows faster than the prompt."""
+    """Does the longest chunked prompt take clearly longer than the one-step prompts' line
+    says (by PAIR_EVIDENCE, over the noise; the median of its repeats)? Then the prefill grows
+    faster than the prompt. The longest alone: attention grows with the square of the length,
+    and the line's slope already holds a budget's own attention (vLLM's CPU build on a 2-core
+    AMD EPYC, from its fitted model: 4096 tokens ~1.23x the line, 6144 tokens ~1.45x; their
+    median sat near the threshold and one CI run fitted no attention)."""
+    chunked = [p for p in prefill if p.prompt > budget and p.result.ttft_s is not None]
+    if not chunked:
+        return False
+    longest = max(p.prompt for p in chunked)
     ratios = [p.result.ttft_s / (line(p.prompt) + overhead_s * (math.ceil(p.prompt / budget) - 1))
-              for p in prefill if p.prompt > budget and p.result.ttft_s is not None]
-    return bool(ratios) and float(np.median(ratios)) > PAIR_EVIDENCE
+              for p in chunked if p.prompt == longest]
+    return float(np.median(ratios)) > PAIR_EVIDENCE
 
 
 def _prefill_fit(prefill: Sequence[Probe], overhead_s: float, budget: int) -> tuple[float, float, float] | None:

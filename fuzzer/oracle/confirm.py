@@ -29,12 +29,13 @@ from fuzzer.oracle.judge import (
     RequestReport,
     after_idle,
     count_verdict,
+    crashed,
     judge,
     latency_verdict,
     observe,
     shows_failure,
 )
-from fuzzer.oracle.kinds import Decision, FindingKind, Metric
+from fuzzer.oracle.kinds import FAILURE_KINDS, Decision, FindingKind, Metric
 from fuzzer.oracle.policy import DEFAULT_POLICY, MIN_RUNS, OraclePolicy
 from fuzzer.oracle.signature import signature
 from fuzzer.oracle.verdict import Verdict
@@ -270,9 +271,15 @@ async def examine(
     verdicts = judge(trace, results, calibration, rng=rng, policy=policy)
     confirmed: list[Verdict] = []
     seen: set[str] = set()
+    # A trace that took the server down every run: the crash is the finding, and confirming a
+    # latency beside it would take the server down again each run (a launched server's restarts
+    # are a bounded budget: LaunchSpec.max_restarts).
+    crashing = all(crashed(r) for r in results)
     for i, v in enumerate(verdicts):
         undecided = v.decision in (Decision.UNKNOWN, Decision.UNSTABLE, Decision.INSUFFICIENT_DATA)
         if not (undecided and v.kind is not None and v.reproduced > 0 and v.signature not in seen):
+            continue
+        if crashing and v.kind not in FAILURE_KINDS:
             continue
         if len(confirmed) >= policy.max_confirmations:
             break
