@@ -178,8 +178,6 @@ def _expect(
     if kv and assumption.kv_blocks is not None and not _fits(requests, assumption):
         capacities.append(assumption.kv_blocks)
     variants = []
-    #: Whether a variant counts its preemptions per sequence already (fan-out: each choice a job of its own).
-    per_sequence: list[bool] = []
     for cap in capacities:
         variants += [serve(requests, prefixes, sent, model.scaled(k), assumption, False, kv_blocks=cap)
                      for k in ENVELOPE_SCALES]
@@ -197,22 +195,16 @@ def _expect(
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
         if any(r.n > 1 for r in requests):
             # Each choice its own request that computes the prompt (fuzzer.oracle.paper.schedule, ``fanout``).
-            per_sequence += [False] * (len(variants) - len(per_sequence))
             variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                   fifo_frontend=assumption.frontend_fifo, fanout=True))
-            per_sequence.append(True)
         if assumption.long_prefill_threshold:
             # At most one prompt over the cap in partial prefill at a time: a legitimate policy
             # under which a long prompt waits out the previous long one's capped prefill.
             variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                   fifo_frontend=assumption.frontend_fifo, one_long=True))
     loaded = serve(requests, prefixes, sent, model, assumption, False)
-    per_sequence += [False] * (len(variants) - len(per_sequence))
-    # A server counts a preemption per sequence (vLLM v1 splits n into child requests): preempting a
-    # request of n choices on paper is n preemptions, unless each choice is a job of its own already.
-    width = {r.id: r.n for r in requests}
-    preempted = max((sum((p.preemptions + p.churn) * (1 if each else width[p.request_id]) for p in v.values())
-                     for v, each in zip(variants, per_sequence)), default=0)
+    # Per sequence, as a server counts them (PaperRequest.preempted_sequences).
+    preempted = max((sum(p.preempted_sequences for p in v.values()) for v in variants), default=0)
     stalls = _preemption_stalls(variants) if preempted else {}
     beside = _beside_preemption(variants) if preempted else set()
     victims = {p.request_id for v in variants for p in v.values() if p.preemptions}

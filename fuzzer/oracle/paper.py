@@ -72,6 +72,9 @@ class PaperRequest:
     #: Further preemptions an engine that re-admits a preempted prompt chunk by chunk may make
     #: of it (see :meth:`_KV.preempt`): by design, not thrash.
     churn: int = 0
+    #: (preemptions + churn) counted per sequence: x n for a request of n choices (per choice already
+    #: in the fan-out schedule, where each choice is a job of its own).
+    preempted_sequences: int = 0
     #: (start, duration) of each step that computed a chunk of its prompt, in execution time
     #: (not from its send): a step that long happens at that moment.
     chunk_steps: tuple[tuple[float, float], ...] = ()
@@ -150,6 +153,9 @@ class Job:
     held: int = 0
     preemptions: int = 0
     churn: int = 0
+    #: (preemptions + churn) x the choices the job held each time: a server counts a preemption per
+    #: sequence (vLLM v1 splits n into child requests).
+    preempted_sequences: int = 0
     chunk_steps: list[tuple[float, float]] = field(default_factory=list)
 
     @property
@@ -168,6 +174,7 @@ class Job:
             max_step_s=self.max_step,
             preemptions=self.preemptions,
             churn=self.churn,
+            preempted_sequences=self.preempted_sequences,
             chunk_steps=tuple(self.chunk_steps),
         )
 
@@ -361,6 +368,7 @@ def schedule(
             j.max_step = max(j.max_step, w.max_step)
             j.preemptions += w.preemptions
             j.churn += w.churn
+            j.preempted_sequences += w.preempted_sequences
             j.chunk_steps += w.chunk_steps
     return jobs
 
@@ -475,8 +483,9 @@ class _KV:
         preempted in its prefill may be preempted again at each of its later chunks until the
         streams beside it leave room: ``churn`` counts those, for the thrash check.
         """
-        if not j.prefilled:
-            j.churn += max(0, ceil_div(j.prompt + j.recompute, self.budget) - 1)
+        churn = max(0, ceil_div(j.prompt + j.recompute, self.budget) - 1) if not j.prefilled else 0
+        j.churn += churn
+        j.preempted_sequences += (1 + churn) * j.n
         self.free += j.held
         j.held = 0
         j.admitted = False
