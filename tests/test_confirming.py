@@ -12,7 +12,7 @@ from paper_target import PaperTarget
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.oracle.signature import family, signature
-from fuzzer.search.confirming import FAMILY_EVERY, Confirmer
+from fuzzer.search.confirming import FAMILY_EVERY, Confirmer, family_gap
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
 
@@ -31,8 +31,9 @@ def _shapes(count):
     a new signature each (what arrived before the victim differs), one family (the victim's kind)."""
     out = []
     for k in range(count):
-        before = tuple(Request(id=f"o{i}", at_ms=i, prompt_tokens=16 << k, max_tokens=8) for i in range(min(k, 9)))
-        out.append(Trace(requests=(*before, Request(id="v", at_ms=20, prompt_tokens=256, max_tokens=32))))
+        j, lap = k % 9, k // 9  # past 9 the victim's output class tells the shapes apart
+        before = tuple(Request(id=f"o{i}", at_ms=i, prompt_tokens=16 << j, max_tokens=8) for i in range(j))
+        out.append(Trace(requests=(*before, Request(id="v", at_ms=20, prompt_tokens=256, max_tokens=32 << lap))))
     return out
 
 
@@ -70,6 +71,28 @@ async def test_a_found_family_is_confirmed_once_in_family_every_sightings():
     # and the count starts again: the sighting after costs nothing. A checkpoint keeps the count.
     assert runs[FAMILY_EVERY + 1] == 0
     assert confirmer.to_state()["family_seen"] == {findings[0].details["family"]: 1}
+
+
+async def test_each_finding_of_a_family_doubles_the_sightings_before_the_next_confirmation():
+    # With every bug on, the held-out vLLM-like server's campaign confirmed one bug under 26
+    # signatures at one in 5: the gap doubles per finding (5, then 10, ...).
+    assert [family_gap(k) for k in (1, 2, 3)] == [FAMILY_EVERY, 2 * FAMILY_EVERY, 4 * FAMILY_EVERY]
+    traces = _shapes(2 + 3 * FAMILY_EVERY)
+    assert len({signature(_stall_kind(), t, "v") for t in traces}) == len(traces)
+    store = Store.memory()
+    target = PaperTarget(stall_s={"v": 0.4}, seed=1)
+    target._idle_s = 0.5
+    confirmer = _confirmer(store, target)
+    confirmed = []
+    for i, t in enumerate(traces):
+        before = target.executions
+        await confirmer.examine(t, await target.execute(t), await _calibration())
+        if target.executions - before - 1:
+            confirmed.append(i)
+    second = FAMILY_EVERY
+    third = second + 2 * FAMILY_EVERY
+    assert confirmed == [0, second, third]
+    assert len(store.list_findings()) == 3
 
 
 async def test_without_a_found_family_every_new_signature_is_confirmed():

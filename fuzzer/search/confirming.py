@@ -36,9 +36,11 @@ from fuzzer.trace import Trace
 # seen this many more times: noise must not eat the campaign's time.
 RECONFIRM_AFTER = 5
 # A candidate of a new signature whose family (fuzzer.oracle.signature.family) is a confirmed
-# finding's is confirmed once in this many sightings: one bug met in many trace shapes cost a
-# campaign on the held-out vLLM-like server 8 confirmations (26 of its 128 executions), while a
-# second bug of the same family is still confirmed, later.
+# finding's is confirmed once in this many sightings, doubled for each finding the family
+# already has: one bug met in many trace shapes cost a campaign on the held-out vLLM-like server
+# 8 confirmations (26 of its 128 executions) with a fixed 5, and with every bug on one bug was
+# confirmed under 26 signatures (47% of the campaign's time), while a second bug of the same
+# family is still confirmed, later.
 FAMILY_EVERY = 5
 
 
@@ -97,8 +99,12 @@ class Confirmer:
         found = store.list_findings()
         #: Signatures (and pre-signatures) already found: never confirmed again.
         self.found: set[str] = {f.signature for f in found}
-        #: Families of the latency findings: a new signature of one is confirmed once in FAMILY_EVERY sightings.
-        self.families: set[str] = {fam for f in found if (fam := f.details.get("family"))}
+        #: Families of the latency findings -> how many findings each has: a new signature of one is
+        #: confirmed once in FAMILY_EVERY * 2**(findings - 1) sightings (family_gap).
+        self.families: dict[str, int] = {}
+        for f in found:
+            if fam := f.details.get("family"):
+                self.families[fam] = self.families.get(fam, 0) + 1
         #: Family -> sightings of new signatures of it since its last confirmation.
         self.family_seen: dict[str, int] = dict(state.get("family_seen", {}))
         #: Pre-signatures whose confirmation came back SAME -> times seen since.
@@ -144,11 +150,11 @@ class Confirmer:
         return key in self.found or recently_rejected(self.rejected, key)
 
     def _family_found(self, fam: str) -> bool:
-        """Whether to pass over a new signature of a found family: all but one in FAMILY_EVERY sightings."""
+        """Whether to pass over a new signature of a found family: all but one in family_gap sightings."""
         if fam not in self.families:
             return False
         seen = self.family_seen.get(fam, 0) + 1
-        if seen >= FAMILY_EVERY:
+        if seen >= family_gap(self.families[fam]):
             self.family_seen[fam] = 0
             return False
         self.family_seen[fam] = seen
@@ -216,7 +222,7 @@ class Confirmer:
             fam = family(verdict.kind, trace, verdict.request_id)
         if fam is not None:
             details["family"] = fam
-            self.families.add(fam)
+            self.families[fam] = self.families.get(fam, 0) + 1
         finding_id, created = self._store.add_finding(
             kind=str(verdict.kind), signature=sig, trace=trace, verdict=verdict.to_dict(),
             slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=self._campaign_id,
@@ -227,6 +233,13 @@ class Confirmer:
             self.new_findings.append((finding_id, str(verdict.kind)))
             self.last_find = self._clock()
             self._on_finding(finding_id, verdict)
+
+
+def family_gap(findings: int) -> int:
+    """Sightings of new signatures of a family with ``findings`` findings per one confirmed:
+    FAMILY_EVERY, doubled per finding after the first (a bug nearly every trace shows costs a
+    confirmation now and then, not one in five executions)."""
+    return FAMILY_EVERY << max(0, min(findings, 16) - 1)
 
 
 def recently_rejected(rejected: dict[str, int], key: str) -> bool:
