@@ -9,6 +9,10 @@ Format history:
     1 - first version: prefixes, requests with id, at_ms, prompt_tokens, prefix,
         max_tokens, stream, api, ignore_eos, cancel_after_tokens, n, logprobs,
         temperature.
+    1 (extended, stop 29) - optional disconnect_after_ms (a client that goes away after a
+        time, before its first token if the server is slower) and seed (a sampling
+        parameter). Absent means what it meant before, and the canonical form omits them
+        when absent, so every earlier trace keeps its content hash.
 """
 
 from __future__ import annotations
@@ -61,17 +65,37 @@ class Request:
     n: int = 1
     logprobs: int | None = None
     temperature: float = 0.0
+    #: The client closes its connection this long after sending, whatever it has received
+    #: (a client or proxy timeout): before the first token when the server is slower.
+    disconnect_after_ms: float | None = None
+    #: The sampling seed sent with the request (engines take a per-request generator path).
+    seed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name in _OMITTED_WHEN_ABSENT and value is None:
+                continue  # fields added after format 1: absent keeps earlier content hashes
+            if f.name == "disconnect_after_ms":
+                value = _plain_number(value)
             if f.name == "at_ms":
                 value = _plain_number(value)
             elif f.name == "temperature":
                 value = float(value)
             out[f.name] = value
         return out
+
+
+#: Request fields the canonical form leaves out when they are None (added after format 1).
+_OMITTED_WHEN_ABSENT = frozenset({"disconnect_after_ms", "seed"})
+#: The largest seed vLLM and the OpenAI API take (a signed 64-bit integer).
+MAX_SEED = (1 << 63) - 1
+
+
+def disconnects(request: "Request") -> bool:
+    """Whether the trace has the client of ``request`` go away before its answer ends."""
+    return request.cancel_after_tokens is not None or request.disconnect_after_ms is not None
 
 
 @dataclass(frozen=True)
@@ -147,7 +171,7 @@ def canonical_json(data: Any) -> str:
 
 
 def dumps(trace: Trace, *, indent: int | None = 1) -> str:
-    """JSON text of a trace with every field written out (defaults included)."""
+    """JSON text of a trace with every field written out (defaults included; fields added after format 1 only when set)."""
     if indent is None:
         return canonical_json(trace.to_dict())
     data = trace.to_dict()
@@ -307,6 +331,17 @@ def _request_from_dict(raw: Any, path: str, prefixes: Mapping[str, int], fail) -
         if not stream:
             raise fail(at("cancel_after_tokens"), "requires stream: true (tokens are only seen in a stream)", cancel)
 
+    disconnect = raw.get("disconnect_after_ms")
+    if disconnect is not None:
+        if not _is_number(disconnect) or not math.isfinite(disconnect) or disconnect <= 0:
+            raise fail(at("disconnect_after_ms"), "must be a number > 0 (ms after sending) or null", disconnect)
+        if disconnect > MAX_AT_MS:
+            raise fail(at("disconnect_after_ms"), f"must be <= {MAX_AT_MS} (one hour)", disconnect)
+        disconnect = float(disconnect)
+    seed = raw.get("seed")
+    if seed is not None:
+        seed = _int_in(seed, at("seed"), 0, MAX_SEED, fail)
+
     n = _int_in(raw.get("n", 1), at("n"), 1, MAX_N, fail)
     logprobs = raw.get("logprobs")
     if logprobs is not None:
@@ -328,6 +363,8 @@ def _request_from_dict(raw: Any, path: str, prefixes: Mapping[str, int], fail) -
         n=n,
         logprobs=logprobs,
         temperature=float(temperature),
+        disconnect_after_ms=disconnect,
+        seed=seed,
     )
 
 

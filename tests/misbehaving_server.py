@@ -101,6 +101,9 @@ def make_app(state: ServerState) -> web.Application:
         try:
             await asyncio.sleep(state.ttft_s)
             if not body.get("stream"):
+                if request.transport is None or request.transport.is_closing():
+                    entry.aborted = True  # the client went away while its answer was computed
+                    return web.Response(status=499)
                 entry.first_token_t = entry.end_t = time.perf_counter()
                 choices = [{"index": 0, "text": "tok " * n_out, "finish_reason": "length"}]
                 return web.json_response({"id": "x", "object": "text_completion", "choices": choices, "usage": usage})
@@ -142,6 +145,9 @@ def make_app(state: ServerState) -> web.Application:
             entry.end_t = time.perf_counter()
             return resp
         except asyncio.CancelledError:
+            entry.aborted = True
+            raise
+        except ConnectionError:  # the client went away before the headers (a timeout while queued)
             entry.aborted = True
             raise
         finally:

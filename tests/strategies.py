@@ -27,6 +27,7 @@ def traces(
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT,
     max_output_tokens: int = DEFAULT_MAX_OUTPUT,
     max_span_ms: float = DEFAULT_MAX_SPAN_MS,
+    leaving: bool = False,
 ) -> Trace:
     """A valid trace: prefixes shorter than the prompts that use them, cancels below max_tokens."""
     prefix_names = draw(st.lists(st.sampled_from(["p0", "p1", "p2", "sys"]), max_size=3, unique=True))
@@ -58,6 +59,9 @@ def traces(
                 n=draw(st.sampled_from([1, 1, 1, 2, 4, 8])),
                 logprobs=draw(st.sampled_from([None, None, 0, 1, 5, MAX_LOGPROBS])),
                 temperature=draw(st.sampled_from([0.0, 0.7, 1.0])),
+                # leaving: clients with a timeout and sampling seeds (fields added after format 1).
+                disconnect_after_ms=draw(st.sampled_from([None, None, 5.0, 37.5, 500.0])) if leaving else None,
+                seed=draw(st.sampled_from([None, None, 0, 42, (1 << 63) - 1])) if leaving else None,
             )
         )
     used = {r.prefix for r in requests if r.prefix}

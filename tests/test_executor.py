@@ -161,6 +161,32 @@ async def test_cancel_after_tokens_closes_the_connection_and_the_server_sees_an_
     assert result.idle_after is True
 
 
+@pytest.mark.parametrize("client", ["fast", "aiohttp"])
+async def test_a_client_that_leaves_after_a_time_leaves_before_its_first_token(server, monkeypatch, client):
+    # A client with a TTFT timeout (disconnect_after_ms) goes away while the server is still on
+    # the prompt: the request ends CANCELLED with no token, the server sees the abort; the
+    # control beside it, with no timeout, waits for its answer.
+    monkeypatch.setenv("FUZZ_HTTP_CLIENT", client)
+    url, state = server
+    state.ttft_s = 0.3
+    t = trace(req("ok_gone", max_tokens=50, disconnect_after_ms=50),
+              req("ok_gonebody", max_tokens=50, stream=False, disconnect_after_ms=50),
+              req("ok_stays", max_tokens=5, seed=7))
+    async with HttpTarget(url, rng=random.Random(0), timeout_s=2.0, idle_timeout_s=1.0, idle_after_timeout_s=1.0) as target:
+        result = await target.execute(t)
+    for rid in ("ok_gone", "ok_gonebody"):
+        r = result.request(rid)
+        assert r.outcome is Outcome.CANCELLED and r.ttft_s is None and r.token_times_s == ()
+        assert 0.04 <= r.e2e_s < 0.25, r.e2e_s
+    assert await _all_aborted(state, ["ok_gone", "ok_gonebody"])  # when it next writes, after its 0.3 s
+    assert all(state.by_request(rid).first_token_t is None for rid in ("ok_gone", "ok_gonebody"))
+    stays = result.request("ok_stays")
+    assert stays.outcome is Outcome.OK and stays.ttft_s >= 0.3 and not state.by_request("ok_stays").aborted
+    # The sampling seed travels in the body; a request without one sends none.
+    assert state.by_request("ok_stays").body["seed"] == 7 and "seed" not in state.by_request("ok_gone").body
+    assert result.idle_after is True
+
+
 def _executor_tasks() -> list[str]:
     """Live tasks running the fuzzer's own code (the loopback server's tasks run the test's)."""
     package = str(Path(fuzzer.__file__).parent)

@@ -187,6 +187,26 @@ async def test_leak_finding_reads_running_and_waiting(tmp_path):
         assert rc == 0, out + err
 
 
+async def test_the_script_leaves_after_the_traces_time_and_sends_its_seed(tmp_path):
+    # A client with a timeout (disconnect_after_ms) before its first token: the script drops its
+    # socket then, the server sees the abort, and an aborting server shows no leak.
+    trace = tf.from_dict({"requests": [{"id": "ok1", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 40,
+                                        "disconnect_after_ms": 50, "seed": 11},
+                                       {"id": "ok2", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4}]})
+    path = tmp_path / "repro.py"
+    crit = criterion_from_verdict("leak", {})
+    path.write_text(script_source(script_data(finding={"id": 3, "kind": "leak"}, criterion=crit, trace=trace)))
+    async with misbehaving() as (url, state):
+        state.ttft_s = 0.3
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "1", "--leak-wait-s", "0.5")
+        gone = [e for xid, e in state.log.items() if xid.startswith("ok1-")]
+        stayed = [e for xid, e in state.log.items() if xid.startswith("ok2-")]
+    assert rc == 0, out + err
+    assert gone and all(e.aborted and e.first_token_t is None and e.body["seed"] == 11 for e in gone)
+    assert stayed and not any(e.aborted for e in stayed) and all("seed" not in e.body for e in stayed)
+    assert "cancelled" in out
+
+
 # --- the generator ------------------------------------------------------------------------------
 
 

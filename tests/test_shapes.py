@@ -64,9 +64,40 @@ def test_prefix_burst_puts_short_members_among_long_ones():
         assert members[-1].at_ms - members[0].at_ms <= 40
 
 
+def test_timeout_before_first_token_leaves_long_prompts_within_tens_of_ms_then_a_request_needs_them():
+    for _, parent, child in _children(shapes.timeout_before_first_token):
+        gone = [r for r in child.requests if r.disconnect_after_ms is not None]
+        assert gone and all(r.disconnect_after_ms <= 80 and r.prompt_tokens >= LIMITS.token_budget - 148
+                            and r.max_tokens >= 2048 and r.ignore_eos for r in gone)
+        later = [r for r in child.requests if r.id.startswith("next")]
+        assert later and later[0].at_ms > max(r.at_ms for r in gone)
+        # What the client read: nothing, on the simulator (a 1900-token prompt takes longer than 80 ms there).
+        result = VirtualTarget(seed=1).run(child)
+        assert all(result.request(r.id).outcome.value == "cancelled" and result.request(r.id).ttft_s is None
+                   for r in gone if r.disconnect_after_ms <= 30)
+
+
+def test_disconnect_fanout_leaves_an_n_stream_after_a_few_tokens():
+    for _, _, child in _children(shapes.disconnect_fanout):
+        fan = next(r for r in child.requests if r.id.startswith("fan") and r.n > 1)
+        assert fan.cancel_after_tokens is not None and fan.stream and fan.max_tokens >= 2048
+    assert shapes.disconnect_fanout(generate(random.Random(0), LIMITS), random.Random(0),
+                                    Limits(unsupported=frozenset({"n"}))) is None
+
+
+def test_seeded_batch_puts_one_seeded_request_among_many_streams():
+    for _, parent, child in _children(shapes.seeded_batch):
+        seeded = [r for r in child.requests if r.seed is not None]
+        rows = [r for r in child.requests if r.id.startswith("row")]
+        assert len(seeded) == 1 + sum(r.seed is not None for r in parent.requests) and len(rows) >= 4
+        assert seeded[-1].temperature > 0 and seeded[-1].at_ms > max(r.at_ms for r in rows)
+
+
 @pytest.mark.parametrize("op, pathology, share", [
     (shapes.long_outputs, "kv-reserve-admission", 0.6),
     (shapes.disconnect_long, "disconnect-leak", 0.6),
+    (shapes.timeout_before_first_token, "disconnect-leak", 0.6),
+    (shapes.disconnect_fanout, "disconnect-leak", 0.6),
     (shapes.prefix_burst, "hol-prefix-burst", 0.6),
     (shapes.long_prompt_beside_stream, "unchunked-prefill", 0.6),
 ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -17,19 +18,19 @@ from fuzzer.errors import TraceError
 CORPUS = Path(__file__).resolve().parent.parent / "corpus"
 
 
-@given(traces())
+@given(traces(leaving=True))
 def test_load_dump_round_trip(trace):
     assert tf.loads(tf.dumps(trace)) == trace
     assert tf.loads(tf.dumps(trace, indent=None)) == trace
 
 
-@given(traces())
+@given(traces(leaving=True))
 def test_strategy_produces_valid_traces(trace):
     assert tf.validate(trace) == trace
 
 
 @settings(max_examples=50)
-@given(traces())
+@given(traces(leaving=True))
 def test_hash_is_stable_under_key_order(trace):
     data = trace.to_dict()
     rng = random.Random(0)
@@ -61,6 +62,23 @@ def test_defaults_are_filled_and_equal_to_explicit_values():
     )
     assert short == explicit
     assert short.content_hash() == explicit.content_hash()
+
+
+def test_fields_added_after_format_1_keep_earlier_hashes_and_change_the_hash_when_set():
+    plain = {"id": "a", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4}
+    before = tf.from_dict({"requests": [plain]})
+    # The canonical form of a trace without them is what format 1 wrote: the same hash as ever.
+    assert "disconnect_after_ms" not in before.to_dict()["requests"][0] and "seed" not in before.to_dict()["requests"][0]
+    assert tf.from_dict({"requests": [{**plain, "disconnect_after_ms": None, "seed": None}]}).content_hash() == before.content_hash()
+    assert before.content_hash() == hashlib.sha256(tf.canonical_json(
+        {"format": 1, "prefixes": {}, "requests": [{**plain, "prefix": None, "stream": True, "api": "completions",
+         "ignore_eos": True, "cancel_after_tokens": None, "n": 1, "logprobs": None, "temperature": 0.0}]}).encode()).hexdigest()
+    for extra in ({"disconnect_after_ms": 30}, {"seed": 0}):
+        changed = tf.from_dict({"requests": [{**plain, **extra}]})
+        assert changed.content_hash() != before.content_hash()
+        assert tf.loads(tf.dumps(changed)) == changed and changed.to_dict()["requests"][0][next(iter(extra))] == next(iter(extra.values()))
+    # A client that leaves after a time needs no stream (a non-streaming client times out too).
+    assert tf.from_dict({"requests": [{**plain, "stream": False, "disconnect_after_ms": 12.5}]}).requests[0].disconnect_after_ms == 12.5
 
 
 def test_requests_are_ordered_by_arrival_keeping_ties_in_given_order():
@@ -107,6 +125,11 @@ def _bad(request: dict, **top) -> str:
         ("n", 17, "requests[1].n: must be <= 16, got 17"),
         ("logprobs", 21, "requests[1].logprobs: must be <= 20, got 21"),
         ("temperature", 3, "requests[1].temperature: must be a number between 0 and 2.0, got 3"),
+        ("disconnect_after_ms", 0, "requests[1].disconnect_after_ms: must be a number > 0 (ms after sending) or null, got 0"),
+        ("disconnect_after_ms", "1s", 'requests[1].disconnect_after_ms: must be a number > 0 (ms after sending) or null, got "1s"'),
+        ("disconnect_after_ms", 4_000_000, "requests[1].disconnect_after_ms: must be <= 3600000 (one hour), got 4000000"),
+        ("seed", -1, "requests[1].seed: must be >= 0, got -1"),
+        ("seed", 1.5, "requests[1].seed: must be an integer, got 1.5"),
         ("colour", "red", "requests[1].colour: unknown field"),
     ],
 )

@@ -180,3 +180,21 @@ def test_a_leak_is_one_bug_whatever_the_traces_size_but_cancelled_or_not_tells_t
     assert signature(FindingKind.LEAK, small) != signature(FindingKind.LEAK, plain)
     # Crashes keep the trace's shape: two traces of different shapes may crash the server differently.
     assert signature(FindingKind.CRASH, small) != signature(FindingKind.CRASH, big)
+
+
+def test_a_seeded_batch_or_a_timed_out_client_is_a_family_of_its_own_and_old_signatures_stay(seed_trace):
+    from dataclasses import replace
+
+    from fuzzer.oracle.kinds import FindingKind
+    from fuzzer.oracle.signature import family, signature
+
+    victim = seed_trace.requests[-1].id
+    other = seed_trace.requests[0]
+    kind = FindingKind.ITL_STALL
+    base = (signature(kind, seed_trace, victim), family(kind, seed_trace, victim))
+    # Control: the fields unset (None) are the trace as it was: the same keys.
+    unset = seed_trace.with_requests([replace(r, seed=None, disconnect_after_ms=None) for r in seed_trace.requests])
+    assert (signature(kind, unset, victim), family(kind, unset, victim)) == base
+    for change in ({"seed": 5}, {"disconnect_after_ms": 20.0}):
+        changed = seed_trace.with_requests([replace(r, **change) if r is other else r for r in seed_trace.requests])
+        assert signature(kind, changed, victim) != base[0] and family(kind, changed, victim) != base[1]

@@ -55,7 +55,8 @@ def findings_table(findings: list[StoredFinding]) -> Table:
 
 def trace_table(trace: Trace, *, title: str | None = None) -> Table:
     table = Table(title=title or (trace.name or "trace"))
-    for name in ("id", "at_ms", "prompt", "prefix", "max_tokens", "stream", "api", "cancel", "n", "logprobs"):
+    for name in ("id", "at_ms", "prompt", "prefix", "max_tokens", "stream", "api", "cancel", "n", "logprobs",
+                 "leaves_ms", "seed"):
         table.add_column(name, justify="left" if name in ("id", "prefix", "api", "stream") else "right")
     for r in trace.requests:
         prefix = f"{r.prefix}({trace.prefixes[r.prefix]})" if r.prefix else "-"
@@ -70,6 +71,8 @@ def trace_table(trace: Trace, *, title: str | None = None) -> Table:
             "-" if r.cancel_after_tokens is None else str(r.cancel_after_tokens),
             str(r.n),
             "-" if r.logprobs is None else str(r.logprobs),
+            "-" if r.disconnect_after_ms is None else f"{r.disconnect_after_ms:g}",
+            "-" if r.seed is None else str(r.seed),
         )
     return table
 

@@ -23,6 +23,7 @@ starts ends before ``execute`` returns or raises (:mod:`fuzzer.execute.scope`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -410,6 +411,8 @@ class HttpTarget:
                     body["logprobs"] = r.logprobs
             if r.n != 1:
                 body["n"] = r.n
+            if r.seed is not None:
+                body["seed"] = r.seed
             if r.ignore_eos and send_ignore_eos:
                 body["ignore_eos"] = True
             if r.stream and usage_ok:
@@ -456,12 +459,16 @@ class HttpTarget:
         body: Any = None
         outcome = Outcome.OK
         detail: str | None = None
+        # A client that goes away after a time (the trace's disconnect_after_ms), whatever it got.
+        leave = None if r.disconnect_after_ms is None else asyncio.timeout(max(0.0, sent + r.disconnect_after_ms / 1000.0 - clock()))
+        response: Any = None
         try:
             if post is None and self._fast is not None and plan.wire is not None:
                 post = self._fast.post(plan.wire, account, r.cancel_after_tokens)
             if post is None:
                 post = self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout)
-            async with post as resp:
+            async with contextlib.nullcontext() if leave is None else leave, post as resp:
+                response = resp
                 status = resp.status
                 if status >= 400:
                     raw = await resp.read()
@@ -478,7 +485,13 @@ class HttpTarget:
                     except ValueError:
                         outcome, detail = Outcome.MALFORMED, f"body is not JSON: {short(raw[:80])}"
         except asyncio.TimeoutError:
-            outcome, detail = Outcome.TIMEOUT, "no answer within the client timeout"
+            if leave is not None and leave.expired():
+                end = clock()
+                if response is not None:
+                    response.close()  # drop the connection, as a client that stops waiting does
+                outcome, detail = Outcome.CANCELLED, None
+            else:
+                outcome, detail = Outcome.TIMEOUT, "no answer within the client timeout"
         except aiohttp.ClientPayloadError as e:
             outcome, detail = Outcome.CONNECTION_ERROR, f"response cut off: {short(str(e))}"
         except aiohttp.ClientError as e:

@@ -21,7 +21,8 @@ from fuzzer.trace import Trace
 DEFAULT_BLOCK_SIZE = 512
 
 #: Fields of a request Mooncake has no place for: an export drops them and says so.
-_NOT_IN_MOONCAKE = ("stream", "api", "ignore_eos", "cancel_after_tokens", "n", "logprobs", "temperature")
+_NOT_IN_MOONCAKE = ("stream", "api", "ignore_eos", "cancel_after_tokens", "n", "logprobs", "temperature",
+                    "disconnect_after_ms", "seed")
 
 
 def read(path: Path) -> list[ProductionRequest]:
@@ -93,7 +94,7 @@ def dumps(trace: Trace, *, block_size: int = DEFAULT_BLOCK_SIZE) -> str:
 def dropped_fields(trace: Trace) -> list[str]:
     """The request fields set away from their defaults that Mooncake JSONL cannot carry."""
     defaults = {"stream": True, "api": "completions", "ignore_eos": True, "cancel_after_tokens": None, "n": 1,
-                "logprobs": None, "temperature": 0.0}
+                "logprobs": None, "temperature": 0.0, "disconnect_after_ms": None, "seed": None}
     return [name for name in _NOT_IN_MOONCAKE if any(getattr(r, name) != defaults[name] for r in trace.requests)]
 
 

@@ -13,7 +13,7 @@ import hashlib
 from typing import Any
 
 from fuzzer.oracle.kinds import FindingKind
-from fuzzer.trace import Request, Trace, canonical_json
+from fuzzer.trace import Request, Trace, canonical_json, disconnects
 
 
 #: Request-shape classes are log2 buckets: a 2000- and a 2100-token prompt are the same
@@ -50,7 +50,22 @@ def request_shape(trace: Trace, request: Request) -> dict[str, Any]:
         "before": _count_class(len(before)),
         "before_max_prompt": log2_class(max((r.prompt_tokens for r in before), default=0)) if before else None,
         "before_same_prefix": any(r.prefix is not None and r.prefix == request.prefix for r in before),
+        # Keys added after the first release only where they hold, so earlier signatures stay.
+        **({"timed_out": True} if request.disconnect_after_ms is not None else {}),
+        **_batch_traits(trace),
     }
+
+
+def _batch_traits(trace: Trace) -> dict[str, bool]:
+    """What any request of the trace does to everyone's batch or KV, beyond sizes: a seeded
+    request (a per-request sampler path), a client that leaves after a time (an abort the
+    engine may lose). Present only where true."""
+    out = {}
+    if any(r.seed is not None for r in trace.requests):
+        out["seeded"] = True
+    if any(r.disconnect_after_ms is not None for r in trace.requests):
+        out["timeouts"] = True
+    return out
 
 
 def signature(kind: FindingKind, trace: Trace, request_id: str | None = None, **extra: Any) -> str:
@@ -63,7 +78,7 @@ def signature(kind: FindingKind, trace: Trace, request_id: str | None = None, **
     if request_id is not None:
         shape["victim"] = request_shape(trace, trace.request(request_id))
     elif kind is FindingKind.LEAK:
-        return leak_signature(cancelled=any(r.cancel_after_tokens is not None for r in trace.requests))
+        return leak_signature(cancelled=any(disconnects(r) for r in trace.requests))
     else:
         shape["trace"] = _trace_shape(trace)
     return _key(kind, shape)
@@ -86,6 +101,7 @@ def _trace_shape(trace: Trace) -> dict[str, Any]:
         "cancel": any(r.cancel_after_tokens is not None for r in trace.requests),
         "fanout": any(r.n > 1 or r.logprobs is not None for r in trace.requests),
         "shared_prefix": any(r.prefix is not None for r in trace.requests),
+        **_batch_traits(trace),
     }
 
 
@@ -98,4 +114,5 @@ def family(kind: FindingKind, trace: Trace, request_id: str | None) -> str:
         return signature(kind, trace, request_id)
     shape = request_shape(trace, trace.request(request_id))
     coarse = {k: shape[k] for k in ("stream", "api", "fanout", "cancel", "shared_prefix")}
+    coarse.update(_batch_traits(trace))  # a seeded batch or a lost abort is a bug of its own
     return _key(kind, {"kind": kind.value, "family": coarse}).replace(":", ":family-", 1)

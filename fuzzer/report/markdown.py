@@ -125,13 +125,15 @@ def _environment(target: Mapping[str, Any] | None) -> list[str]:
 
 
 def _trace_table(trace: Trace, victim: str | None) -> list[str]:
-    rows = ["| id | at_ms | prompt_tokens | prefix | max_tokens | stream | api | n | logprobs | cancel_after | ignore_eos |",
-            "|---|---:|---:|---|---:|---|---|---:|---:|---:|---|"]
+    rows = ["| id | at_ms | prompt_tokens | prefix | max_tokens | stream | api | n | logprobs | cancel_after | ignore_eos |"
+            " leaves_after_ms | seed |",
+            "|---|---:|---:|---|---:|---|---|---:|---:|---:|---|---:|---:|"]
     for r in trace.requests:
         rid = f"**{r.id}**" if r.id == victim else r.id
         rows.append(
             f"| {rid} | {r.at_ms:g} | {r.prompt_tokens} | {r.prefix or ''} | {r.max_tokens} | {_yes(r.stream)} | {r.api} "
-            f"| {r.n} | {'' if r.logprobs is None else r.logprobs} | {r.cancel_after_tokens or ''} | {_yes(r.ignore_eos)} |"
+            f"| {r.n} | {'' if r.logprobs is None else r.logprobs} | {r.cancel_after_tokens or ''} | {_yes(r.ignore_eos)} "
+            f"| {'' if r.disconnect_after_ms is None else f'{r.disconnect_after_ms:g}'} | {'' if r.seed is None else r.seed} |"
         )
     return rows
 

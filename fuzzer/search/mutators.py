@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 from fuzzer.search.shapes import SHAPE_OPERATORS
 from fuzzer.search.shapes import fresh_id as _fresh_id
 from fuzzer.search.shapes import fresh_name as _fresh_name
-from fuzzer.trace import MAX_LOGPROBS, N_VALUES, Request, Trace, validate
+from fuzzer.trace import MAX_LOGPROBS, N_VALUES, Request, Trace, disconnects, validate
 
 # A fuzzing trace with more requests than this is a load test: slower to run, slower to
 # minimize, and it finds queueing rather than scheduling pathologies.
@@ -287,15 +287,16 @@ def cancel_and_retry(trace, rng, limits):
 
 
 def uncancel(trace, rng, limits):
-    req = _pick(trace, rng, lambda r: r.cancel_after_tokens is not None)
-    return None if req is None else _replace_request(trace, req, replace(req, cancel_after_tokens=None))
+    req = _pick(trace, rng, disconnects)
+    return None if req is None else _replace_request(trace, req, replace(req, cancel_after_tokens=None,
+                                                                       disconnect_after_ms=None))
 
 
 def without_cancellations(trace: Trace) -> Trace:
     """``trace`` with every request served to its end (no client disconnects)."""
-    if all(r.cancel_after_tokens is None for r in trace.requests):
+    if not any(disconnects(r) for r in trace.requests):
         return trace
-    return trace.with_requests([replace(r, cancel_after_tokens=None) for r in trace.requests])
+    return trace.with_requests([replace(r, cancel_after_tokens=None, disconnect_after_ms=None) for r in trace.requests])
 
 
 def n_logprobs(trace, rng, limits):
@@ -320,6 +321,16 @@ def n_logprobs(trace, rng, limits):
     temperature = 1.0 if n > 1 and req.temperature == 0 else req.temperature
     new = replace(req, n=n, logprobs=logprobs, temperature=temperature)
     return None if new == req else _replace_request(trace, req, new)
+
+
+def seed_request(trace, rng, limits):
+    """Set a request's sampling seed (with sampling on), or clear one already set."""
+    seeded = [r for r in trace.requests if r.seed is not None]
+    if seeded and rng.random() < 0.5:
+        req = rng.choice(seeded)
+        return _replace_request(trace, req, replace(req, seed=None))
+    req = rng.choice(trace.requests)
+    return _replace_request(trace, req, replace(req, seed=rng.randrange(1 << 31), temperature=req.temperature or 1.0))
 
 
 def fill(trace, rng, limits):
@@ -360,7 +371,7 @@ OPERATORS: Mapping[str, Operator] = {
     for f in (
         add_request, delete_request, duplicate_request, storm, scale_prompt, snap_prompt, change_max_tokens,
         toggle_stream, toggle_api, add_prefix, remove_prefix, resize_prefix, compress_gaps, spread_gaps,
-        reorder, cancel_and_retry, uncancel, n_logprobs, fill, squeeze, *SHAPE_OPERATORS,
+        reorder, cancel_and_retry, uncancel, n_logprobs, seed_request, fill, squeeze, *SHAPE_OPERATORS,
     )
 }
 

@@ -15,6 +15,17 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   (vLLM PR #10235, #8121, llama.cpp #4216; SGLang #22831's sticky flag).
 - ``prefix_burst``: long and short members of a new shared-prefix group arriving within
   a few milliseconds (vLLM #37308).
+- ``timeout_before_first_token``: clients with a TTFT or queue timeout that leave long
+  prompts before their first token, then a request that needs the KV and seats. An engine
+  that arms its abort only on the first output (vLLM PR #29987; KV leaked on abort in vLLM
+  #46283, #50425) runs them on to max_tokens with nobody reading.
+- ``client_timeout``: one request of the trace gets a client that leaves after a time
+  (before its first token when it waits or prefills that long), with a long output.
+- ``disconnect_fanout``: an n > 1 stream left after a few tokens, then a later request: an
+  abort that reaches only the first of its sequences (vLLM PR #14326) leaves the others running.
+- ``seeded_batch``: many decoding streams and one request with a sampling seed among them;
+  an engine whose seeded generator path is taken for every row of the batch (vLLM #37343's
+  class: one request's sampling parameters make the whole batch pay) slows every stream.
 
 Each takes (trace, rng, limits) like every operator and returns a valid trace or None.
 """
@@ -24,7 +35,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from fuzzer.trace import Request, Trace
+from fuzzer.trace import N_VALUES, Request, Trace
 
 #: How many tokens a disconnecting client reads before it leaves.
 CANCEL_AFTER = (1, 2, 4, 8, 16)
@@ -33,6 +44,9 @@ CANCEL_AFTER = (1, 2, 4, 8, 16)
 #: idle barrier (30 s) outwaits it on a server three times slower: every leaked request
 #: costs a leaking server that long, and a campaign makes many.
 LEAK_OUTPUTS = (2048, 3072)
+#: When a client with a timeout leaves, in ms after sending: the first three are before the first
+#: token of a prompt of a step budget or two on most servers; the others leave a queue or a stream.
+TIMEOUT_MS = (10, 30, 80, 300, 1000)
 #: A long prompt is this many step budgets long.
 BUDGET_MULTIPLES = (2, 4, 8)
 #: Below this model length the shapes do not apply (their requests would not fit).
@@ -142,4 +156,76 @@ def prefix_burst(trace: Trace, rng: random.Random, limits) -> Trace | None:
     return current.with_requests(current.requests)
 
 
-SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst)
+def timeout_before_first_token(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """One to three long prompts whose clients leave within tens of ms (before their first token),
+    each asking for a long output, then a long prompt that needs the KV and a seat."""
+    count = rng.randint(1, 3)
+    if _room(trace, limits) < count + 1:
+        return None
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    prompt = min(limits.token_budget * rng.choice((1, 2)) - rng.choice((0, 148)), limits.max_model_len // 2)
+    out = min(rng.choice(LEAK_OUTPUTS), limits.max_model_len - prompt)
+    if prompt < 1 or out < 1:
+        return None
+    current = trace
+    for i in range(count):
+        req = Request(id=fresh_id(current, f"gone{i}"), at_ms=at + i, prompt_tokens=prompt, max_tokens=out,
+                      stream=rng.random() < 0.7, disconnect_after_ms=float(rng.choice(TIMEOUT_MS[:3])))
+        current = current.with_requests([*current.requests, req])
+    victim = Request(id=fresh_id(current, "next"), at_ms=at + rng.choice([100.0, 300.0, 1000.0]),
+                     prompt_tokens=min(limits.token_budget, limits.max_model_len - 64), max_tokens=rng.choice([16, 64]))
+    return current.with_requests([*current.requests, victim])
+
+
+def client_timeout(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """A request's client leaves after a time (set, or cleared half the time it is set), asking for a long output."""
+    if limits.max_model_len < MIN_MODEL_LEN:
+        return None
+    req = rng.choice(trace.requests)
+    if req.disconnect_after_ms is not None and rng.random() < 0.5:
+        return trace.with_requests([replace(req, disconnect_after_ms=None) if r is req else r for r in trace.requests])
+    out = max(req.max_tokens, min(rng.choice(LEAK_OUTPUTS), limits.max_model_len - req.prompt_tokens))
+    left = replace(req, max_tokens=out, ignore_eos=True, disconnect_after_ms=float(rng.choice(TIMEOUT_MS)))
+    return trace.with_requests([left if r is req else r for r in trace.requests])
+
+
+def disconnect_fanout(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """A stream of n choices left after a few tokens with a long output, then a later request."""
+    if "n" in limits.unsupported or _room(trace, limits) < 2:
+        return None
+    allowed = [v for v in N_VALUES if limits.max_n is None or v <= limits.max_n]
+    if not allowed:
+        return None
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    prompt = rng.choice([64, 400, 1024])
+    out = min(rng.choice(LEAK_OUTPUTS), limits.max_model_len - prompt)
+    cancel = rng.choice(CANCEL_AFTER[2:])
+    if out <= cancel:
+        return None
+    left = Request(id=fresh_id(trace, "fan"), at_ms=at, prompt_tokens=prompt, max_tokens=out, n=rng.choice(allowed),
+                   temperature=1.0, cancel_after_tokens=cancel)
+    later = Request(id=fresh_id(trace, "fan_after"), at_ms=at + rng.choice([200.0, 500.0, 2000.0]),
+                    prompt_tokens=min(limits.token_budget, limits.max_model_len - 64), max_tokens=64)
+    return trace.with_requests([*trace.requests, left, later])
+
+
+def seeded_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Eight to thirty-two short streams decoding together, and a request with a sampling seed among them."""
+    count = rng.choice([8, 16, 32])
+    count = min(count, _room(trace, limits) - 1)
+    if count < 4:
+        return None
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    out = min(rng.choice([64, 128, 256]), limits.max_output_tokens, limits.max_model_len - 128)
+    current = trace
+    for i in range(count):
+        req = Request(id=fresh_id(current, f"row{i}"), at_ms=at + i, prompt_tokens=rng.choice([32, 64, 128]),
+                      max_tokens=out)
+        current = current.with_requests([*current.requests, req])
+    seeded = Request(id=fresh_id(current, "seeded"), at_ms=at + count + rng.choice([10.0, 50.0]), prompt_tokens=64,
+                     max_tokens=out, temperature=1.0, seed=rng.randrange(1 << 31))
+    return current.with_requests([*current.requests, seeded])
+
+
+SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
+                   client_timeout, disconnect_fanout, seeded_batch)

@@ -114,6 +114,8 @@ def size_key(trace: Trace) -> tuple:
     features = (
         len(trace.prefixes)
         + sum(r.cancel_after_tokens is not None for r in reqs)
+        + sum(r.disconnect_after_ms is not None for r in reqs)
+        + sum(r.seed is not None for r in reqs)
         + sum(r.n > 1 for r in reqs)
         + sum(r.logprobs is not None for r in reqs)
         + sum(not r.stream for r in reqs)
@@ -399,6 +401,8 @@ class Minimizer:
         for r in list(self._current.requests):
             changes = {
                 "cancel": (r.cancel_after_tokens is not None, lambda x: replace(x, cancel_after_tokens=None)),
+                "disconnect": (r.disconnect_after_ms is not None, lambda x: replace(x, disconnect_after_ms=None)),
+                "seed": (r.seed is not None, lambda x: replace(x, seed=None)),
                 "n": (r.n > 1, lambda x: replace(x, n=1)),
                 "logprobs": (r.logprobs is not None, lambda x: replace(x, logprobs=None)),
                 "stream": (not r.stream, lambda x: replace(x, stream=True)),

@@ -15,6 +15,7 @@ requests of one prefix group in the same execution share the group's tokens.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 
@@ -111,6 +112,8 @@ class VirtualTarget:
         handles: dict[str, SimRequest] = {}
         cancel_after: dict[int, int] = {}
         cancelled_at: dict[str, float] = {}
+        #: Clients that go away at a time (disconnect_after_ms): (when, their request), soonest first.
+        leaving: list[tuple[float, SimRequest]] = []
         samples: list[MetricSample] = []
         next_sample = t0
         t = t0
@@ -127,14 +130,26 @@ class VirtualTarget:
                 handles[r.id] = handle
                 if r.cancel_after_tokens is not None:
                     cancel_after[id(handle)] = r.cancel_after_tokens
+                if r.disconnect_after_ms is not None:
+                    bisect.insort(leaving, (at + r.disconnect_after_ms / 1000.0, handle), key=lambda x: x[0])
                 i += 1
+
+        def leave(until: float) -> None:
+            """Clients whose time is up by ``until`` close their connections (an abort, if unfinished)."""
+            while leaving and leaving[0][0] <= until:
+                when, handle = leaving.pop(0)
+                if not handle.finished and handle.request_id not in cancelled_at:
+                    engine.abort(handle, until)
+                    cancelled_at[handle.request_id] = when
 
         while True:
             arrive(t, inclusive=True)
             while next_sample <= t:
                 samples.append(self._sample(next_sample - t0))
                 next_sample += self.sample_interval_s
-            horizon = min(arrivals[i][0] if i < len(arrivals) else math.inf, next_sample)
+            leave(t)
+            horizon = min(arrivals[i][0] if i < len(arrivals) else math.inf, next_sample,
+                          leaving[0][0] if leaving else math.inf)
             ready = engine.next_ready_s()
             if ready is not None:
                 horizon = min(horizon, ready)
@@ -147,6 +162,7 @@ class VirtualTarget:
             step = engine.step(t)
             if step is None:
                 upcoming = [arrivals[i][0]] if i < len(arrivals) else []
+                upcoming += [leaving[0][0]] if leaving else []
                 ready = engine.next_ready_s()
                 if ready is not None:
                     upcoming.append(ready)
@@ -200,7 +216,7 @@ class VirtualTarget:
         """Clients that asked to cancel after N tokens close their connection once they have them."""
         for req in progressed:
             limit = cancel_after.get(id(req))
-            if limit is not None and req.generated >= limit and not req.finished:
+            if limit is not None and req.generated >= limit and not req.finished and req.request_id not in cancelled_at:
                 del cancel_after[id(req)]  # once: a server that leaks the abort runs it on
                 engine.abort(req, t)
                 cancelled_at[req.request_id] = t
@@ -261,7 +277,8 @@ class VirtualTarget:
         send_abs = t0 + sent
         times = [tt - send_abs for tt in h.token_times_s]
         if h.request_id in cancelled_at:
-            times = times[: r.cancel_after_tokens]
+            # What the client read before it left: up to its token count, or up to its time.
+            times = [x for x in times if x <= cancelled_at[h.request_id] - send_abs][: r.cancel_after_tokens]
             return RequestResult(
                 **common,
                 outcome=Outcome.CANCELLED,

@@ -37,6 +37,8 @@ def request_body(r, text, model, features):
             body["logprobs"] = r["logprobs"]
     if r.get("n", 1) != 1:
         body["n"] = r["n"]
+    if r.get("seed") is not None:
+        body["seed"] = r["seed"]
     if r.get("ignore_eos", True) and features.get("ignore_eos", True):
         body["ignore_eos"] = True
     if body["stream"] and features.get("stream_options", True):
@@ -115,6 +117,11 @@ def send(server, conn, r, path, body, xid, timeout_s):
     headers["X-Request-Id"] = xid
     sent = time.perf_counter()
     result["sent_pc"] = sent
+    leave, dropped = None, threading.Event()
+    if r.get("disconnect_after_ms") is not None:
+        # The trace's client goes away after a time, whatever it has received: drop the socket.
+        leave = threading.Timer(r["disconnect_after_ms"] / 1000.0, drop, args=(conn, dropped))
+        leave.start()
     try:
         conn.request("POST", server.root + path, body=body, headers=headers)
         resp = conn.getresponse()
@@ -135,12 +142,28 @@ def send(server, conn, r, path, body, xid, timeout_s):
         result["e2e_s"] = time.perf_counter() - sent
     except socket.timeout:  # noqa: UP041 - an alias of TimeoutError only from Python 3.10; the script runs on 3.9
         result["outcome"], result["detail"] = "timeout", "no answer within %g s" % timeout_s
-    except (OSError, http.client.HTTPException) as e:
+    except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
+        # ValueError/AttributeError: http.client reading a socket the disconnect timer closed.
         result["outcome"], result["detail"] = "connection-error", "%s: %s" % (e.__class__.__name__, e)
         result["e2e_s"] = time.perf_counter() - sent
     finally:
+        if leave is not None:
+            leave.cancel()
         conn.close()
+    if dropped.is_set() and result["outcome"] not in ("http-error", "rejected"):
+        result["outcome"], result["detail"] = "cancelled", ""  # what was read until then stays
     return result
+
+
+def drop(conn, dropped):
+    """Close a request's socket from another thread: the server sees its client go away."""
+    dropped.set()
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def read_stream(resp, conn, r, result, sent):
