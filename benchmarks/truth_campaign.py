@@ -40,6 +40,12 @@ ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 2.0
 
 
+#: The name a request gets in the ground truth when its client went away and the server ran it
+#: on to its end anyway (a server that writes client_disconnected and finish_reason: the held-out
+#: one): the truth of a leak finding, not of a latency one.
+LEAKED = "(ran-after-disconnect)"
+
+
 def read_truth(path: Path) -> dict[str, set[str]]:
     """X-Request-Id -> the pathologies that delayed it (a line being written is skipped)."""
     truth: dict[str, set[str]] = {}
@@ -50,7 +56,10 @@ def read_truth(path: Path) -> dict[str, set[str]]:
             record = json.loads(line)
         except ValueError:
             continue
-        truth.setdefault(record["request_id"], set()).update(record.get("pathologies") or ())
+        names = truth.setdefault(record["request_id"], set())
+        names.update(record.get("pathologies") or ())
+        if record.get("client_disconnected") and record.get("finish_reason") not in (None, "abort"):
+            names.add(LEAKED)
     return truth
 
 
@@ -68,6 +77,8 @@ def judge_findings(store: Store, truth: dict[str, set[str]], campaign_id: int | 
         hit = 0
         for r in runs:
             names = truth.get(r.x_request_id or "", set())
+            if finding.kind != "leak":
+                names = names - {LEAKED}
             hit += bool(names)
             for name in names:
                 tagged[name] = tagged.get(name, 0) + 1
