@@ -93,6 +93,39 @@ def test_seeded_batch_puts_one_seeded_request_among_many_streams():
         assert seeded[-1].temperature > 0 and seeded[-1].at_ms > max(r.at_ms for r in rows)
 
 
+def test_kv_burst_asks_for_more_than_the_reported_kv_and_needs_its_size():
+    sim = VirtualTarget()
+    blocks, size = sim.kv_cache()
+    limits = Limits(kv_tokens=blocks * size, max_model_len=sim.config.max_model_len)
+    assert shapes.kv_burst(generate(random.Random(0), LIMITS), random.Random(0), LIMITS) is None  # size unknown
+    reached = tried = 0
+    for i in range(20):
+        rng = random.Random(i)
+        parent = generate(rng, limits)
+        child = shapes.kv_burst(parent, rng, limits)
+        if child is None:
+            continue
+        burst = [r for r in child.requests if r.id.startswith("kv") and not r.id.startswith("kvlate")]
+        assert sum(r.prompt_tokens + r.max_tokens for r in burst) >= 1.4 * limits.kv_tokens
+        assert all(r.prompt_tokens + r.max_tokens <= limits.max_model_len for r in child.requests)
+        target = VirtualTarget(pathologies=("preemption-thrash",), seed=i)
+        if any(target.run(parent).ground_truth.values()):
+            continue
+        tried += 1
+        reached += any(target.run(child).ground_truth.values())  # KV exhausted: preemption happens
+    assert tried >= 10 and reached >= 0.6 * tried, (reached, tried)
+
+
+def test_the_limits_carry_the_kv_size_a_target_reports():
+    from fuzzer.cli._target import limits_for
+
+    sim = VirtualTarget()
+    blocks, size = sim.kv_cache()
+    assert limits_for(sim).kv_tokens == blocks * size
+    assert limits_for(object()).kv_tokens is None  # a target that does not tell
+    assert Limits.from_dict(Limits(kv_tokens=123).to_dict()).kv_tokens == 123
+
+
 @pytest.mark.parametrize("op, pathology, share", [
     (shapes.long_outputs, "kv-reserve-admission", 0.6),
     (shapes.disconnect_long, "disconnect-leak", 0.6),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+from dataclasses import replace
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fuzzer.errors import ConfigError
@@ -119,10 +120,13 @@ def parse_sim_key(key: str) -> tuple[tuple[str, ...], dict[str, Any], int]:
 
 
 def limits_for(target) -> Limits:
-    """What the mutators must respect on this target: its context length and rejected features."""
+    """What the mutators must respect on this target: its context length and rejected features (and
+    its KV cache's size where it tells it, for the KV-pressure shapes)."""
     from fuzzer.fleet.worker import limits_of  # noqa: PLC0415 - one rule for a campaign and a fleet's workers
 
-    return limits_of(getattr(target, "info", None))
+    limits = limits_of(getattr(target, "info", None))
+    kv = target.kv_cache() if limits.kv_tokens is None and callable(getattr(target, "kv_cache", None)) else None
+    return limits if kv is None else replace(limits, kv_tokens=kv[0] * kv[1])
 
 
 def parse_duration(text: str) -> float:

@@ -406,8 +406,9 @@ class Coordinator:
 
 def _narrowest(limits: Sequence[Limits], settings: Limits) -> Limits:
     """What every target accepts within the campaign's own limits: the shortest context, every feature
-    one of them rejects, the smallest max n (trace sizes as the settings say)."""
+    one of them rejects, the smallest max n, the smallest KV cache (trace sizes as the settings say)."""
     max_n = [x.max_n for x in (*limits, settings) if x.max_n is not None]
+    kv = [x.kv_tokens for x in (*limits, settings) if x.kv_tokens is not None]
     return replace(settings, max_model_len=min(x.max_model_len for x in (*limits, settings)),
                    unsupported=frozenset().union(*(x.unsupported for x in (*limits, settings))),
-                   max_n=min(max_n) if max_n else None)
+                   max_n=min(max_n) if max_n else None, kv_tokens=min(kv) if kv else None)

@@ -185,4 +185,6 @@ def limits_of(info) -> Limits:
         return Limits()
     unsupported = frozenset(name for name, ok in (info.capabilities or {}).items() if ok is False)
     max_len = info.max_model_len or Limits().max_model_len
-    return Limits(max_model_len=max_len, unsupported=unsupported & {"chat", "n", "logprobs"}, max_n=info.max_n)
+    kv = info.kv_cache() if hasattr(info, "kv_cache") else None
+    return Limits(max_model_len=max_len, unsupported=unsupported & {"chat", "n", "logprobs"}, max_n=info.max_n,
+                  kv_tokens=None if kv is None else kv[0] * kv[1])

@@ -56,6 +56,9 @@ class Limits:
     unsupported: frozenset[str] = frozenset()
     #: The largest n the target accepted in the capability probe (None: no limit seen).
     max_n: int | None = None
+    #: Tokens the server's KV cache holds, where it reports them (vLLM's cache_config_info): the
+    #: KV-pressure shapes are sized from it (None: unknown, they do not apply).
+    kv_tokens: int | None = None
 
     def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
         return prompt_tokens + max_tokens <= self.max_model_len
@@ -64,7 +67,7 @@ class Limits:
         return {
             "max_model_len": self.max_model_len, "block_size": self.block_size, "token_budget": self.token_budget,
             "max_requests": self.max_requests, "max_output_tokens": self.max_output_tokens,
-            "unsupported": sorted(self.unsupported), "max_n": self.max_n,
+            "unsupported": sorted(self.unsupported), "max_n": self.max_n, "kv_tokens": self.kv_tokens,
         }
 
     @classmethod

@@ -23,6 +23,11 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   (before its first token when it waits or prefills that long), with a long output.
 - ``disconnect_fanout``: an n > 1 stream left after a few tokens, then a later request: an
   abort that reaches only the first of its sequences (vLLM PR #14326) leaves the others running.
+- ``kv_burst``: a burst that asks for one and a half to three times the server's KV cache
+  (where it reports its size), sometimes behind a shared long prefix, then short requests.
+  Preemption and queueing follow by design; what is not by design is a preempted request
+  re-queued behind the queue (vLLM #41951), or admission refusing a request whose prefix
+  blocks are already resident (sglang #22831, vLLM #37308's class).
 - ``seeded_batch``: many decoding streams and one request with a sampling seed among them;
   an engine whose seeded generator path is taken for every row of the batch (vLLM #37343's
   class: one request's sampling parameters make the whole batch pay) slows every stream.
@@ -209,6 +214,38 @@ def disconnect_fanout(trace: Trace, rng: random.Random, limits) -> Trace | None:
     return trace.with_requests([*trace.requests, left, later])
 
 
+def kv_burst(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Requests asking for 1.5-3x the reported KV cache within 160 ms (half the time sharing a long
+    prefix), then one or two short requests."""
+    kv = getattr(limits, "kv_tokens", None)
+    room = _room(trace, limits)
+    if not kv or room < 6:
+        return None
+    count = min(room - 2, rng.choice([8, 16, 24, 32]))
+    per = -(-int(kv * rng.choice([1.5, 2.0, 3.0])) // count)
+    per = min(per, limits.max_model_len)
+    out = max(16, min(per // rng.choice([2, 3, 4]), limits.max_model_len // 2))
+    prompt = max(1, min(per - out, limits.max_model_len - out))
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    prefix = None
+    current = trace
+    if rng.random() < 0.5 and prompt >= 2 * limits.block_size:
+        prefix = fresh_name(set(trace.prefixes), "kvp")
+        shared = max(limits.block_size, (prompt // 2) // limits.block_size * limits.block_size)
+        current = Trace(requests=trace.requests, prefixes={**trace.prefixes, prefix: shared}, name=trace.name)
+    gap = rng.choice([0.0, 1.0, 5.0])
+    for i in range(count):
+        req = Request(id=fresh_id(current, f"kv{i}"), at_ms=at + gap * i, prompt_tokens=prompt,
+                      max_tokens=out, prefix=prefix)
+        current = replace(current, requests=(*current.requests, req))
+    for i in range(rng.randint(1, 2)):
+        req = Request(id=fresh_id(current, f"kvlate{i}"), at_ms=at + rng.choice([50.0, 200.0, 1000.0]) + i,
+                      prompt_tokens=min(rng.choice([64, 512]) + (current.prefixes[prefix] if prefix else 0),
+                                        limits.max_model_len - 32), max_tokens=32, prefix=prefix)
+        current = replace(current, requests=(*current.requests, req))
+    return current.with_requests(current.requests)
+
+
 def seeded_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """Eight to thirty-two short streams decoding together, and a request with a sampling seed among them."""
     count = rng.choice([8, 16, 32])
@@ -228,4 +265,4 @@ def seeded_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
 
 
 SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
-                   client_timeout, disconnect_fanout, seeded_batch)
+                   client_timeout, disconnect_fanout, kv_burst, seeded_batch)
