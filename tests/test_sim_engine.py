@@ -59,7 +59,8 @@ def _drive(engine: Engine, specs: list[dict]) -> list:
                 used = engine.kv.num_used
                 engine.abort(h, t)
                 if h.leaked:  # disconnect-leak: the engine never hears of it and runs it to its length
-                    assert "disconnect-leak" in engine.pathologies and not h.finished
+                    assert h.leaked in engine.pathologies and not h.finished
+                    assert h.leaked == "disconnect-leak" or h.generated == 0  # early-abort-leak: before any output
                 else:
                     assert h.blocks == [] and h.state is State.FINISHED
                     assert engine.kv.num_used <= used
@@ -120,7 +121,7 @@ def test_fcfs_admission_without_pathologies(specs):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests_st, st.sampled_from(["all", "hol-prefix-burst,sticky-batch-full", "preemption-thrash",
                                       "kv-reserve-admission", "disconnect-leak", "lifo-admission",
-                                      "decode-starvation"]))
+                                      "decode-starvation", "early-abort-leak"]))
 def test_pathologies_never_lose_requests_or_overfill_kv(specs, spec):
     from fuzzer.sim.pathologies import parse
 

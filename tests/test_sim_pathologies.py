@@ -22,6 +22,7 @@ CONTRACT_NAMES = (
     "disconnect-leak",
     "lifo-admission",
     "decode-starvation",
+    "early-abort-leak",
 )
 
 
@@ -163,6 +164,17 @@ def test_disconnect_leak_keeps_the_server_busy_after_the_client_left():
     assert on.request("Z").outcome == off.request("Z").outcome
     assert on.request("Z").token_times_s == off.request("Z").token_times_s
     assert on.samples[-2].values["running"] >= 1 and off.samples[-1].values["running"] == 0
+
+
+def test_early_abort_leak_loses_only_the_abort_of_a_client_gone_before_its_first_token():
+    trace = TRIGGERS["early-abort-leak"].trace
+    off, on = _warm_run((), trace), _warm_run(("early-abort-leak",), trace)
+    assert off.idle_after and not on.idle_after
+    assert on.request("Z").outcome.value == "cancelled" and on.request("Z").ttft_s is None
+    assert "early-abort-leak" in on.ground_truth["Z"] and not off.ground_truth["Z"]
+    # Control: a client that leaves after its first tokens is aborted (disconnect-leak's trigger).
+    after_first = _warm_run(("early-abort-leak",), TRIGGERS["disconnect-leak"].trace)
+    assert after_first.idle_after and not any(after_first.ground_truth.values())
 
 
 def test_disconnect_leak_short_leak_is_idle_soon_enough():

@@ -65,20 +65,25 @@ class Mechanisms:
         return P.DECODE_STARVATION in self.pathologies and not all(r.decoding for r in self._running)
 
     def _leaks_abort(self, req: SimRequest) -> bool:
-        """disconnect-leak: the abort never reaches the engine; the request runs on to its length."""
-        if P.DISCONNECT_LEAK not in self.pathologies:
+        """disconnect-leak: the abort never reaches the engine; the request runs on to its length.
+        early-abort-leak: the same for a client gone before its request's first output token."""
+        if P.DISCONNECT_LEAK in self.pathologies:
+            name = P.DISCONNECT_LEAK
+        elif P.EARLY_ABORT_LEAK in self.pathologies and req.generated == 0:
+            name = P.EARLY_ABORT_LEAK
+        else:
             return False
-        req.leaked = True
-        req.delayed_by.add(P.DISCONNECT_LEAK)
+        req.leaked = name
+        req.delayed_by.add(name)
         return True
 
     def _tag_leak_company(self, batch: Iterable[SimRequest]) -> None:
-        """disconnect-leak: a leaked request in the batch slows its peers and holds KV from the queue."""
-        if P.DISCONNECT_LEAK not in self.pathologies:
+        """A leaked request in the batch slows its peers and holds KV from the queue (tagged with its leak)."""
+        if not self.pathologies & {P.DISCONNECT_LEAK, P.EARLY_ABORT_LEAK}:
             return
         batch = list(batch)
-        if any(r.leaked for r in batch):
-            self._tag(P.DISCONNECT_LEAK, batch, self._waiting)
+        for name in {r.leaked for r in batch if r.leaked}:
+            self._tag(name, batch, self._waiting)
 
 
     def _sticky_blocks(self) -> bool:

@@ -29,6 +29,7 @@ KV_RESERVE_ADMISSION = "kv-reserve-admission"
 DISCONNECT_LEAK = "disconnect-leak"
 LIFO_ADMISSION = "lifo-admission"
 DECODE_STARVATION = "decode-starvation"
+EARLY_ABORT_LEAK = "early-abort-leak"
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,27 @@ class DisconnectLeak(_Pathology):
     kind = "leak"
 
 
+class EarlyAbortLeak(_Pathology):
+    """A client that goes away before its request's first output token is never aborted.
+
+    Models vLLM PR #29987 (requests cancelled in a window were not really aborted) and the
+    abort leaks of vLLM #46283 / #50425 ("KV cache fills up until no new request can be
+    admitted, while /metrics stays alive"): the frontend arms its abort only once the first
+    output has arrived, so a client with a TTFT or queue timeout, or one that drops during a
+    long prefill, leaves its request to be prefilled and decoded to its length with nobody
+    reading. The same disconnect after the first token is aborted correctly. Ground truth
+    names the leaked request and every request that shared a step with it or waited meanwhile.
+
+    Trigger: a client that leaves a long prompt with a long output before its first token.
+    """
+
+    name = EARLY_ABORT_LEAK
+    models = "vLLM PR #29987; vLLM #46283, #50425 (abort lost for a client gone before the first output)"
+    trigger = "a client that times out before its first token on a request with a long output"
+    effect = "the server stays busy after every client is gone; KV and seats are held from later requests"
+    kind = "leak"
+
+
 class LifoAdmission(_Pathology):
     """With two or more requests waiting, the newest is admitted first: the queue is served out of order.
 
@@ -289,6 +311,7 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     DisconnectLeak,
     LifoAdmission,
     DecodeStarvation,
+    EarlyAbortLeak,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

@@ -60,8 +60,9 @@ class SimRequest:
     delayed_by: set[str] = field(default_factory=set)
     #: kv-reserve-admission: blocks reserved at admission for the prompt and all of max_tokens.
     reserved_blocks: int = 0
-    #: disconnect-leak: the client went away but the engine never heard of it.
-    leaked: bool = False
+    #: The pathology (disconnect-leak, early-abort-leak) that lost the abort of a client gone away;
+    #: empty while the engine heard of every disconnect.
+    leaked: str = ""
 
     @property
     def prompt_len(self) -> int:

@@ -147,6 +147,18 @@ def _build() -> dict[str, Trigger]:
             "Z",
             "drain",
         ),
+        # Z's client gives up after 20 ms, during its 8000-token prefill (four budgets); the server runs it to 3000 tokens.
+        P.EARLY_ABORT_LEAK: Trigger(
+            _trace(
+                "trigger-early-abort-leak",
+                [
+                    {"id": "Z", "at_ms": 0, "prompt_tokens": 8000, "max_tokens": 3000, "disconnect_after_ms": 20},
+                    {"id": "W", "at_ms": 50, "prompt_tokens": 128, "max_tokens": 64},
+                ],
+            ),
+            "Z",
+            "drain",
+        ),
         # Six prompts of one step budget each arrive during L0's step: FCFS serves L1 next, LIFO last.
         P.LIFO_ADMISSION: Trigger(
             _trace(
