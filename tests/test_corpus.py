@@ -72,6 +72,24 @@ def test_scheduling_prefers_favoured_and_fresh_entries():
     assert c.energy(stale) < 4.0 / (1 + 8)  # favoured but stale: damped
 
 
+def test_scheduling_prefers_entries_that_cost_less_server_time():
+    c = Corpus()
+    slow = c.add(generate(random.Random(1)), [cov("a")])
+    fast = c.add(generate(random.Random(2)), [cov("b")])
+    costs = {slow.id: 45.0, fast.id: 1.0}
+    assert c.energy(fast, 1.0) > 4 * c.energy(slow, 45.0) and c.energy(fast, 0.0) == c.energy(slow, 0.0)
+    picks = []
+    for i in range(400):
+        picks.append(c.choose(random.Random(i), cost=lambda e: costs[e.id]).id)
+        slow.n_fuzz = fast.n_fuzz = 0  # the cost alone, not how often each was fuzzed
+    assert picks.count(fast.id) > 3 * picks.count(slow.id)
+    # Control: the same two entries without costs are picked about as often.
+    c2 = Corpus()
+    a, b = c2.add(generate(random.Random(1)), [cov("a")]), c2.add(generate(random.Random(2)), [cov("b")])
+    plain = [c2.choose(random.Random(i)).id for i in range(400)]
+    assert 0.6 < plain.count(a.id) / plain.count(b.id) < 1.6
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.sets(st.sampled_from("abcdefgh"), max_size=4),
                           st.floats(0, 100)), min_size=1, max_size=25))

@@ -1,10 +1,10 @@
 """Signatures: the deduplication key of a finding, the kind plus the shape around its victim.
 
 Two findings with one signature are "the same bug" as a maintainer would count them: ids,
-exact numbers and timings are left out, log2 size classes kept. A *family* is coarser: the kind
-and the victim's kind of request only; one bug met in many trace shapes has many signatures but
-one family, so a campaign confirms a family it has found again only now and then
-(fuzzer.search.confirming).
+exact numbers and timings are left out, log2 size classes kept. A *family* is coarser: the kind,
+whether the victim fans out, and what the trace does to everyone's batch (a seeded request, a
+client that times out); one bug met in many trace shapes has many signatures but one family, so a
+campaign confirms a family it has found again only now and then (fuzzer.search.confirming).
 """
 
 from __future__ import annotations
@@ -106,13 +106,17 @@ def _trace_shape(trace: Trace) -> dict[str, Any]:
 
 
 def family(kind: FindingKind, trace: Trace, request_id: str | None) -> str:
-    """The coarse key of a latency finding: its kind and its victim's kind of request (streamed or
-    not, the API, fan-out, cancelled, shared prefix), with sizes, neighbours and timings left out.
+    """The coarse key of a latency finding: its kind, whether its victim fans out (n > 1 or
+    logprobs) and whether the trace holds a seeded request or a client that times out, with sizes,
+    neighbours, timings and the victim's API, streaming and prefix left out.
     Other kinds keep their signature: a leak is one per server already, a failure is told apart
     by its outcome."""
     if request_id is None or kind not in (FindingKind.TTFT_OUTLIER, FindingKind.ITL_STALL, FindingKind.E2E_OUTLIER):
         return signature(kind, trace, request_id)
     shape = request_shape(trace, trace.request(request_id))
-    coarse = {k: shape[k] for k in ("stream", "api", "fanout", "cancel", "shared_prefix")}
-    coarse.update(_batch_traits(trace))  # a seeded batch or a lost abort is a bug of its own
+    # Whether the victim streams, its API, a shared prefix or its own cancel do not tell a
+    # scheduler bug apart (one bug met 9 families of those in a campaign on the held-out server);
+    # fan-out and what the trace does to everyone's batch (a seeded request, a client that times out) may.
+    coarse = {"fanout": shape["fanout"], "version": 2}
+    coarse.update(_batch_traits(trace))
     return _key(kind, {"kind": kind.value, "family": coarse}).replace(":", ":family-", 1)

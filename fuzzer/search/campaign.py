@@ -137,6 +137,8 @@ class Campaign:
         #: Mutants passed over because they would have taken longer than the execution budget,
         #: and mutants run over it because no try fitted (fuzzer.search.campaign.AFFORD_TRIES).
         self.too_long = 0
+        #: (trace hash, calibration) -> expected server time of a corpus entry (_entry_cost).
+        self._costs: dict[tuple[str, int], float] = {}
         self.over_budget = 0
         #: Executions whose client stalled past clientlag.STARVED_S, and the worst stall seen.
         self.client_stalls = 0
@@ -339,7 +341,7 @@ class Campaign:
             child = Child(NullMutator(self.settings.limits).mutate(Trace(requests=()), self.rng).trace, ("generate",))
             await self._try(child, None)
             return
-        parent = self.corpus.choose(self.rng)
+        parent = self.corpus.choose(self.rng, cost=self._entry_cost)
         if self.settings.mutator != "null" and parent.id in self.corpus.provisional:
             await self._settle(parent)
         self._dirty.add(parent.id)
@@ -374,6 +376,15 @@ class Campaign:
         if self.settings.duration_s is None:
             return None
         return min(MAX_EXECUTION_S, EXECUTION_SHARE * self.settings.duration_s)
+
+    def _entry_cost(self, entry: Entry) -> float:
+        """An entry's expected server time by the FCFS bound (0 when unknown), kept per trace."""
+        if self.settings.duration_s is None or self.calibration is None:
+            return 0.0  # no --duration: no paper schedule of every entry to compute (as for mutants)
+        key = (entry.hash, id(self.calibration))
+        if key not in self._costs:
+            self._costs[key] = self.expected_duration_s(entry.trace) or 0.0
+        return self._costs[key]
 
     def expected_duration_s(self, trace: Trace) -> float | None:
         """When ``trace`` would end on the calibrated server by its FCFS bounds (None before calibration)."""

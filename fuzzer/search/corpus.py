@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from fuzzer.search.coverage import Coverage
 from fuzzer.trace import Trace
@@ -33,6 +33,12 @@ MIN_SCORE_GAIN = 1.2
 FAVOURED_ENERGY = 4.0
 STALE_AFTER = 20  # picks without a single kept child
 STALE_ENERGY = 0.25
+# AFL favours fast inputs; here an entry's energy is divided by 1 + its expected server time
+# over this many seconds (when the campaign can tell it): a 45 s trace is picked about a fifth as
+# often as a 1 s one. Havoc and the shapes grow traces, and each child of a long one is long too:
+# with every bug on, the held-out server's 30-minute campaign ran 27 fuzz executions of 21.5 s
+# on average (traces of up to 48 requests and 80k tokens), half of its earlier count.
+CHEAP_S = 10.0
 
 
 @dataclass
@@ -199,19 +205,21 @@ class Corpus:
     def favoured(self) -> frozenset[int]:
         return frozenset(self.top_rated.values())
 
-    def energy(self, entry: Entry) -> float:
-        e = 1.0 / (1.0 + math.log2(1 + entry.n_fuzz))
+    def energy(self, entry: Entry, cost_s: float = 0.0) -> float:
+        """AFL-fast-like energy; ``cost_s``: the entry's expected server time (0: unknown)."""
+        e = 1.0 / (1.0 + math.log2(1 + entry.n_fuzz)) / (1.0 + max(0.0, cost_s) / CHEAP_S)
         if entry.id in self.favoured:
             e *= FAVOURED_ENERGY
         if entry.since_find >= STALE_AFTER:
             e *= STALE_ENERGY
         return e
 
-    def choose(self, rng: random.Random) -> Entry:
+    def choose(self, rng: random.Random, cost: Callable[[Entry], float] | None = None) -> Entry:
+        """An entry to fuzz, by energy (``cost``: an entry's expected server time, when known)."""
         if not self.entries:
             raise ValueError("the corpus is empty")
         ids = sorted(self.entries)
-        weights = [self.energy(self.entries[i]) for i in ids]
+        weights = [self.energy(self.entries[i], cost(self.entries[i]) if cost else 0.0) for i in ids]
         entry = self.entries[rng.choices(ids, weights=weights)[0]]
         entry.n_fuzz += 1
         entry.since_find += 1

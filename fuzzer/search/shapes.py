@@ -23,7 +23,7 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   (before its first token when it waits or prefills that long), with a long output.
 - ``disconnect_fanout``: an n > 1 stream left after a few tokens, then a later request: an
   abort that reaches only the first of its sequences (vLLM PR #14326) leaves the others running.
-- ``kv_burst``: a burst that asks for one and a half to three times the server's KV cache
+- ``kv_burst``: a burst that asks for 1.2 to 2 times the server's KV cache
   (where it reports its size), sometimes behind a shared long prefix, then short requests.
   Preemption and queueing follow by design; what is not by design is a preempted request
   re-queued behind the queue (vLLM #41951), or admission refusing a request whose prefix
@@ -215,14 +215,14 @@ def disconnect_fanout(trace: Trace, rng: random.Random, limits) -> Trace | None:
 
 
 def kv_burst(trace: Trace, rng: random.Random, limits) -> Trace | None:
-    """Requests asking for 1.5-3x the reported KV cache within 160 ms (half the time sharing a long
-    prefix), then one or two short requests."""
+    """Requests asking for 1.2-2x the reported KV cache within 120 ms (half the time sharing a long
+    prefix), then one or two short requests (more would only make the trace longer to run)."""
     kv = getattr(limits, "kv_tokens", None)
     room = _room(trace, limits)
     if not kv or room < 6:
         return None
-    count = min(room - 2, rng.choice([8, 16, 24, 32]))
-    per = -(-int(kv * rng.choice([1.5, 2.0, 3.0])) // count)
+    count = min(room - 2, rng.choice([8, 16, 24]))
+    per = -(-int(kv * rng.choice([1.2, 1.5, 2.0])) // count)
     per = min(per, limits.max_model_len)
     out = max(16, min(per // rng.choice([2, 3, 4]), limits.max_model_len // 2))
     prompt = max(1, min(per - out, limits.max_model_len - out))
