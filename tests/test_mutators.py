@@ -113,3 +113,18 @@ def test_operator_choice_learns_from_success():
 def test_growing_operators_respect_max_requests(seed_trace, name):
     limits = Limits(max_requests=6)
     assert OPERATORS[name](seed_trace, random.Random(0), limits) is None
+
+
+def test_without_cancellations_serves_what_each_leaving_client_read_not_its_max_tokens():
+    from fuzzer.search.mutators import KEPT_AFTER_TIMEOUT, without_cancellations
+    from fuzzer.trace import from_dict
+
+    t = from_dict({"requests": [
+        {"id": "cut", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 3072, "cancel_after_tokens": 4},
+        {"id": "gone", "at_ms": 1, "prompt_tokens": 2000, "max_tokens": 3072, "disconnect_after_ms": 30},
+        {"id": "stay", "at_ms": 2, "prompt_tokens": 64, "max_tokens": 3072},
+    ]})
+    out = without_cancellations(t)
+    assert [(r.id, r.max_tokens, r.cancel_after_tokens, r.disconnect_after_ms) for r in out.requests] == [
+        ("cut", 4, None, None), ("gone", KEPT_AFTER_TIMEOUT, None, None), ("stay", 3072, None, None)]
+    assert without_cancellations(out) is out  # nothing left to take away
