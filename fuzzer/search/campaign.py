@@ -137,8 +137,7 @@ class Campaign:
         #: Mutants passed over because they would have taken longer than the execution budget,
         #: and mutants run over it because no try fitted (fuzzer.search.campaign.AFFORD_TRIES).
         self.too_long = 0
-        #: (trace hash, calibration) -> expected server time of a corpus entry (_entry_cost).
-        self._costs: dict[tuple[str, int], float] = {}
+        self._costs: dict[tuple[str, int], float] = {}  # (trace hash, calibration) -> expected_duration_s
         self.over_budget = 0
         #: Executions whose client stalled past clientlag.STARVED_S, and the worst stall seen.
         self.client_stalls = 0
@@ -378,20 +377,18 @@ class Campaign:
         return min(MAX_EXECUTION_S, EXECUTION_SHARE * self.settings.duration_s)
 
     def _entry_cost(self, entry: Entry) -> float:
-        """An entry's expected server time by the FCFS bound (0 when unknown), kept per trace."""
-        if self.settings.duration_s is None or self.calibration is None:
-            return 0.0  # no --duration: no paper schedule of every entry to compute (as for mutants)
-        key = (entry.hash, id(self.calibration))
-        if key not in self._costs:
-            self._costs[key] = self.expected_duration_s(entry.trace) or 0.0
-        return self._costs[key]
+        """An entry's expected server time (0 unknown; no --duration: no paper schedule of every entry, as for mutants)."""
+        return (self.expected_duration_s(entry.trace) or 0.0) if self.settings.duration_s is not None else 0.0
 
     def expected_duration_s(self, trace: Trace) -> float | None:
-        """When ``trace`` would end on the calibrated server by its FCFS bounds (None before calibration)."""
+        """When ``trace`` would end on the calibrated server by its FCFS bounds (None before calibration); kept per trace."""
         if self.calibration is None or not trace.requests:
             return None
-        bounds = expect(trace, self.calibration.model, self.calibration.assumption)
-        return max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+        key = (trace.content_hash(), id(self.calibration))
+        if key not in self._costs:
+            bounds = expect(trace, self.calibration.model, self.calibration.assumption)
+            self._costs[key] = max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+        return self._costs[key]
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""
