@@ -47,6 +47,8 @@ class RayPool:
         self.ray = import_ray()
         self._started_here = False
         self.actors: dict[str, Any] = {}
+        #: Killed workers' handles: a task sent to one fails as on a lost node (WorkerLost at get).
+        self._dead: dict[str, Any] = {}
         if self.ray.is_initialized():
             return  # the caller (a test, a notebook) connected already
         kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "ERROR", "log_to_driver": False}
@@ -70,10 +72,12 @@ class RayPool:
         )
         actor = remote.remote(target, **options)
         self.actors[target.name] = actor
+        self._dead.pop(target.name, None)
         return actor
 
     def submit(self, name: str, method: str, *args: Any):
-        return getattr(self.actors[name], method).remote(*args)
+        actor = self.actors.get(name) or self._dead[name]  # a killed worker's task fails at get, not here
+        return getattr(actor, method).remote(*args)
 
     def wait(self, refs: Sequence[Any], timeout_s: float | None) -> list[Any]:
         """The refs of ``refs`` that finished (at least one, unless ``timeout_s`` passed first)."""
@@ -98,6 +102,7 @@ class RayPool:
         actor = self.actors.pop(name, None)
         if actor is not None:
             self.ray.kill(actor, no_restart=True)
+            self._dead[name] = actor
 
     def close(self) -> None:
         for name in list(self.actors):

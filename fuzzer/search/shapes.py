@@ -183,14 +183,18 @@ def timeout_before_first_token(trace: Trace, rng: random.Random, limits) -> Trac
 
 
 def client_timeout(trace: Trace, rng: random.Random, limits) -> Trace | None:
-    """A request's client leaves after a time (set, or cleared half the time it is set), asking for a long output."""
+    """A request's client leaves after a time (set, or cleared half the time it is set); one that
+    leaves within tens of ms asks for a long output (a lost abort then outlasts the idle check)."""
     if limits.max_model_len < MIN_MODEL_LEN:
         return None
     req = rng.choice(trace.requests)
     if req.disconnect_after_ms is not None and rng.random() < 0.5:
         return trace.with_requests([replace(req, disconnect_after_ms=None) if r is req else r for r in trace.requests])
+    after = float(rng.choice(TIMEOUT_MS))
+    if after > TIMEOUT_MS[2]:  # a late timeout: a long output could end before it, a long request, not a leak
+        return trace.with_requests([replace(req, disconnect_after_ms=after) if r is req else r for r in trace.requests])
     out = max(req.max_tokens, min(rng.choice(LEAK_OUTPUTS), limits.max_model_len - req.prompt_tokens))
-    left = replace(req, max_tokens=out, ignore_eos=True, disconnect_after_ms=float(rng.choice(TIMEOUT_MS)))
+    left = replace(req, max_tokens=out, ignore_eos=True, disconnect_after_ms=after)
     return trace.with_requests([left if r is req else r for r in trace.requests])
 
 
