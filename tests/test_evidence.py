@@ -163,3 +163,24 @@ def test_a_frontend_sharing_the_engines_thread_holds_up_steps_until_the_burst_is
     alone = serve(trace.requests, trace.prefixes, {}, MODEL, a, False, fifo_frontend=True)
     tokenizing = 64 * MODEL.frontend_token_s + 10 * 4096 * MODEL.frontend_token_s  # 82 ms, one request at a time
     assert shared["S"].ttft_s >= tokenizing > 4 * alone["S"].ttft_s
+
+
+def test_on_one_thread_a_step_that_ends_during_a_later_bursts_tokenization_sends_its_tokens_after_it():
+    # The held-out vLLM-like server (one process): a 1200-token request's first token came 2.5x
+    # late because 24 prompts of 4096 tokens reached the frontend 30 ms into its prefill step.
+    trace = from_dict({"prefixes": {}, "requests": [
+        {"id": "S", "at_ms": 0, "prompt_tokens": 1200, "max_tokens": 8},
+        *({"id": f"B{i}", "at_ms": 5, "prompt_tokens": 4096, "max_tokens": 8} for i in range(10)),
+    ]})
+    a = SchedulerAssumption()
+    shared = serve(trace.requests, trace.prefixes, {}, MODEL, a, False, fifo_frontend=True, shared_frontend=True)
+    apart = serve(trace.requests, trace.prefixes, {}, MODEL, a, False, fifo_frontend=True)
+    burst_done = 0.005 + 10 * 4096 * MODEL.frontend_token_s  # the burst's tokenization, one request at a time
+    step_end = apart["S"].ttft_s
+    assert step_end < burst_done  # S's prefill step ends while the frontend still tokenizes the burst
+    assert shared["S"].ttft_s >= burst_done - 1e-9
+    # Control: the same trace with the burst sent after S's step ended leaves S's first token where it was.
+    later = trace.with_requests([replace(r, at_ms=r.at_ms + 1000 * step_end + 5) if r.id != "S" else r
+                                 for r in trace.requests])
+    assert serve(later.requests, later.prefixes, {}, MODEL, a, False, fifo_frontend=True,
+                 shared_frontend=True)["S"].ttft_s == step_end
