@@ -128,3 +128,19 @@ def test_without_cancellations_serves_what_each_leaving_client_read_not_its_max_
     assert [(r.id, r.max_tokens, r.cancel_after_tokens, r.disconnect_after_ms) for r in out.requests] == [
         ("cut", 4, None, None), ("gone", KEPT_AFTER_TIMEOUT, None, None), ("stay", 3072, None, None)]
     assert without_cancellations(out) is out  # nothing left to take away
+
+
+def test_splice_never_gives_a_prefix_name_of_the_first_trace_to_the_seconds_group():
+    from fuzzer.search.mutators import splice
+    from fuzzer.trace import from_dict, validate
+
+    # ``a`` already holds a group named b_burst (an earlier splice); ``b`` brings its own "burst" of another size.
+    a = from_dict({"prefixes": {"b_burst": 32}, "requests": [
+        {"id": "x", "at_ms": 0, "prompt_tokens": 97, "max_tokens": 4, "prefix": "b_burst"}]})
+    b = from_dict({"prefixes": {"burst": 256}, "requests": [
+        {"id": "y", "at_ms": 50, "prompt_tokens": 300, "max_tokens": 4, "prefix": "burst"}]})
+    for i in range(20):
+        child = splice(a, b, random.Random(i), Limits())
+        if child is not None:
+            validate(child)
+            assert child.prefixes.get("b_burst") in (None, 32)

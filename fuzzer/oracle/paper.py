@@ -221,9 +221,9 @@ def schedule(
     ``shared_frontend`` (with ``fifo_frontend``): the frontend and the engine share one thread,
     and a step starts only once the frontend has handled every request that reached it: a
     burst's tokenization holds up the steps of the requests before it (the simulator's one
-    event loop; a one-process server), and a step that ends while the frontend is busy sends
-    its tokens when the frontend is done. Stretches of pure decoding are not held up (an upper
-    bound only for the first step of a busy period, where bursts land).
+    event loop; a one-process server), and a step ending while it is busy sends its tokens when
+    it is done (the held-out server: a first token 2.5x late behind a burst 30 ms after it).
+    Pure decoding is not held up (an upper bound only for a busy period's first step).
 
     With a long-prefill threshold (``a.long_prefill_threshold`` > 0), a request computes at most
     that many prompt tokens in a step while others are running or waiting (vLLM v1's
@@ -346,14 +346,10 @@ def schedule(
                 break
             j.max_step = max(j.max_step, dt)
         t += dt
-        last_dt = dt
-        steps += 1
+        last_dt, steps = dt, steps + 1
         if steps > MAX_MODEL_STEPS:
             raise ConfigError(f"the trace needs more than {MAX_MODEL_STEPS} scheduler steps to model; shorten it")
-        # One thread: a step that ends while the frontend handles a burst that came during it
-        # sends its tokens when the frontend lets go (the held-out server: a 1200-token request's
-        # first token 2.5x late behind 24 prompts of 4096 tokens sent 30 ms after it).
-        out_t = next((e for s_, e in busy if s_ < t < e), t)
+        out_t = next((e for s_, e in busy if s_ < t < e), t)  # one thread: sent once the frontend is done
         for j in decoding:
             j.tokens += 1
             j.token_times.append(out_t)

@@ -399,7 +399,11 @@ def splice(a: Trace, b: Trace, rng: random.Random, limits: Limits) -> Trace | No
     cut = rng.uniform(0, max(a.duration_ms(), b.duration_ms(), 1.0))
     head = [r for r in a.requests if r.at_ms <= cut]
     tail = [r for r in b.requests if r.at_ms > cut] or list(b.requests[-1:])
-    renamed_prefix = {name: f"b_{name}"[:64] for name in b.prefixes}
+    taken_names = set(a.prefixes)  # a name of ``a`` (say an earlier splice's b_burst) is never reused
+    renamed_prefix = {}
+    for name in b.prefixes:
+        renamed_prefix[name] = _fresh_name(taken_names, f"b_{name}")
+        taken_names.add(renamed_prefix[name])
     taken = {r.id for r in head}
     requests = list(head)
     for r in tail:
