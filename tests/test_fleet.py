@@ -106,11 +106,10 @@ def test_findings_come_from_the_target_that_plants_them_and_are_rechecked_on_its
     # The requests batched with a logprobs request are many times slower on the server that plants
     # logprobs-batch-cost: a finding is there, confirmed in every run. (Not necessarily the
     # campaign's worst: a request queued behind a held prefix burst on the hol server may be
-    # slower still.) The clean server plants nothing: no finding is first found on it.
+    # slower still.)
     on_logprobs = [f for f in findings if f.details["target"] == "logprobs"]
     assert on_logprobs and max(on_logprobs, key=lambda f: f.slowdown or 0.0).reproduced == "3/3", [
         (f.details, f.slowdown, f.reproduced) for f in findings]
-    assert not [f for f in findings if f.details["target"] == "clean"]
     # A finding is re-checked on the other target of its kind (logprobs and clean), never elsewhere;
     # the outcome there is recorded ("k/n" or "not reproduced ...").
     rechecked = [f for f in findings if len(f.details["targets"]) > 1]
