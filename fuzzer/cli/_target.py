@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from dataclasses import replace
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from fuzzer.errors import ConfigError
@@ -124,9 +123,8 @@ def limits_for(target) -> Limits:
     its KV cache's size where it tells it, for the KV-pressure shapes)."""
     from fuzzer.fleet.worker import limits_of  # noqa: PLC0415 - one rule for a campaign and a fleet's workers
 
-    limits = limits_of(getattr(target, "info", None))
-    kv = target.kv_cache() if limits.kv_tokens is None and callable(getattr(target, "kv_cache", None)) else None
-    return limits if kv is None else replace(limits, kv_tokens=kv[0] * kv[1])
+    kv_cache = getattr(target, "kv_cache", None)
+    return limits_of(getattr(target, "info", None), kv_cache() if callable(kv_cache) else None)
 
 
 def parse_duration(text: str) -> float:

@@ -23,7 +23,6 @@ starts ends before ``execute`` returns or raises (:mod:`fuzzer.execute.scope`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -459,15 +458,15 @@ class HttpTarget:
         body: Any = None
         outcome = Outcome.OK
         detail: str | None = None
-        # A client that goes away after a time (the trace's disconnect_after_ms), whatever it got.
-        leave = None if r.disconnect_after_ms is None else asyncio.timeout(max(0.0, sent + r.disconnect_after_ms / 1000.0 - clock()))
+        # A client that goes away after a time (the trace's disconnect_after_ms), whatever it got; None: never.
+        leave = asyncio.timeout(None if r.disconnect_after_ms is None else max(0.0, sent + r.disconnect_after_ms / 1000.0 - clock()))
         response: Any = None
         try:
             if post is None and self._fast is not None and plan.wire is not None:
                 post = self._fast.post(plan.wire, account, r.cancel_after_tokens)
             if post is None:
                 post = self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout)
-            async with contextlib.nullcontext() if leave is None else leave, post as resp:
+            async with leave, post as resp:
                 response = resp
                 status = resp.status
                 if status >= 400:
@@ -485,7 +484,7 @@ class HttpTarget:
                     except ValueError:
                         outcome, detail = Outcome.MALFORMED, f"body is not JSON: {short(raw[:80])}"
         except asyncio.TimeoutError:
-            if leave is not None and leave.expired():
+            if leave.expired():
                 end = clock()
                 if response is not None:
                     response.close()  # drop the connection, as a client that stops waiting does

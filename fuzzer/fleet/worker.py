@@ -179,12 +179,13 @@ class _Recording:
         return result
 
 
-def limits_of(info) -> Limits:
-    """What the mutators must respect on a target of this ServerInfo (None: the defaults)."""
+def limits_of(info, kv: tuple[int, int] | None = None) -> Limits:
+    """What the mutators must respect on a target of this ServerInfo (None: the defaults); ``kv``:
+    (blocks, tokens per block) of a target that tells them without a ServerInfo (the simulator)."""
     if info is None:
-        return Limits()
+        return Limits() if kv is None else Limits(kv_tokens=kv[0] * kv[1])
     unsupported = frozenset(name for name, ok in (info.capabilities or {}).items() if ok is False)
     max_len = info.max_model_len or Limits().max_model_len
-    kv = info.kv_cache() if hasattr(info, "kv_cache") else None
+    kv = info.kv_cache() or kv
     return Limits(max_model_len=max_len, unsupported=unsupported & {"chat", "n", "logprobs"}, max_n=info.max_n,
                   kv_tokens=None if kv is None else kv[0] * kv[1])

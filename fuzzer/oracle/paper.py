@@ -349,7 +349,7 @@ def schedule(
         last_dt, steps = dt, steps + 1
         if steps > MAX_MODEL_STEPS:
             raise ConfigError(f"the trace needs more than {MAX_MODEL_STEPS} scheduler steps to model; shorten it")
-        out_t = next((e for s_, e in busy if s_ < t < e), t)  # one thread: sent once the frontend is done
+        out_t = next((e for s_, e in busy if s_ < t < e), t) if busy else t  # one thread: sent once the frontend is done
         for j in decoding:
             j.tokens += 1
             j.token_times.append(out_t)

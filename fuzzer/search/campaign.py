@@ -134,11 +134,10 @@ class Campaign:
         self.probes = ColdProbes()
         self.server_time = ServerTime()
         self.time_spent = TimeSpent()
-        #: Mutants passed over because they would have taken longer than the execution budget,
-        #: and mutants run over it because no try fitted (fuzzer.search.campaign.AFFORD_TRIES).
+        #: Mutants passed over for the execution budget, and mutants run over it when no try fitted (AFFORD_TRIES).
         self.too_long = 0
-        self._costs: dict[tuple[str, int], float] = {}  # (trace hash, calibration) -> expected_duration_s
         self.over_budget = 0
+        self._costs, self._costs_of = {}, self.calibration  # entry id -> expected_duration_s under that calibration
         #: Executions whose client stalled past clientlag.STARVED_S, and the worst stall seen.
         self.client_stalls = 0
         self.worst_client_stall_s = 0.0
@@ -377,18 +376,19 @@ class Campaign:
         return min(MAX_EXECUTION_S, EXECUTION_SHARE * self.settings.duration_s)
 
     def _entry_cost(self, entry: Entry) -> float:
-        """An entry's expected server time (0 unknown; no --duration: no paper schedule of every entry, as for mutants)."""
-        return (self.expected_duration_s(entry.trace) or 0.0) if self.settings.duration_s is not None else 0.0
+        """An entry's expected server time, kept per entry and calibration (0: unknown, or no --duration)."""
+        if self._costs_of is not self.calibration:
+            self._costs, self._costs_of = {}, self.calibration
+        if entry.id not in self._costs:
+            self._costs[entry.id] = (self.expected_duration_s(entry.trace) or 0.0) if self.settings.duration_s else 0.0
+        return self._costs[entry.id]
 
     def expected_duration_s(self, trace: Trace) -> float | None:
-        """When ``trace`` would end on the calibrated server by its FCFS bounds (None before calibration); kept per trace."""
+        """When ``trace`` would end on the calibrated server by its FCFS bounds (None before calibration)."""
         if self.calibration is None or not trace.requests:
             return None
-        key = (trace.content_hash(), id(self.calibration))
-        if key not in self._costs:
-            bounds = expect(trace, self.calibration.model, self.calibration.assumption)
-            self._costs[key] = max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
-        return self._costs[key]
+        bounds = expect(trace, self.calibration.model, self.calibration.assumption)
+        return max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""

@@ -143,7 +143,8 @@ def send(server, conn, r, path, body, xid, timeout_s):
     except socket.timeout:  # noqa: UP041 - an alias of TimeoutError only from Python 3.10; the script runs on 3.9
         result["outcome"], result["detail"] = "timeout", "no answer within %g s" % timeout_s
     except (OSError, http.client.HTTPException, ValueError, AttributeError) as e:
-        # ValueError/AttributeError: http.client reading a socket the disconnect timer closed.
+        if not dropped.is_set() and isinstance(e, (ValueError, AttributeError)):
+            raise  # only http.client reading a socket the disconnect timer closed raises these here
         result["outcome"], result["detail"] = "connection-error", "%s: %s" % (e.__class__.__name__, e)
         result["e2e_s"] = time.perf_counter() - sent
     finally:
