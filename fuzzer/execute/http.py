@@ -23,6 +23,7 @@ starts ends before ``execute`` returns or raises (:mod:`fuzzer.execute.scope`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -57,6 +58,8 @@ DEFAULT_TOTAL_TIMEOUT_S = 600.0
 DEFAULT_IDLE_TIMEOUT_S = 30.0
 #: After the last request: how long the server may take to return to idle (else idle_after = False).
 DEFAULT_IDLE_AFTER_TIMEOUT_S = 5.0
+#: The context a request without disconnect_after_ms is read in (reused: it holds no state).
+_STAYS = contextlib.nullcontext()
 # Connector limit: above any trace's concurrency (a trace holds at most MAX_REQUESTS
 # requests), plus room for the metrics sampler and tokenize calls.
 _CONNECTION_LIMIT = MAX_REQUESTS + 16
@@ -458,16 +461,16 @@ class HttpTarget:
         body: Any = None
         outcome = Outcome.OK
         detail: str | None = None
-        # A client that goes away after a time (the trace's disconnect_after_ms), whatever it got; None: never.
-        leave = asyncio.timeout(None if r.disconnect_after_ms is None else max(0.0, sent + r.disconnect_after_ms / 1000.0 - clock()))
-        response: Any = None
+        # A client that goes away after a time (the trace's disconnect_after_ms), whatever it got. Most
+        # stay: they share one null context (an asyncio.timeout(None) per request costs ~5 us, this ~0.6).
+        leave = _STAYS if r.disconnect_after_ms is None else asyncio.timeout(
+            max(0.0, sent + r.disconnect_after_ms / 1000.0 - clock()))
         try:
             if post is None and self._fast is not None and plan.wire is not None:
                 post = self._fast.post(plan.wire, account, r.cancel_after_tokens)
             if post is None:
                 post = self._session.post(plan.url, data=plan.body, headers=plan.headers, timeout=self._timeout)
             async with leave, post as resp:
-                response = resp
                 status = resp.status
                 if status >= 400:
                     raw = await resp.read()
@@ -484,10 +487,8 @@ class HttpTarget:
                     except ValueError:
                         outcome, detail = Outcome.MALFORMED, f"body is not JSON: {short(raw[:80])}"
         except asyncio.TimeoutError:
-            if leave.expired():
-                end = clock()
-                if response is not None:
-                    response.close()  # drop the connection, as a client that stops waiting does
+            if leave is not _STAYS and leave.expired():
+                end = clock()  # leaving `async with post` unread dropped the connection: the server sees an abort
                 outcome, detail = Outcome.CANCELLED, None
             else:
                 outcome, detail = Outcome.TIMEOUT, "no answer within the client timeout"
