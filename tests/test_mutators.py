@@ -130,6 +130,47 @@ def test_without_cancellations_serves_what_each_leaving_client_read_not_its_max_
     assert without_cancellations(out) is out  # nothing left to take away
 
 
+def test_a_confirmed_leak_strips_only_the_disconnects_that_leave_its_way():
+    """After a single request's disconnect leak is confirmed, an n > 1 request that leaves keeps its
+    disconnect (vLLM PR #14326's leak is another bug); once that is confirmed too, nothing leaves."""
+    from fuzzer.oracle.signature import leak_signature, leaving_clients
+    from fuzzer.search.mutators import without_found_leaks
+    from fuzzer.trace import from_dict
+
+    t = from_dict({"requests": [
+        {"id": "gone", "at_ms": 0, "prompt_tokens": 2000, "max_tokens": 3072, "disconnect_after_ms": 30},
+        {"id": "fan", "at_ms": 1, "prompt_tokens": 64, "max_tokens": 3072, "n": 4, "temperature": 1.0,
+         "cancel_after_tokens": 8},
+    ]})
+    assert leaving_clients(t) == {"timeout", "fanout"}
+    assert without_found_leaks(t, set()) is t
+    single = without_found_leaks(t, {leak_signature({"timeout"})})
+    assert [(r.id, r.disconnect_after_ms, r.cancel_after_tokens) for r in single.requests] == [
+        ("gone", None, None), ("fan", None, 8)]
+    assert leaving_clients(without_found_leaks(t, {leak_signature({"timeout"}), leak_signature({"fanout"})})) == set()
+    # The trace's own combination confirmed: the campaign cannot tell which leaves leak, so none stays.
+    assert leaving_clients(without_found_leaks(t, {leak_signature({"timeout", "fanout"})})) == set()
+
+
+def test_leak_signatures_tell_the_ways_of_leaving_apart_and_keep_the_first_releases():
+    import hashlib
+
+    from fuzzer.oracle.kinds import FindingKind
+    from fuzzer.oracle.signature import leak_signature, signature
+    from fuzzer.trace import canonical_json, from_dict
+
+    def first_release(cancel: bool) -> str:
+        shape = {"kind": "leak", "trace": {"cancel": cancel}}
+        return "leak:" + hashlib.sha256(canonical_json(shape).encode()).hexdigest()[:12]
+
+    assert leak_signature() == first_release(False)
+    assert leak_signature({"cancel"}) == first_release(True)
+    assert len({leak_signature(w) for w in ({"timeout"}, {"fanout"}, {"cancel"}, {"cancel", "fanout"})}) == 4
+    t = from_dict({"requests": [{"id": "a", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 64, "n": 2,
+                                 "temperature": 1.0, "disconnect_after_ms": 10}]})
+    assert signature(FindingKind.LEAK, t) == leak_signature({"fanout"})
+
+
 def test_splice_never_gives_a_prefix_name_of_the_first_trace_to_the_seconds_group():
     from fuzzer.search.mutators import splice
     from fuzzer.trace import from_dict, validate

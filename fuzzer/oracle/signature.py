@@ -78,16 +78,42 @@ def signature(kind: FindingKind, trace: Trace, request_id: str | None = None, **
     if request_id is not None:
         shape["victim"] = request_shape(trace, trace.request(request_id))
     elif kind is FindingKind.LEAK:
-        return leak_signature(cancelled=any(disconnects(r) for r in trace.requests))
+        return leak_signature(leaving_clients(trace))
     else:
         shape["trace"] = _trace_shape(trace)
     return _key(kind, shape)
 
 
-def leak_signature(*, cancelled: bool) -> str:
-    """The signature of every leak: a server that does not return to idle is one bug whatever the
-    trace's size; what tells two leaks apart is whether requests were cancelled (a disconnect leak)."""
-    return _key(FindingKind.LEAK, {"kind": FindingKind.LEAK.value, "trace": {"cancel": cancelled}})
+#: How a client leaves, as a leak signature tells leaks apart: a leak is a lost abort, and engines
+#: lose them on different paths (vLLM PR #29987: the client gone before its first output; PR
+#: #14326: an n > 1 request whose sibling sequences run on). A timeout may fall before the first
+#: token; a cancel after k tokens never does.
+LEAVING = ("timeout", "cancel", "fanout")
+
+
+def leaving(request: Request) -> str | None:
+    """How the client of ``request`` leaves (one of LEAVING), None when it stays to the end."""
+    if not disconnects(request):
+        return None
+    if request.n > 1:
+        return "fanout"
+    return "timeout" if request.disconnect_after_ms is not None else "cancel"
+
+
+def leaving_clients(trace: Trace) -> frozenset[str]:
+    """The ways clients of ``trace`` leave (empty when none does)."""
+    return frozenset(w for w in map(leaving, trace.requests) if w is not None)
+
+
+def leak_signature(ways: frozenset[str] | set[str] = frozenset()) -> str:
+    """The signature of a leak: a server that does not return to idle is one bug whatever the trace's
+    size; what tells two leaks apart is how the trace's clients left (:data:`LEAVING`), so an n > 1
+    leak is not taken for the single-request leak found before it. A trace whose clients all stay,
+    and one whose clients only cancel after some tokens, keep the signature of the first release."""
+    shape: dict[str, Any] = {"cancel": bool(ways)}
+    if ways - {"cancel"}:
+        shape["leaving"] = sorted(ways)
+    return _key(FindingKind.LEAK, {"kind": FindingKind.LEAK.value, "trace": shape})
 
 
 def _key(kind: FindingKind, shape: dict[str, Any]) -> str:
@@ -109,8 +135,8 @@ def family(kind: FindingKind, trace: Trace, request_id: str | None) -> str:
     """The coarse key of a latency finding: its kind, whether its victim fans out (n > 1 or
     logprobs) and whether the trace holds a seeded request or a client that times out, with sizes,
     neighbours, timings and the victim's API, streaming and prefix left out.
-    Other kinds keep their signature: a leak is one per server already, a failure is told apart
-    by its outcome."""
+    Other kinds keep their signature: a leak is one per way of leaving already, a failure is told
+    apart by its outcome."""
     if request_id is None or kind not in (FindingKind.TTFT_OUTLIER, FindingKind.ITL_STALL, FindingKind.E2E_OUTLIER):
         return signature(kind, trace, request_id)
     shape = request_shape(trace, trace.request(request_id))

@@ -45,13 +45,12 @@ from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.expectation import expect
 from fuzzer.oracle.kinds import FindingKind
-from fuzzer.oracle.signature import leak_signature
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.confirming import Confirmer, OutOfTime
 from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.coverage import Coverage, calibrated
-from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats, without_cancellations
+from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats, without_found_leaks
 from fuzzer.search.pacing import ColdProbes, ServerTime, TimeSpent
 from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, stop_reason
 from fuzzer.store import Store
@@ -73,8 +72,6 @@ CHILDREN_PER_PICK = 4
 EXECUTION_SHARE = 0.05
 MAX_EXECUTION_S = 120.0
 AFFORD_TRIES = 4
-#: The signature of a leak on cancelled requests: once found, children cancel nothing (see _try).
-DISCONNECT_LEAK = leak_signature(cancelled=True)
 
 
 class Campaign:
@@ -392,10 +389,9 @@ class Campaign:
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""
-        if DISCONNECT_LEAK in self.confirmer.found:
-            # A disconnect leak is confirmed: a child's cancellations could only find it again, and
-            # each would hold the next execution at the idle barrier until the leaked work ends.
-            child = replace(child, trace=without_cancellations(child.trace))
+        # A disconnect whose leak is confirmed could only find it again, each holding the next
+        # execution at the idle barrier until the leaked work ends.
+        child = replace(child, trace=without_found_leaks(child.trace, self.confirmer.found))
         first = await self._execute(child.trace, "fuzz")
         kept = False
         # The null mutator never reads the corpus: re-running its children for stability would

@@ -20,7 +20,9 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
+
+from fuzzer.oracle.signature import LEAVING, leak_signature, leaving, leaving_clients
 
 from fuzzer.search.shapes import SHAPE_OPERATORS
 from fuzzer.search.shapes import fresh_id as _fresh_id
@@ -299,22 +301,35 @@ def uncancel(trace, rng, limits):
 KEPT_AFTER_TIMEOUT = 16
 
 
-def without_cancellations(trace: Trace) -> Trace:
-    """``trace`` with no client disconnects: each request that had one asks for what its client
-    read (its cancel_after_tokens; KEPT_AFTER_TIMEOUT tokens after a timeout) and is served to
-    its end. Not to max_tokens: the disconnect shapes ask for thousands of tokens so that a leak
-    outlasts the idle check, and served whole they made every child of theirs run for 20-60 s
+def without_cancellations(trace: Trace, ways: Collection[str] | None = None) -> Trace:
+    """``trace`` with no client disconnects (only those that leave in one of ``ways``, see
+    :func:`fuzzer.oracle.signature.leaving`, when given): each request that had one asks for what
+    its client read (its cancel_after_tokens; KEPT_AFTER_TIMEOUT tokens after a timeout) and is
+    served to its end. Not to max_tokens: the disconnect shapes ask for thousands of tokens so that
+    a leak outlasts the idle check, and served whole they made every child of theirs run for 20-60 s
     on the held-out server (n = 8 x 3072 tokens)."""
-    if not any(disconnects(r) for r in trace.requests):
+    def strips(r: Request) -> bool:
+        return disconnects(r) and (ways is None or leaving(r) in ways)
+
+    if not any(map(strips, trace.requests)):
         return trace
 
     def kept(r: Request) -> Request:
-        if not disconnects(r):
+        if not strips(r):
             return r
         out = r.cancel_after_tokens if r.cancel_after_tokens is not None else KEPT_AFTER_TIMEOUT
         return replace(r, cancel_after_tokens=None, disconnect_after_ms=None, max_tokens=min(r.max_tokens, out))
 
     return trace.with_requests([kept(r) for r in trace.requests])
+
+
+def without_found_leaks(trace: Trace, found: Collection[str]) -> Trace:
+    """``trace`` without the disconnects whose leak is among the ``found`` signatures. A way of
+    leaving whose leak is not confirmed (an n > 1 request, after a single one) stays."""
+    known = {w for w in LEAVING if leak_signature({w}) in found}
+    trace = without_cancellations(trace, known) if known else trace
+    left = leaving_clients(trace)
+    return without_cancellations(trace) if left and leak_signature(left) in found else trace
 
 
 def n_logprobs(trace, rng, limits):
