@@ -274,3 +274,36 @@ def test_a_request_of_n_choices_preempted_on_paper_counts_n_preemptions():
     # the control: the same requests with one choice each count one preemption a request
     single = Trace(requests=(*streams, Request(id="heavy", at_ms=6, prompt_tokens=1000, max_tokens=400)))
     assert expected_preemptions(single, model, a) < 4
+
+
+def test_a_prefix_groups_resident_blocks_are_paid_once_and_outlive_their_payer():
+    """The member that computed a prefix pays for its blocks; one admitted while they are resident
+    takes free blocks only for its own tail, keeps them when the payer leaves, and every block is
+    free again once all have left (fuzzer.oracle.kvblocks)."""
+    from fuzzer.oracle.kvblocks import KVBlocks
+    from fuzzer.oracle.paper import Job
+
+    kv = KVBlocks(100, 16, 2048)
+    owner = Job(id="o", arrival_s=0.0, prompt=1000, group="sys", prefix=960, out=8, n=1)
+    kv.admit(owner, 1000)
+    kv.computed_prefix(owner, 960)
+    assert kv.free == 100 - 63
+    late = Job(id="v", arrival_s=1.0, prompt=1000, group="sys", prefix=960, out=8, n=1, cached=960)
+    assert kv.admit_blocks(late, 960, 2048, running=1) == 3  # 63 blocks of 1000 tokens, 60 resident
+    kv.admit(late, 1000)
+    assert kv.free == 100 - 63 - 3 and late.held == 63
+    kv.release(owner)  # the late member keeps the 60 shared blocks and pays for them from now on
+    assert kv.free == 100 - 63 and kv.payer["sys"] == (late, 60)
+    fresh = Job(id="w", arrival_s=2.0, prompt=1000, group="sys", prefix=960, out=8, n=1)
+    assert kv.admit_blocks(fresh, 960, 2048, running=1) == 3
+    kv.release(late)
+    assert kv.free == 100 and not kv.payer
+    # Cached but no longer resident: a hit revives the blocks, which takes them from the free list.
+    assert kv.admit_blocks(fresh, 960, 2048, running=1) == 63
+
+
+def test_the_bound_admits_a_request_whose_prefix_is_resident_under_kv_pressure():
+    trigger = TRIGGERS[P.RESIDENT_PREFIX_REFUSAL]
+    bounds_ = expect(trigger.trace, SIM_MODEL, SIM_KV)
+    clean = VirtualTarget(seed=2).run(trigger.trace)
+    assert bounds_["V"].ttft_s < 0.1 and clean.request("V").ttft_s < 0.1

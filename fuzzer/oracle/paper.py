@@ -22,10 +22,11 @@ admitted only when its chunk's blocks fit with one block of headroom per running
 request; when a running request's decode or chunk needs a block that is not free, the
 newest running request is preempted (recompute): its blocks are freed, it goes back to
 the front of the waiting queue and, re-admitted, recomputes its prompt and the tokens
-it had generated before its next token. Blocks are counted per request (a prefix shared
-by a group is counted in each member: more pressure, never less, than a prefix cache
-gives), so by-design preemption delays are inside the bound. Without a capacity the KV
-cache never runs out.
+it had generated before its next token. A prefix group's resident blocks are counted once,
+and a member admitted while they are resident needs free blocks only for the rest of its
+chunk (:mod:`fuzzer.oracle.kvblocks`): an engine that refuses it for want of blocks it would
+share delays it beyond the bound. By-design preemption delays are inside the bound. Without
+a capacity the KV cache never runs out.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fuzzer.errors import ConfigError
+from fuzzer.oracle.kvblocks import KVBlocks
 from fuzzer.trace import Request, ceil_div
 
 if TYPE_CHECKING:
@@ -70,7 +72,7 @@ class PaperRequest:
     #: Times the request was preempted for KV blocks (0 without a KV capacity).
     preemptions: int = 0
     #: Further preemptions an engine that re-admits a preempted prompt chunk by chunk may make
-    #: of it (see :meth:`_KV.preempt`): by design, not thrash.
+    #: of it (see :meth:`fuzzer.oracle.kvblocks.KVBlocks.preempt`): by design, not thrash.
     churn: int = 0
     #: (preemptions + churn) counted per sequence: x n for a request of n choices (per choice already
     #: in the fan-out schedule, where each choice is a job of its own).
@@ -149,8 +151,10 @@ class Job:
     ready_s: float = 0.0
     #: Generated tokens to recompute after a preemption (prefilled again with the prompt).
     recompute: int = 0
-    #: KV blocks held (only with a KV capacity) and preemptions suffered.
+    #: KV blocks held (only with a KV capacity), of them the prefix blocks another request pays for
+    #: (fuzzer.oracle.kvblocks), and preemptions suffered.
     held: int = 0
+    shared: int = 0
     preemptions: int = 0
     churn: int = 0
     #: (preemptions + churn) x the choices the job held each time: a server counts a preemption per
@@ -237,7 +241,7 @@ def schedule(
     vLLM-like server prefilled an n=8 request's 256-token prompt eight times in one step. vLLM v1
     splits ``n`` too, but shares a prompt repeated within a batch.
     """
-    kv = _KV(kv_blocks, a.block_size, a.token_budget) if kv_blocks is not None else None
+    kv = KVBlocks(kv_blocks, a.block_size, a.token_budget) if kv_blocks is not None else None
     waves = _waves(jobs, 1 if fanout else a.max_num_seqs)
     queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     free = -math.inf
@@ -291,7 +295,7 @@ def schedule(
                 not waiting
                 or budget <= 0
                 or decode_seqs + waiting[0].n > a.max_num_seqs
-                or (kv is not None and running and kv.admit_blocks(waiting[0], t, ready, a, budget, len(running)) is None)
+                or (kv is not None and running and kv.admit_blocks(waiting[0], _hit(waiting[0], t, ready, a), budget, len(running)) is None)
             )
             and steps < MAX_MODEL_STEPS
         ):
@@ -319,7 +323,7 @@ def schedule(
                 i += 1  # shorter ones pass it
                 continue
             if kv is not None and running:
-                blocks = kv.admit_blocks(waiting[i], t, ready, a, min(budget, limit), len(running))
+                blocks = kv.admit_blocks(waiting[i], _hit(waiting[i], t, ready, a), min(budget, limit), len(running))
                 if blocks is None:
                     break  # its blocks do not fit: head-of-line, as vLLM's FCFS admission
             j = waiting[i]
@@ -332,7 +336,7 @@ def schedule(
             chunks.append((j, c))
             budget -= c
             if kv is not None:
-                kv.hold(j, kv.admitted_tokens(j, j.computed, min(budget + c, limit)))
+                kv.admit(j, kv.admitted_tokens(j, j.computed, min(budget + c, limit)))
             long_busy = long_busy or (one and j.prompt > threshold and c < left)
         prefill = sum(c for _, c in chunks)
         pairs = sum(c * (j.computed + c / 2) for j, c in chunks)  # attention of each chunk over its prompt so far
@@ -356,8 +360,10 @@ def schedule(
         for j, c in chunks:
             j.chunk_steps.append((t - dt, dt))
             j.computed += c
-            if j.group is not None and j.group not in ready and j.computed >= _cacheable(j, a.block_size) > 0:
-                ready[j.group] = t
+            if j.group is not None and j.computed >= _cacheable(j, a.block_size) > 0:
+                ready.setdefault(j.group, t)
+                if kv is not None:
+                    kv.computed_prefix(j, _cacheable(j, a.block_size))
             if j.computed >= j.prompt + j.recompute:
                 j.tokens += 1
                 j.token_times.append(out_t)
@@ -392,128 +398,13 @@ def _waves(jobs: list[Job], max_num_seqs: int) -> dict[int, list[Job]]:
     return out
 
 
-def _retire(running: list[Job], t: float, kv: _KV | None = None) -> None:
+def _retire(running: list[Job], t: float, kv: KVBlocks | None = None) -> None:
     """Finish (at ``t``) and remove the running requests that have all their tokens."""
     for j in [j for j in running if j.prefilled and j.tokens >= j.out]:
         j.finish_s = t
         running.remove(j)
         if kv is not None:
-            kv.free += j.held
-            j.held = 0
-
-
-class _KV:
-    """The KV blocks of the paper schedule: how many are free, who holds how many."""
-
-    #: Blocks kept free per running request when admitting (each decode may need one next step).
-    HEADROOM_PER_SEQ = 1
-
-    def __init__(self, capacity: int, block_size: int, token_budget: int) -> None:
-        self.free = capacity
-        self.block = block_size
-        self.budget = token_budget
-
-    def blocks(self, j: Job, tokens: int) -> int:
-        """Blocks that hold ``tokens`` of the job's sequence (each further choice its own output)."""
-        b = self.block
-        out = ceil_div(tokens, b)
-        if j.n > 1:
-            out += (j.n - 1) * ceil_div(max(0, tokens - j.prompt), b)
-        return out
-
-    def hold(self, j: Job, tokens: int) -> None:
-        """Let ``j`` hold the blocks of ``tokens`` (it never gives any back before it leaves)."""
-        need = self.blocks(j, tokens) - j.held
-        if need > 0:
-            j.held += need
-            self.free -= need
-
-    def admit_blocks(
-        self, j: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, budget: int, running: int
-    ) -> int | None:
-        """Blocks the waiting ``j`` would take if admitted now; None when they do not fit with the headroom.
-
-        A fresh request needs the blocks of its first chunk; a preempted one those of its whole
-        recompute (vLLM finds the head of its own sequence in the prefix cache and allocates
-        the rest at once, so it is not re-admitted only to be preempted again).
-        """
-        cached = _hit(j, t, ready, a)
-        need = self.blocks(j, self.admitted_tokens(j, cached, budget))
-        return need if need + running * self.HEADROOM_PER_SEQ <= self.free else None
-
-    @staticmethod
-    def admitted_tokens(j: Job, cached: int, budget: int) -> int:
-        """Tokens whose blocks a job takes when admitted (see :meth:`admit_blocks`)."""
-        return j.prompt + j.recompute if j.preemptions else cached + min(j.prompt + j.recompute - cached, budget)
-
-    def make_room(self, running: list[Job], waiting: deque[Job], token_budget: int, limit: int) -> dict[int, int]:
-        """Give every running request the blocks of this step's work, preempting the newest when short.
-
-        ``limit``: the most prompt tokens one request computes in the step (the long-prefill cap).
-        Returns id(job) -> the prefill chunk its blocks cover (decodes are not listed).
-        """
-        budget = token_budget - sum(j.n for j in running if j.prefilled)
-        room: dict[int, int] = {}
-        i = 0
-        while i < len(running):
-            j = running[i]
-            if j.prefilled:
-                want = j.prompt + j.tokens
-            else:
-                c = min(j.prompt + j.recompute - j.computed, max(budget, 0), limit)
-                budget -= c
-                room[id(j)] = c
-                want = j.computed + c
-            need = self.blocks(j, want) - j.held
-            while need > self.free and len(running) > 1:
-                victim = running.pop()  # the newest running request
-                self.preempt(victim, waiting)
-                if victim is j:
-                    break
-            if i >= len(running):
-                break  # j itself was preempted
-            self.hold(j, want)
-            i += 1
-        return room
-
-    def preempt(self, j: Job, waiting: deque[Job]) -> None:
-        """Recompute preemption: free the blocks, back to the front of the queue.
-
-        This schedule re-admits a preempted request only when its whole recompute fits. vLLM v1
-        (and the simulator) re-admit it a chunk at a time as soon as a chunk fits, so a prompt
-        preempted in its prefill may be preempted again at each of its later chunks until the
-        streams beside it leave room: ``churn`` counts those, for the thrash check.
-        """
-        churn = max(0, ceil_div(j.prompt + j.recompute, self.budget) - 1) if not j.prefilled else 0
-        j.churn += churn
-        j.preempted_sequences += (1 + churn) * j.n
-        self.free += j.held
-        j.held = 0
-        j.admitted = False
-        j.computed = 0
-        j.recompute = j.tokens
-        j.preemptions += 1
-        waiting.appendleft(j)
-
-    def decode_steps(self, decoding: list[Job], count: int) -> int:
-        """How many of ``count`` pure decode steps fit the free blocks (at least 1: step 0 was made room for)."""
-        b = self.block
-        prompt = np.array([j.prompt for j in decoding], dtype=np.int64)
-        tokens = np.array([j.tokens for j in decoding], dtype=np.int64)
-        extra = np.array([j.n - 1 for j in decoding], dtype=np.int64)
-        held = np.array([j.held for j in decoding], dtype=np.int64)
-
-        def need(s: int) -> int:  # blocks beyond those held that steps 0..s need
-            blocks = ceil_div(prompt + tokens + s, b) + extra * ceil_div(tokens + s, b)  # elementwise
-            return int(np.maximum(0, blocks - held).sum())
-
-        if count <= 1 or need(count - 1) <= self.free:
-            return count
-        lo, hi = 0, count - 1  # need(lo) fits, need(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if need(mid) <= self.free else (lo, mid)
-        return hi
+            kv.release(j)
 
 
 def _decode_run(
@@ -529,7 +420,7 @@ def _decode_run(
     *,
     lookahead: bool,
     max_steps: int,
-    kv: _KV | None = None,
+    kv: KVBlocks | None = None,
 ) -> tuple[float, float, int]:
     """Take the pure-decode steps from ``t`` on at once; returns (t, last_dt, steps taken).
 

@@ -1,0 +1,175 @@
+"""The KV blocks of the paper schedule (fuzzer.oracle.paper; ARCHITECTURE.md, "Oracle").
+
+Each running request holds the blocks of the tokens it has computed (each further choice its
+own output blocks). A prefix group's full blocks are paid for once, by the running member that
+computed (or revived) them; a member admitted while they are resident shares them and needs free
+blocks only for the rest of its chunk, as vLLM's and SGLang's block allocators count it. When
+the payer leaves, the member sharing the most keeps them. A preempted request recomputes
+without sharing (more pressure, never less, than an engine's prefix cache gives).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fuzzer.trace import ceil_div
+
+if TYPE_CHECKING:
+    from fuzzer.oracle.paper import Job
+
+
+class KVBlocks:
+    """The KV blocks of the paper schedule: how many are free, who holds how many."""
+
+    #: Blocks kept free per running request when admitting (each decode may need one next step).
+    HEADROOM_PER_SEQ = 1
+
+    def __init__(self, capacity: int, block_size: int, token_budget: int) -> None:
+        self.free = capacity
+        self.block = block_size
+        self.budget = token_budget
+        #: prefix group -> (the running request that pays for its resident blocks, how many).
+        self.payer: dict[str, tuple[Job, int]] = {}
+        #: prefix group -> its running members that share the payer's blocks.
+        self.sharers: dict[str, list[Job]] = {}
+
+    def resident(self, j: Job, cached: int) -> int:
+        """Blocks of ``j``'s prefix hit that a running request holds: they take no free block."""
+        paid = self.payer.get(j.group) if j.group is not None and cached > 0 and not j.preemptions else None
+        return min(cached // self.block, paid[1]) if paid is not None else 0
+
+    def admit(self, j: Job, tokens: int) -> None:
+        """Let the newly admitted ``j`` hold the blocks of ``tokens``, sharing its resident prefix blocks."""
+        shared = self.resident(j, j.cached)
+        if shared:
+            j.held = j.shared = shared
+            self.sharers.setdefault(j.group, []).append(j)
+        self.hold(j, tokens)
+        if not shared and j.cached and not j.preemptions:
+            self.computed_prefix(j, j.cached)  # a hit on free cached blocks: it revived them, it pays
+
+    def computed_prefix(self, j: Job, tokens: int) -> None:
+        """``j`` holds the first ``tokens`` of its prefix group's blocks, paid: later members share them."""
+        if j.group is not None and j.group not in self.payer and not j.shared and not j.preemptions:
+            self.payer[j.group] = (j, tokens // self.block)
+
+    def release(self, j: Job) -> None:
+        """``j`` leaves (ends or is preempted): its blocks are free but those another member still shares."""
+        freed = j.held - j.shared
+        sharers = self.sharers.get(j.group, [])
+        if j in sharers:
+            sharers.remove(j)
+        paid = self.payer.get(j.group)
+        if paid is not None and paid[0] is j:
+            del self.payer[j.group]
+            heir = max(sharers, key=lambda s: s.shared, default=None)
+            if heir is not None:  # the member sharing the most blocks keeps them and pays from now on
+                sharers.remove(heir)
+                freed -= heir.shared
+                self.payer[j.group] = (heir, heir.shared)
+                heir.shared = 0
+        self.free += freed
+        j.held = j.shared = 0
+
+    def blocks(self, j: Job, tokens: int) -> int:
+        """Blocks that hold ``tokens`` of the job's sequence (each further choice its own output)."""
+        b = self.block
+        out = ceil_div(tokens, b)
+        if j.n > 1:
+            out += (j.n - 1) * ceil_div(max(0, tokens - j.prompt), b)
+        return out
+
+    def hold(self, j: Job, tokens: int) -> None:
+        """Let ``j`` hold the blocks of ``tokens`` (it never gives any back before it leaves)."""
+        need = self.blocks(j, tokens) - j.held
+        if need > 0:
+            j.held += need
+            self.free -= need
+
+    def admit_blocks(self, j: Job, cached: int, budget: int, running: int) -> int | None:
+        """Blocks the waiting ``j`` would take if admitted now with ``cached`` prompt tokens from the
+        prefix cache; None when they do not fit with the headroom.
+
+        A fresh request needs the blocks of its first chunk, less the prefix blocks a running
+        request holds (shared, as vLLM's and SGLang's allocators share them); a preempted one
+        those of its whole recompute (vLLM finds the head of its own sequence in the prefix cache
+        and allocates the rest at once, so it is not re-admitted only to be preempted again).
+        """
+        need = self.blocks(j, self.admitted_tokens(j, cached, budget)) - self.resident(j, cached)
+        return need if need + running * self.HEADROOM_PER_SEQ <= self.free else None
+
+    @staticmethod
+    def admitted_tokens(j: Job, cached: int, budget: int) -> int:
+        """Tokens whose blocks a job takes when admitted (see :meth:`admit_blocks`)."""
+        return j.prompt + j.recompute if j.preemptions else cached + min(j.prompt + j.recompute - cached, budget)
+
+    def make_room(self, running: list[Job], waiting: deque[Job], token_budget: int, limit: int) -> dict[int, int]:
+        """Give every running request the blocks of this step's work, preempting the newest when short.
+
+        ``limit``: the most prompt tokens one request computes in the step (the long-prefill cap).
+        Returns id(job) -> the prefill chunk its blocks cover (decodes are not listed).
+        """
+        budget = token_budget - sum(j.n for j in running if j.prefilled)
+        room: dict[int, int] = {}
+        i = 0
+        while i < len(running):
+            j = running[i]
+            if j.prefilled:
+                want = j.prompt + j.tokens
+            else:
+                c = min(j.prompt + j.recompute - j.computed, max(budget, 0), limit)
+                budget -= c
+                room[id(j)] = c
+                want = j.computed + c
+            need = self.blocks(j, want) - j.held
+            while need > self.free and len(running) > 1:
+                victim = running.pop()  # the newest running request
+                self.preempt(victim, waiting)
+                if victim is j:
+                    break
+            if i >= len(running):
+                break  # j itself was preempted
+            self.hold(j, want)
+            i += 1
+        return room
+
+    def preempt(self, j: Job, waiting: deque[Job]) -> None:
+        """Recompute preemption: free the blocks, back to the front of the queue.
+
+        This schedule re-admits a preempted request only when its whole recompute fits. vLLM v1
+        (and the simulator) re-admit it a chunk at a time as soon as a chunk fits, so a prompt
+        preempted in its prefill may be preempted again at each of its later chunks until the
+        streams beside it leave room: ``churn`` counts those, for the thrash check.
+        """
+        churn = max(0, ceil_div(j.prompt + j.recompute, self.budget) - 1) if not j.prefilled else 0
+        j.churn += churn
+        j.preempted_sequences += (1 + churn) * j.n
+        self.release(j)
+        j.admitted = False
+        j.computed = 0
+        j.recompute = j.tokens
+        j.preemptions += 1
+        waiting.appendleft(j)
+
+    def decode_steps(self, decoding: list[Job], count: int) -> int:
+        """How many of ``count`` pure decode steps fit the free blocks (at least 1: step 0 was made room for)."""
+        b = self.block
+        prompt = np.array([j.prompt for j in decoding], dtype=np.int64)
+        tokens = np.array([j.tokens for j in decoding], dtype=np.int64)
+        extra = np.array([j.n - 1 for j in decoding], dtype=np.int64)
+        held = np.array([j.held for j in decoding], dtype=np.int64)
+
+        def need(s: int) -> int:  # blocks beyond those held that steps 0..s need
+            blocks = ceil_div(prompt + tokens + s, b) + extra * ceil_div(tokens + s, b)  # elementwise
+            return int(np.maximum(0, blocks - held).sum())
+
+        if count <= 1 or need(count - 1) <= self.free:
+            return count
+        lo, hi = 0, count - 1  # need(lo) fits, need(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= self.free else (lo, mid)
+        return hi
