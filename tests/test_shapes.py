@@ -126,6 +126,32 @@ def test_the_limits_carry_the_kv_size_a_target_reports():
     assert Limits.from_dict(Limits(kv_tokens=123).to_dict()).kv_tokens == 123
 
 
+def test_prefix_under_pressure_leaves_the_tails_room_but_not_the_whole_prompts_and_reaches_its_pathology():
+    sim = VirtualTarget()
+    blocks, size = sim.kv_cache()
+    limits = Limits(kv_tokens=blocks * size, max_model_len=sim.config.max_model_len)
+    assert shapes.prefix_under_pressure(generate(random.Random(0), LIMITS), random.Random(0), LIMITS) is None
+    reached = tried = 0
+    for i in range(20):
+        rng = random.Random(i)
+        parent = generate(rng, limits)
+        child = shapes.prefix_under_pressure(parent, rng, limits)
+        tf.validate(child)
+        new = [r for r in child.requests if r not in parent.requests]
+        owner = next(r for r in new if r.id.startswith("owner"))
+        held = sum(r.prompt_tokens for r in new if not r.id.startswith("sharer"))
+        free = limits.kv_tokens - held
+        # After the prefills: a sharer's whole prompt does not fit the free KV, its tail does.
+        assert all(r.prefix == owner.prefix and r.prompt_tokens > free > r.prompt_tokens - child.prefixes[r.prefix]
+                   for r in new if r.id.startswith("sharer"))
+        target = VirtualTarget(pathologies=("resident-prefix-refusal",), seed=i)
+        if any(target.run(parent).ground_truth.values()):
+            continue
+        tried += 1
+        reached += any(target.run(child).ground_truth.values())
+    assert tried >= 10 and reached >= 0.6 * tried, (reached, tried)  # 15 of 20 when written
+
+
 @pytest.mark.parametrize("op, pathology, share", [
     (shapes.long_outputs, "kv-reserve-admission", 0.6),
     (shapes.disconnect_long, "disconnect-leak", 0.6),

@@ -121,7 +121,8 @@ def test_fcfs_admission_without_pathologies(specs):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests_st, st.sampled_from(["all", "hol-prefix-burst,sticky-batch-full", "preemption-thrash",
                                       "kv-reserve-admission", "disconnect-leak", "lifo-admission",
-                                      "decode-starvation", "early-abort-leak"]))
+                                      "decode-starvation", "early-abort-leak",
+                                      "resident-prefix-refusal"]))
 def test_pathologies_never_lose_requests_or_overfill_kv(specs, spec):
     from fuzzer.sim.pathologies import parse
 

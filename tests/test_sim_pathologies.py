@@ -23,6 +23,7 @@ CONTRACT_NAMES = (
     "lifo-admission",
     "decode-starvation",
     "early-abort-leak",
+    "resident-prefix-refusal",
 )
 
 
@@ -175,6 +176,17 @@ def test_early_abort_leak_loses_only_the_abort_of_a_client_gone_before_its_first
     # Control: a client that leaves after its first tokens is aborted (disconnect-leak's trigger).
     after_first = _warm_run(("early-abort-leak",), TRIGGERS["disconnect-leak"].trace)
     assert after_first.idle_after and not any(after_first.ground_truth.values())
+
+
+def test_resident_prefix_refusal_holds_back_only_a_request_whose_prefix_blocks_are_resident():
+    trigger = TRIGGERS["resident-prefix-refusal"]
+    off, on = _warm_run((), trigger.trace), _warm_run(("resident-prefix-refusal",), trigger.trace)
+    assert on.request("V").ttft_s > 10 * off.request("V").ttft_s
+    assert on.ground_truth["V"] == ("resident-prefix-refusal",) and not any(off.ground_truth.values())
+    # Control: without the shared prefix V needs its whole prompt in free blocks, on either engine.
+    alone = from_dict({**trigger.trace.to_dict(), "requests": [
+        {k: v for k, v in r.items() if k != "prefix"} for r in trigger.trace.to_dict()["requests"]]})
+    assert not any(_warm_run(("resident-prefix-refusal",), alone).ground_truth.values())
 
 
 def test_disconnect_leak_short_leak_is_idle_soon_enough():

@@ -1,5 +1,5 @@
 """The oracle on the pathologies added for issue 16 (kv-reserve-admission, disconnect-leak,
-lifo-admission, decode-starvation, early-abort-leak).
+lifo-admission, decode-starvation, early-abort-leak, resident-prefix-refusal).
 
 Each trigger (``fuzzer.sim.triggers``) is confirmed on virtual time with the kind its
 pathology declares and only on requests the pathology really delayed (ground truth, read
@@ -15,7 +15,8 @@ from fuzzer.oracle.kinds import Decision
 from fuzzer.sim import pathologies as P
 from fuzzer.sim.triggers import TRIGGERS
 
-NEW = (P.KV_RESERVE_ADMISSION, P.DISCONNECT_LEAK, P.LIFO_ADMISSION, P.DECODE_STARVATION, P.EARLY_ABORT_LEAK)
+NEW = (P.KV_RESERVE_ADMISSION, P.DISCONNECT_LEAK, P.LIFO_ADMISSION, P.DECODE_STARVATION, P.EARLY_ABORT_LEAK,
+       P.RESIDENT_PREFIX_REFUSAL)
 
 
 @pytest.mark.parametrize("name", NEW)

@@ -28,6 +28,10 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   Preemption and queueing follow by design; what is not by design is a preempted request
   re-queued behind the queue (vLLM #41951), or admission refusing a request whose prefix
   blocks are already resident (sglang #22831, vLLM #37308's class).
+- ``prefix_under_pressure``: long requests holding most of the KV cache, one of them the owner
+  of a long shared prefix, then requests with that prefix and short tails of their own: they
+  need a few blocks, and an admission check that counts the resident prefix blocks as new
+  (sglang #22831, vLLM #37308's class) refuses them, and the queue behind, until KV frees.
 - ``seeded_batch``: many decoding streams and one request with a sampling seed among them;
   an engine whose seeded generator path is taken for every row of the batch (vLLM #37343's
   class: one request's sampling parameters make the whole batch pay) slows every stream.
@@ -253,6 +257,47 @@ def kv_burst(trace: Trace, rng: random.Random, limits) -> Trace | None:
     return current.with_requests(current.requests)
 
 
+def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Long requests holding most of the reported KV cache, a request that owns a long shared prefix
+    among them, then one or two requests with that prefix and a short tail of their own.
+
+    Once the owner's prefix is computed, a latecomer needs only its tail's blocks, and FCFS admits it
+    while free KV is short of its whole prompt; an admission check that counts the resident prefix
+    blocks as new ones refuses it, and every request behind it, until the others finish.
+    """
+    kv = getattr(limits, "kv_tokens", None)
+    room = _room(trace, limits)
+    block = limits.block_size
+    if not kv or room < 4:
+        return None
+    prefix = min(kv // rng.choice([4, 8]), limits.max_model_len - 320) // block * block
+    if prefix < 4 * block:
+        return None
+    # Free KV after the owner's prefill is half its prefix: a latecomer's whole prompt does not fit,
+    # its tail does, and a dozen decodes of this length do not use up the rest (no preemption).
+    out = max(16, min(rng.choice([256, 512]), prefix // 24))
+    victims = rng.randint(1, 2)
+    fill = kv - prefix - prefix // 2
+    per = limits.max_model_len - out - 16
+    count = min(room - 1 - victims, max(0, -(-fill // per)))
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    name = fresh_name(set(trace.prefixes), "held")
+    current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: prefix}, name=trace.name)
+    added = [Request(id=fresh_id(current, f"fill{i}"), at_ms=at + i, prompt_tokens=max(1, min(per, fill // count)),
+                     max_tokens=out) for i in range(count)] if count else []
+    current = replace(current, requests=(*current.requests, *added))
+    owner = Request(id=fresh_id(current, "owner"), at_ms=at + count + 1, prompt_tokens=prefix + 32, max_tokens=out,
+                    prefix=name)
+    current = replace(current, requests=(*current.requests, owner))
+    delay = rng.choice([100.0, 500.0, 2000.0])
+    for i in range(victims):
+        tail = rng.choice([16, 32, 64])
+        late = Request(id=fresh_id(current, f"sharer{i}"), at_ms=owner.at_ms + delay * (i + 1),
+                       prompt_tokens=prefix + tail, max_tokens=32, prefix=name)
+        current = replace(current, requests=(*current.requests, late))
+    return current.with_requests(current.requests)
+
+
 def seeded_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """Eight to thirty-two short streams decoding together, and a request with a sampling seed among them."""
     count = rng.choice([8, 16, 32])
@@ -272,4 +317,4 @@ def seeded_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
 
 
 SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
-                   client_timeout, disconnect_fanout, kv_burst, seeded_batch)
+                   client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, seeded_batch)

@@ -468,7 +468,8 @@ class Engine(Mechanisms):
         required = self._blocks_for(req, cached + tokens)
         headroom = 0 if thrash else len(self._running) * cfg.admission_headroom_blocks_per_seq
         need = self.kv.blocks_needed(0, required, hits) + headroom
-        if need > self.kv.num_free or self._reservation_refuses(req, need, required):
+        if (need > self.kv.num_free or self._reservation_refuses(req, need, required)
+                or self._resident_prefix_refuses(required, headroom)):
             return None
         self.kv.acquire(hits)
         req.blocks = hits + self.kv.allocate(required - len(hits))

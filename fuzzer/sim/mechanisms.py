@@ -48,6 +48,14 @@ class Mechanisms:
         self._tag(P.KV_RESERVE_ADMISSION, self._waiting)  # it fits without the reservations
         return True
 
+    def _resident_prefix_refuses(self, required: int, headroom: int) -> bool:
+        """resident-prefix-refusal: refuse a request that fits unless its whole cached prefix and first
+        chunk (``required`` blocks) would fit as new blocks too, shared prefix blocks included."""
+        if P.RESIDENT_PREFIX_REFUSAL not in self.pathologies or required + headroom <= self.kv.num_free:
+            return False
+        self._tag(P.RESIDENT_PREFIX_REFUSAL, self._waiting)  # it fits counting only the blocks it takes
+        return True
+
     def _newest_first(self) -> None:
         """lifo-admission: enough waiting requests (never preempted) are taken newest first.
 

@@ -30,6 +30,7 @@ DISCONNECT_LEAK = "disconnect-leak"
 LIFO_ADMISSION = "lifo-admission"
 DECODE_STARVATION = "decode-starvation"
 EARLY_ABORT_LEAK = "early-abort-leak"
+RESIDENT_PREFIX_REFUSAL = "resident-prefix-refusal"
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,28 @@ class EarlyAbortLeak(_Pathology):
     kind = "leak"
 
 
+class ResidentPrefixRefusal(_Pathology):
+    """Admission counts a prompt's prefix-cache hits on blocks running requests hold as new blocks.
+
+    Models sglang #22831 (fixed by PR #23152: admission broke with NO_TOKEN although KV
+    tokens were free) and the prefix-cache accounting of vLLM's ``can_allocate`` /
+    ``allocate_slots``, in the shared-prefix class of vLLM #37308: the free-block check for a
+    waiting request asks for every block of its cached prefix and first chunk, although the
+    prefix blocks another running request holds are shared and take no free block. Under KV
+    pressure the request is refused, and with FCFS's break everything behind it waits, until
+    enough running requests finish; once admitted, it shares the prefix as it should. Ground
+    truth names the waiting requests at each admission the naive count refused.
+
+    Trigger: a request sharing a long prefix with a running one while free KV is short of its whole prompt.
+    """
+
+    name = RESIDENT_PREFIX_REFUSAL
+    models = "sglang #22831 / PR #23152 (admission refused with KV free); vLLM #37308's shared-prefix class"
+    trigger = "a request whose long prefix a running request holds, while free KV is short of its whole prompt"
+    effect = "the request and those behind it wait for running requests to finish although their new blocks fit"
+    kind = "ttft-outlier"
+
+
 class LifoAdmission(_Pathology):
     """With two or more requests waiting, the newest is admitted first: the queue is served out of order.
 
@@ -312,6 +335,7 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     LifoAdmission,
     DecodeStarvation,
     EarlyAbortLeak,
+    ResidentPrefixRefusal,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

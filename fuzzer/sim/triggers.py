@@ -170,6 +170,22 @@ def _build() -> dict[str, Trigger]:
         ),
         # X's 8192-token prompt is prefilled in four chunks of the budget; D streams meanwhile.
         P.DECODE_STARVATION: Trigger(_stream_then_long_prompt("trigger-decode-starvation"), "D", "itl"),
+        # F0, F1 and O (who owns the 8192-token prefix) leave 421 of the 2560 blocks free once
+        # prefilled; V needs 3 new blocks, but its whole prompt (514 blocks) does not fit.
+        P.RESIDENT_PREFIX_REFUSAL: Trigger(
+            _trace(
+                "trigger-resident-prefix-refusal",
+                [
+                    {"id": "F0", "at_ms": 0, "prompt_tokens": 13000, "max_tokens": 400},
+                    {"id": "F1", "at_ms": 1, "prompt_tokens": 13000, "max_tokens": 400},
+                    {"id": "O", "at_ms": 2, "prompt_tokens": 8224, "prefix": "sys", "max_tokens": 400},
+                    {"id": "V", "at_ms": 1300, "prompt_tokens": 8224, "prefix": "sys", "max_tokens": 16},
+                ],
+                {"sys": 8192},
+            ),
+            "V",
+            "ttft",
+        ),
     }
 
 
