@@ -41,9 +41,14 @@ POLL_S = 2.0
 
 
 #: The name a request gets in the ground truth when its client went away and the server ran it
-#: on to its end anyway (a server that writes client_disconnected and finish_reason: the held-out
-#: one): the truth of a leak finding, not of a latency one.
+#: on anyway (a server that writes client_disconnected and finish_reason: the held-out one): the
+#: truth of a leak finding, not of a latency one. Either it finished other than by an abort, or it
+#: was "aborted" but its line came LEAK_AFTER_S after the client left (sibling sequences of an
+#: n > 1 request that ran on: the line is written when the last one ends).
 LEAKED = "(ran-after-disconnect)"
+LEAK_AFTER_S = 1.0
+#: The ground truth's name for the time the server spent on a disconnected, aborted request.
+SERVED = "(served-s)"
 
 
 def read_truth(path: Path) -> dict[str, set[str]]:
@@ -60,7 +65,18 @@ def read_truth(path: Path) -> dict[str, set[str]]:
         names.update(record.get("pathologies") or ())
         if record.get("client_disconnected") and record.get("finish_reason") not in (None, "abort"):
             names.add(LEAKED)
+        elif record.get("client_disconnected") and record.get("e2e_s") is not None:
+            names.add(f"{SERVED}{float(record['e2e_s'])}")
     return truth
+
+
+def _names(names: set[str], client_e2e_s: float | None, leak: bool) -> set[str]:
+    """The pathologies of one run of a request as a finding of this kind counts them."""
+    served = [n for n in names if n.startswith(SERVED)]
+    names = names - set(served)
+    if leak and client_e2e_s is not None and any(float(n[len(SERVED):]) > client_e2e_s + LEAK_AFTER_S for n in served):
+        names = names | {LEAKED}
+    return names if leak else names - {LEAKED}
 
 
 def judge_findings(store: Store, truth: dict[str, set[str]], campaign_id: int | None = None) -> list[dict]:
@@ -76,9 +92,7 @@ def judge_findings(store: Store, truth: dict[str, set[str]], campaign_id: int | 
         tagged: dict[str, int] = {}
         hit = 0
         for r in runs:
-            names = truth.get(r.x_request_id or "", set())
-            if finding.kind != "leak":
-                names = names - {LEAKED}
+            names = _names(truth.get(r.x_request_id or "", set()), r.e2e_s, finding.kind == "leak")
             hit += bool(names)
             for name in names:
                 tagged[name] = tagged.get(name, 0) + 1
