@@ -258,6 +258,25 @@ def test_a_stream_beside_a_preemption_may_be_the_preempted_one_its_stall_bound_h
     assert expect(alone, cal.model, cal.assumption)["a"].max_itl_s < redo
 
 
+#: Found by a 200-execution campaign on virtual time (campaign_efficiency.py, resident-prefix-refusal,
+#: seed 0; the pathology played no part): 45 requests, the KV cache full from 5.5 s on, the clean
+#: simulator preempting streams at 6.0, 6.2 and 6.4 s. q122, sent at 6.0 s, got its first token
+#: at 7.0 s, once the preempted streams were back (after three requests ended at 6.8-6.9 s); the
+#: paper schedule's ends came earlier and bounded it at 0.39 s: a ttft-outlier at 3.4x, 3/3.
+NEWCOMER_FULL_KV = Path(__file__).parent / "data" / "fp-newcomer-behind-full-kv.json"
+
+
+def test_a_newcomer_waiting_while_the_full_kv_cache_preempts_waits_for_the_blocks_ends_free():
+    from test_oracle import _examine_sim
+
+    trace = from_dict(json.loads(NEWCOMER_FULL_KV.read_text()))
+    for seed in (1, 2):
+        assert _examine_sim(trace, seed=seed).findings == ()
+    # The allowance needs the cache to run out during the wait: refused with blocks to spare
+    # (resident-prefix-refusal's trigger preempts nobody), the newcomer is a finding.
+    trigger = TRIGGERS[P.RESIDENT_PREFIX_REFUSAL]
+    assert [v.request_id for v in _examine_sim(trigger.trace, (P.RESIDENT_PREFIX_REFUSAL,)).findings] == ["V"]
+
 
 def test_a_request_of_n_choices_preempted_on_paper_counts_n_preemptions():
     # A server counts a preemption per sequence (vLLM v1 splits n into child requests): the clean

@@ -72,6 +72,7 @@ def bounds(
             anyone = expected_preemptions(trace, model, a, result) == 0
             expectations = waited_for_blocks(behind_preempted(expectations, result), result, policy.factor,
                                              anyone=anyone)
+            expectations = waited_for_free_kv(expectations, result, policy.factor)
     else:
         expectations = expect(trace, model, a, result)
         factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
@@ -168,6 +169,41 @@ def waited_for_blocks(
         if freed:
             t = max(freed)
             out[r.request_id] = replace(e, max_itl_s=max(e.max_itl_s, t - start + e.max_itl_s))
+    return out
+
+
+def waited_for_free_kv(expectations: dict[str, Expectation], result: ExecutionResult, factor: float) -> dict[str, Expectation]:
+    """``expectations`` with the wait of each request admitted only once blocks freed in a full KV cache, as observed.
+
+    While the server runs out of blocks (its preemption counter rises), FCFS admits no newcomer:
+    the streams it preempted go back to the head of the queue and are re-admitted first, as
+    running requests end and free their blocks. On paper those ends come from the calibrated
+    decode cost and the streams preempted drift with step boundaries, so the newcomer's wait
+    moves with them. A request V during whose wait (its send to its first token) a metrics
+    scrape saw the counter rise, and whose first token came within its own TTFT bound after
+    another request ended (each end at most ``factor`` times that request's E2E bound), is
+    bounded by the wait to that end plus its idle TTFT. A request refused while the cache is
+    not exhausted (no preemption during its wait) gets no such allowance.
+    """
+    rises = _preempted_at(result)
+    if not rises:
+        return expectations
+    ends = [(end, r.request_id) for r in result.requests
+            if (end := _accepted_end(r, expectations.get(r.request_id), factor)) is not None]
+    out = dict(expectations)
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is None or r.ttft_s is None:
+            continue
+        sent, first = r.sent_s, r.sent_s + r.ttft_s
+        if not any(before < first and seen > sent for before, seen in rises):
+            continue
+        freed = [(t, pid) for t, pid in ends if pid != r.request_id and sent < t <= first and first - t <= e.ttft_s]
+        if freed:
+            t, pid = max(freed)
+            wait = t - sent + e.idle_ttft_s
+            if wait > e.ttft_s:
+                out[r.request_id] = e.waiting_until(wait, f"KV blocks ({pid} ended)")
     return out
 
 
