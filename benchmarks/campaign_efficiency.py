@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from fuzzer import trace as tf
+from fuzzer.cli._target import limits_for
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.calibrate import calibrate
@@ -119,7 +120,9 @@ async def one_run(pathology: str, mutator: str, seed: int, max_execs: int) -> di
     # warms the (pathological) server up and fits the model the oracle judges against.
     calibration = await calibrate(target, rng=random.Random(seed))
     target.execute_s = 0.0
-    campaign = Campaign(target, store, Settings(seed=seed, max_execs=max_execs, mutator=mutator), seeds=seeds,
+    # The limits a campaign gets from `fuzz campaign` (the KV-pressure shapes need the cache's size).
+    settings = Settings(seed=seed, max_execs=max_execs, mutator=mutator, limits=limits_for(sim))
+    campaign = Campaign(target, store, settings, seeds=seeds,
                         target_key=f"bench:{pathology}:{seed}", calibration=calibration,
                         on_finding=on_finding, stop=stop)
     start = time.perf_counter()
@@ -160,7 +163,7 @@ async def overhead(pathology: str, max_execs: int, seed: int = 0) -> dict:
         target.execute_s = 0.0
         store = Store.memory()
         seeds = [tf.load(p) for p in sorted(CORPUS.glob("*.json"))]
-        campaign = Campaign(target, store, Settings(seed=seed, max_execs=max_execs), seeds=seeds,
+        campaign = Campaign(target, store, Settings(seed=seed, max_execs=max_execs, limits=limits_for(http)), seeds=seeds,
                             target_key="bench:http", calibration=calibration, sleep=sleep)
         start = time.perf_counter()
         summary = await campaign.run()
@@ -193,7 +196,7 @@ async def http_run(pathology: str, duration_s: float, seed: int = 0) -> dict:
             calibration = await calibrate(http, rng=random.Random(seed))
             store = Store.memory()
             seeds = [tf.load(p) for p in sorted(CORPUS.glob("*.json"))]
-            campaign = Campaign(http, store, Settings(seed=seed, duration_s=duration_s), seeds=seeds,
+            campaign = Campaign(http, store, Settings(seed=seed, duration_s=duration_s, limits=limits_for(http)), seeds=seeds,
                                 target_key=f"bench:http:{pathology}", calibration=calibration)
             summary = await campaign.run()
         truth = {}
