@@ -11,14 +11,32 @@ without sharing (more pressure, never less, than an engine's prefix cache gives)
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from fuzzer.trace import ceil_div
 
-if TYPE_CHECKING:
-    from fuzzer.oracle.paper import Job
+
+class Job(Protocol):
+    """What the KV bookkeeping reads and writes of a request of the paper schedule (fuzzer.oracle.paper.Job)."""
+
+    group: str | None
+    prompt: int
+    n: int
+    cached: int
+    computed: int
+    tokens: int
+    recompute: int
+    admitted: bool
+    held: int
+    shared: int
+    preemptions: int
+    churn: int
+    preempted_sequences: int
+
+    @property
+    def prefilled(self) -> bool: ...
 
 
 class KVBlocks:
