@@ -73,6 +73,29 @@ async def test_a_found_family_is_confirmed_once_in_family_every_sightings():
     assert confirmer.to_state()["family_seen"] == {findings[0].details["family"]: 1}
 
 
+async def test_an_execution_is_one_sighting_of_a_family_however_many_victims_show_it():
+    # With every bug on, the held-out server's bug5 stalls every stream beside a long prompt: one
+    # execution of ten streams counted ten sightings and spent the family's gap at once (4 findings of
+    # one family in a 30-minute campaign).
+    store = Store.memory()
+    victims = [f"w{i}" for i in range(2 * FAMILY_EVERY)]
+    target = PaperTarget(stall_s={"v": 0.4, **{w: 0.4 for w in victims}}, seed=1)
+    target._idle_s = 0.5
+    confirmer = _confirmer(store, target)
+    first = _shapes(1)[0]
+    await confirmer.examine(first, await target.execute(first), await _calibration())
+    assert len(store.list_findings()) == 1
+    # Streams of growing prompts one after another: each a new signature of the found family.
+    many = Trace(requests=tuple(Request(id=w, at_ms=i, prompt_tokens=16 << i, max_tokens=32)
+                                for i, w in enumerate(victims)))
+    assert len({signature(_stall_kind(), many, w) for w in victims}) == len(victims)
+    assert {family(_stall_kind(), many, w) for w in victims} == {family(_stall_kind(), first, "v")}
+    before = target.executions
+    await confirmer.examine(many, await target.execute(many), await _calibration())
+    assert target.executions - before == 1  # passed over: one sighting, not ten
+    assert confirmer.to_state()["family_seen"] == {store.list_findings()[0].details["family"]: 1}
+
+
 async def test_each_finding_of_a_family_doubles_the_sightings_before_the_next_confirmation():
     # With every bug on, the held-out vLLM-like server's campaign confirmed one bug under 26
     # signatures at one in 5: the gap doubles per finding (5, then 10, ...).

@@ -36,7 +36,8 @@ from fuzzer.trace import Trace
 # seen this many more times: noise must not eat the campaign's time.
 RECONFIRM_AFTER = 5
 # A candidate of a new signature whose family (fuzzer.oracle.signature.family) is a confirmed
-# finding's is confirmed once in this many sightings, doubled for each finding the family
+# finding's is confirmed once in this many sightings (executions that show the family: one with ten
+# stalled streams is one sighting, not ten), doubled for each finding the family
 # already has: one bug met in many trace shapes cost a campaign on the held-out vLLM-like server
 # 8 confirmations (26 of its 128 executions) with a fixed 5, and with every bug on one bug was
 # confirmed under 26 signatures (47% of the campaign's time), while a second bug of the same
@@ -126,6 +127,7 @@ class Confirmer:
         ``cold``: the execution was a cold probe; its latency candidates are deduplicated as
         the cold-start they may be (a warm rejection of the same request does not count).
         """
+        sighted: set[str] = set()  # a found family is sighted once per execution, however many victims show it
         for candidate in judge.candidates(trace, result, calibration, self._policy):
             warm_key = signature(candidate.kind, trace, candidate.request_id)
             if cold and candidate.metric is not None and candidate.after_idle:
@@ -137,7 +139,7 @@ class Confirmer:
             if self._skip(key):
                 continue
             fam = family(candidate.kind, trace, candidate.request_id) if key == warm_key else None
-            if fam is not None and self._family_found(fam):
+            if fam is not None and self._family_found(fam, sighted):
                 continue
             self.candidates += 1
             return await self._confirm_candidate(trace, candidate, key, calibration, fam)
@@ -149,10 +151,14 @@ class Confirmer:
         """Found already, or rejected and not yet seen RECONFIRM_AFTER times since (counted here)."""
         return key in self.found or recently_rejected(self.rejected, key)
 
-    def _family_found(self, fam: str) -> bool:
-        """Whether to pass over a new signature of a found family: all but one in family_gap sightings."""
+    def _family_found(self, fam: str, sighted: set[str]) -> bool:
+        """Whether to pass over a new signature of a found family: all but one in family_gap sightings
+        (executions that show it: ``sighted`` holds the families this execution has shown already)."""
         if fam not in self.families:
             return False
+        if fam in sighted:
+            return True
+        sighted.add(fam)
         seen = self.family_seen.get(fam, 0) + 1
         if seen >= family_gap(self.families[fam]):
             self.family_seen[fam] = 0
