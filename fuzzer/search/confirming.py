@@ -24,9 +24,10 @@ from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind, Metric
 from fuzzer.oracle.policy import OraclePolicy
-from fuzzer.oracle.signature import family, signature
+from fuzzer.oracle.signature import family, leak_signature, leaving_clients, signature
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
+from fuzzer.search.mutators import without_cancellations
 from fuzzer.search.settings import Phase
 from fuzzer.search.slo_check import confirm_slo, first_eligible, slo_candidates
 from fuzzer.store import Store
@@ -136,6 +137,12 @@ class Confirmer:
                     continue  # slow when warm too, and found so: a cold arm could not tell it apart
             else:
                 key = warm_key
+            if candidate.kind is FindingKind.LEAK and len(leaving_clients(trace)) > 1:
+                split = await self._split_leak(trace, candidate, calibration)
+                if split is not None:
+                    return split
+                if self._skip(key) or any(leak_signature({w}) in self.found for w in leaving_clients(trace)):
+                    continue  # no way leaks alone, and one of them is a known leak: that explains it
             if self._skip(key):
                 continue
             fam = family(candidate.kind, trace, candidate.request_id) if key == warm_key else None
@@ -146,6 +153,23 @@ class Confirmer:
         if self._slo is not None and not self.pending:
             return await self._check_slo(trace, result)
         return None  # one confirmation per execution keeps the fuzzing going
+
+    async def _split_leak(self, trace: Trace, candidate: Candidate, calibration: Calibration) -> Verdict | None:
+        """A leak of a trace whose clients leave in several ways, confirmed one way at a time: the
+        trace with only that way's disconnects (the others served to what they read), for each way
+        whose leak is not known. A way that does not leak costs one run (futility). Returns the
+        first finding, or None when no way leaks alone (the mix is confirmed as it is, if new)."""
+        ways = leaving_clients(trace)
+        for way in sorted(ways):
+            key = leak_signature({way})
+            if self._skip(key):
+                continue
+            self.candidates += 1
+            verdict = await self._confirm_candidate(without_cancellations(trace, ways - {way}), candidate, key,
+                                                    calibration)
+            if verdict.is_finding:
+                return verdict
+        return None
 
     def _skip(self, key: str) -> bool:
         """Found already, or rejected and not yet seen RECONFIRM_AFTER times since (counted here)."""
