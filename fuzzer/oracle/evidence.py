@@ -152,8 +152,7 @@ def waited_for_blocks(
     reported preemptions and the execution did not thrash; with ``anyone`` (no KV-aware schedule
     preempted, yet the server did) every stream is taken as preemptible.
     """
-    ends = [(end, r.request_id) for r in result.requests
-            if (end := _accepted_end(r, expectations.get(r.request_id), factor)) is not None]
+    ends = _ends(expectations, result, factor)
     rises = _preempted_at(result)
     out = dict(expectations)
     for r in result.requests:
@@ -188,8 +187,7 @@ def waited_for_free_kv(expectations: dict[str, Expectation], result: ExecutionRe
     rises = _preempted_at(result)
     if not rises:
         return expectations
-    ends = [(end, r.request_id) for r in result.requests
-            if (end := _accepted_end(r, expectations.get(r.request_id), factor)) is not None]
+    ends = _ends(expectations, result, factor)
     out = dict(expectations)
     for r in result.requests:
         e = expectations.get(r.request_id)
@@ -283,6 +281,12 @@ def exposed_to_steps(
         if during.size and float(during.max()) > e.max_itl_s:
             out[r.request_id] = replace(e, max_itl_s=float(during.max()))
     return out
+
+
+def _ends(expectations: dict[str, Expectation], result: ExecutionResult, factor: float) -> list[tuple[float, str]]:
+    """(accepted end, request id) of every request of ``result`` that ended (:func:`_accepted_end`)."""
+    return [(end, r.request_id) for r in result.requests
+            if (end := _accepted_end(r, expectations.get(r.request_id), factor)) is not None]
 
 
 def _accepted_end(r: RequestResult, e: Expectation | None, factor: float) -> float | None:
