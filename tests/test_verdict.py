@@ -173,11 +173,15 @@ def test_whole_execution_signature_has_no_victim(seed_trace):
 
 def test_a_leak_is_one_bug_whatever_the_traces_size_but_cancelled_or_not_tells_two_apart():
     small = _trace(Request(id="a", at_ms=0, prompt_tokens=100, max_tokens=10, cancel_after_tokens=2))
-    big = _trace(*(Request(id=f"r{i}", at_ms=i, prompt_tokens=4000, max_tokens=500, n=2, cancel_after_tokens=3)
+    big = _trace(*(Request(id=f"r{i}", at_ms=i, prompt_tokens=4000, max_tokens=500, cancel_after_tokens=3)
                    for i in range(9)))
     plain = _trace(Request(id="a", at_ms=0, prompt_tokens=100, max_tokens=10))
     assert signature(FindingKind.LEAK, small) == signature(FindingKind.LEAK, big)
     assert signature(FindingKind.LEAK, small) != signature(FindingKind.LEAK, plain)
+    # How the clients leave tells leaks apart (an engine may lose an n > 1 request's abort alone).
+    fanned = _trace(*(Request(id=f"r{i}", at_ms=i, prompt_tokens=4000, max_tokens=500, n=2, cancel_after_tokens=3)
+                      for i in range(9)))
+    assert signature(FindingKind.LEAK, fanned) != signature(FindingKind.LEAK, big)
     # Crashes keep the trace's shape: two traces of different shapes may crash the server differently.
     assert signature(FindingKind.CRASH, small) != signature(FindingKind.CRASH, big)
 
