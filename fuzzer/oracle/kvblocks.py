@@ -77,15 +77,16 @@ class KVBlocks:
     def release(self, j: Job) -> None:
         """``j`` leaves (ends or is preempted): its blocks are free but those another member still shares."""
         freed = j.held - j.shared
-        sharers = self.sharers.get(j.group, [])
-        if j in sharers:
-            sharers.remove(j)
+        # By identity: jobs are dataclasses, and two of them (waves of one request) may compare equal.
+        sharers = [s for s in self.sharers.get(j.group, ()) if s is not j] if j.group is not None else []
+        if j.group is not None:
+            self.sharers[j.group] = sharers
         paid = self.payer.get(j.group)
         if paid is not None and paid[0] is j:
             del self.payer[j.group]
             heir = max(sharers, key=lambda s: s.shared, default=None)
             if heir is not None:  # the member sharing the most blocks keeps them and pays from now on
-                sharers.remove(heir)
+                sharers[:] = [s for s in sharers if s is not heir]
                 freed -= heir.shared
                 self.payer[j.group] = (heir, heir.shared)
                 heir.shared = 0

@@ -360,10 +360,10 @@ def schedule(
         for j, c in chunks:
             j.chunk_steps.append((t - dt, dt))
             j.computed += c
-            if j.group is not None and j.computed >= _cacheable(j, a.block_size) > 0:
+            if j.group is not None and j.computed >= (cacheable := _cacheable(j, a.block_size)) > 0:
                 ready.setdefault(j.group, t)
                 if kv is not None:
-                    kv.computed_prefix(j, _cacheable(j, a.block_size))
+                    kv.computed_prefix(j, cacheable)
             if j.computed >= j.prompt + j.recompute:
                 j.tokens += 1
                 j.token_times.append(out_t)

@@ -137,11 +137,11 @@ class Confirmer:
                     continue  # slow when warm too, and found so: a cold arm could not tell it apart
             else:
                 key = warm_key
-            if candidate.kind is FindingKind.LEAK and len(leaving_clients(trace)) > 1:
+            if candidate.kind is FindingKind.LEAK and len(ways := leaving_clients(trace)) > 1:
                 split = await self._split_leak(trace, candidate, calibration)
                 if split is not None:
                     return split
-                if self._skip(key) or any(leak_signature({w}) in self.found for w in leaving_clients(trace)):
+                if any(leak_signature({w}) in self.found for w in ways):
                     continue  # no way leaks alone, and one of them is a known leak: that explains it
             if self._skip(key):
                 continue
