@@ -17,7 +17,8 @@ and which ones; on a clean server every finding is a false positive.
 
 ``--stop-when-right`` interrupts the campaign (SIGINT: it finishes the current execution and
 saves) once a finding is right, and reports the wall time and execution it was confirmed at.
-One JSON line per campaign goes to ``--out``; the database stays in ``--keep DIR`` if given.
+One JSON line per campaign goes to ``--out``, with how many requests each planted pathology delayed
+(found or not); the database and the ground truth stay in ``--keep DIR`` if given.
 """
 
 from __future__ import annotations
@@ -105,11 +106,23 @@ def judge_findings(store: Store, truth: dict[str, set[str]], campaign_id: int | 
     return out
 
 
+def delayed_by(truth: dict[str, set[str]]) -> dict[str, int]:
+    """How many requests each planted pathology delayed in the whole campaign, found or not."""
+    counts: dict[str, int] = {}
+    for names in truth.values():
+        for name in names:
+            if not name.startswith(SERVED):
+                counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def run(launch: str, *, duration: str, seed: int, stop_when_right: bool, keep: Path | None,
         extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        gt = Path(tmp) / "ground-truth.jsonl"
-        db = (keep or Path(tmp)) / f"truth-{os.getpid()}-{int(time.time())}.db"
+        name = f"truth-{os.getpid()}-{int(time.time())}"
+        db = (keep or Path(tmp)) / f"{name}.db"
+        # Kept beside the database: which requests a planted bug delayed, for a bug the campaign missed.
+        gt = (keep or Path(tmp)) / f"{name}.truth.jsonl"
         command = launch.replace("{gt}", shlex.quote(str(gt)))
         argv = [sys.executable, "-m", "fuzzer", "campaign", "--launch", command, "--duration", duration,
                 "--seed", str(seed), "--db", str(db), *extra]
@@ -146,7 +159,8 @@ def run(launch: str, *, duration: str, seed: int, stop_when_right: bool, keep: P
                    time_share={k: round(v / total, 3) for k, v in sorted(time_s.items(), key=lambda kv: -kv[1])},
                    time_s=time_s, findings=findings, first_right=first_right,
                    pathologies_found=sorted({name for f in findings for name in f["by"]}),
-                   false_positives=sum(not f["right"] for f in findings), db=str(db) if keep else None)
+                   false_positives=sum(not f["right"] for f in findings), db=str(db) if keep else None,
+                   truth=str(gt) if keep else None, delayed=delayed_by(read_truth(gt)))
         if proc.returncode not in (0, 1, 130):
             row["stderr"] = stderr[-2000:]
         return row

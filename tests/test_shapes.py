@@ -173,9 +173,13 @@ def test_a_shape_reaches_its_pathology_where_its_parent_does_not(op, pathology, 
     assert tried >= 10 and reached >= share * tried, (reached, tried)
 
 
-@pytest.mark.parametrize("max_model_len", [1, 64, 511, 512, 600, 4096])
-def test_shapes_fit_any_model_length_or_do_not_apply(max_model_len):
-    limits = Limits(max_model_len=max_model_len, max_output_tokens=min(1024, max_model_len))
+@pytest.mark.parametrize("max_model_len", [1, 64, 511, 512, 600, 4096, 8192])
+@pytest.mark.parametrize("kv_tokens", [None, 64000])
+def test_shapes_fit_any_model_length_or_do_not_apply(max_model_len, kv_tokens):
+    # The KV shapes apply only where the server reports its KV (64000 tokens: the held-out server's,
+    # whose 8192-token model length once refused prefix_under_pressure's owner: its prefix was a
+    # quarter of the KV capped at the length, and its output did not fit beside it).
+    limits = Limits(max_model_len=max_model_len, max_output_tokens=min(1024, max_model_len), kv_tokens=kv_tokens)
     for i in range(30):
         rng = random.Random(i)
         parent = generate(random.Random(i), Limits(max_model_len=max(max_model_len, 64)))

@@ -270,12 +270,18 @@ def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | N
     block = limits.block_size
     if not kv or room < 4:
         return None
-    prefix = min(kv // rng.choice([4, 8]), limits.max_model_len - 320) // block * block
+    # The owner is its prefix, a 32-token tail and an output of at most prefix // 24 tokens (below), a
+    # sharer its prefix, a tail of at most 64 and 32 tokens out: all within the model length (capped at
+    # the length alone, the owner of an 8192-token model was refused and no prefix was ever resident).
+    fits = min(limits.max_model_len - 96, (limits.max_model_len - 32) * 24 // 25)
+    prefix = min(kv // rng.choice([4, 8]), fits) // block * block
     if prefix < 4 * block:
         return None
     # Free KV after the owner's prefill is half its prefix: a latecomer's whole prompt does not fit,
     # its tail does, and a dozen decodes of this length do not use up the rest (no preemption).
     out = max(16, min(rng.choice([256, 512]), prefix // 24))
+    if prefix + 32 + out > limits.max_model_len:
+        return None
     victims = rng.randint(1, 2)
     fill = kv - prefix - prefix // 2
     per = limits.max_model_len - out - 16
