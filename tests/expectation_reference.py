@@ -56,7 +56,7 @@ def expect(
     variants.append(paper_schedule(trace, model, assumption, result, lookahead=True, window=0.0))
     variants.append(paper_schedule(trace, model.with_frontend_slack(), assumption, result, lookahead=True, window=0.0))
     if any(r.n > 1 for r in trace.requests):
-        variants.append(_fanout(trace, model, assumption, result))
+        variants += [_fanout(trace, m, assumption, result) for m in (model, *(model.scaled(k) for k in ENVELOPE_SCALES))]
     loaded = paper_schedule(trace, model, assumption, result)
     out: dict[str, Expectation] = {}
     for r in trace.requests:

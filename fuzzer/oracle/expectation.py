@@ -194,9 +194,16 @@ def _expect(
         if cap is not None:
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
         if any(r.n > 1 for r in requests):
-            # Each choice its own request that computes the prompt (fuzzer.oracle.paper.schedule, ``fanout``).
-            variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
-                                  fifo_frontend=assumption.frontend_fifo, fanout=True))
+            # Each choice its own request that computes the prompt (fuzzer.oracle.paper.schedule, ``fanout``),
+            # with the drift and the shared frontend the other schedules have: its prefills make steps of a
+            # whole budget, and on the held-out server a request sent during one met the next with a burst's
+            # chunks (100 ms) where the fan-out schedule alone gave it 33 ms (a confirmed false positive).
+            fifo = assumption.frontend_fifo
+            variants += [serve(requests, prefixes, sent, m, assumption, True, window=0.0, kv_blocks=cap,
+                               fifo_frontend=fifo, fanout=True) for m in (model, *(model.scaled(k) for k in ENVELOPE_SCALES))]
+            if fifo and model.frontend_token_s > 0:
+                variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                      fifo_frontend=True, shared_frontend=True, fanout=True))
         if assumption.long_prefill_threshold:
             # At most one prompt over the cap in partial prefill at a time: a legitimate policy
             # under which a long prompt waits out the previous long one's capped prefill.
