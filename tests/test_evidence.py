@@ -122,6 +122,30 @@ def test_a_preemptible_stream_that_resumed_right_after_another_preemption_waited
     assert waited_for_blocks(fixed, rose, 2.0, anyone=True)["d"].max_itl_s == 3.0 - times[-3] + 0.2
 
 
+def test_a_stream_that_a_later_request_streamed_past_while_it_was_silent_did_not_wait_for_blocks():
+    # The held-out server's bug7 (vLLM #41951's class): a preempted stream re-queued behind the queue;
+    # a request sent after it was admitted in its place and streamed while it waited. FCFS with
+    # newest-first preemption and re-queueing at the head never lets a later request run then.
+    d, bound = SILENT, SILENT_BOUND
+    expectations = {"d": bound, "o": _e("o", 0.02, 2.0), "w": _e("w", 0.02, 2.0)}
+
+    def run(w_sent: float, w_tokens: tuple[float, ...]) -> ExecutionResult:
+        w = RequestResult("w", "w", w_sent, w_sent, Outcome.OK, ttft_s=w_tokens[0] - w_sent,
+                          first_event_s=w_tokens[0] - w_sent, token_times_s=tuple(t - w_sent for t in w_tokens),
+                          e2e_s=w_tokens[-1] - w_sent)
+        return _result(d, _r("o", 0.0, 0.02, 3.0), w)
+
+    passed = run(0.5, tuple(np.arange(1.5, 2.5, 0.05).tolist()))
+    assert waited_for_blocks(expectations, passed, 2.0)["d"] == bound
+    # Controls: an engine not held to that order; w sent with d (FCFS may have admitted it first:
+    # it is preempted first, not held back); w streaming only at the silence's edges.
+    assert waited_for_blocks(expectations, passed, 2.0, preempted_first=False)["d"].max_itl_s == 3.0 - SILENT_TIMES[-3] + 0.2
+    alongside = run(0.0, tuple(np.arange(1.5, 2.5, 0.05).tolist()))
+    assert waited_for_blocks(expectations, alongside, 2.0)["d"].max_itl_s > bound.max_itl_s
+    edges = run(0.5, (0.99, 1.0, 1.01, 3.05, 3.06))
+    assert waited_for_blocks(expectations, edges, 2.0)["d"].max_itl_s > bound.max_itl_s
+
+
 # --- a stream still in the system when a prompt chunk is computed ----------------------------------
 
 

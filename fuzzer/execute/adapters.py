@@ -213,6 +213,9 @@ _VLLM = Adapter(
         "prefix_caching": True,
         "scheduling_policy": "fcfs",
         "preemption": "recompute, newest running request first",
+        # v1/core/sched/scheduler.py: the newest running request is popped first and a preempted one
+        # is prepended to the waiting queue; nothing waiting is admitted in a step that preempted.
+        "preempted_first": True,
     },
     tokenize_path="/tokenize",
     tokenize_body=_openai_tokenize_body,

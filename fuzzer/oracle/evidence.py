@@ -71,7 +71,9 @@ def bounds(
             # any of its streams may have been the one preempted.
             anyone = expected_preemptions(trace, model, a, result) == 0
             expectations = waited_for_blocks(behind_preempted(expectations, result), result, policy.factor,
-                                             anyone=anyone)
+                                             anyone=anyone, reach_s=policy.order_reach_s,
+                                             lead_s=policy.min_margin_s + (result.client_lag_s or 0.0),
+                                             preempted_first=a.preempted_first)
             expectations = waited_for_free_kv(expectations, result, policy.factor)
     else:
         expectations = expect(trace, model, a, result)
@@ -135,7 +137,9 @@ def behind_preempted(expectations: dict[str, Expectation], result: ExecutionResu
 
 
 def waited_for_blocks(
-    expectations: dict[str, Expectation], result: ExecutionResult, factor: float, *, anyone: bool = False
+    expectations: dict[str, Expectation], result: ExecutionResult, factor: float, *, anyone: bool = False,
+    reach_s: float = DEFAULT_POLICY.order_reach_s, lead_s: float = DEFAULT_POLICY.min_margin_s,
+    preempted_first: bool = True,
 ) -> dict[str, Expectation]:
     """``expectations`` with each preemptible stream's longest gap bounded by the KV blocks it waited for, as observed.
 
@@ -151,6 +155,11 @@ def waited_for_blocks(
     at the gap's end, when that scrape came later). The caller applies this only when the server
     reported preemptions and the execution did not thrash; with ``anyone`` (no KV-aware schedule
     preempted, yet the server did) every stream is taken as preemptible.
+
+    On an engine that keeps FCFS order through preemption (``preempted_first``), no wait is allowed
+    a stream that a later request streamed past during its gap (:func:`passed_while_silent`, with
+    ``reach_s`` and ``lead_s``): the blocks that freed went to that request, where the engine
+    re-admits the preempted stream first (vLLM #41951's class: a preempted request re-queued last).
     """
     ends = _ends(expectations, result, factor)
     rises = _preempted_at(result)
@@ -162,6 +171,8 @@ def waited_for_blocks(
         gaps = np.diff(np.asarray(r.token_times_s))
         k = int(np.argmax(gaps))
         start, end = r.sent_s + r.token_times_s[k], r.sent_s + r.token_times_s[k + 1]
+        if preempted_first and passed_while_silent(r, result, start, end, reach_s, lead_s) is not None:
+            continue
         freed = [t for t, pid in ends if pid != r.request_id and start < t <= end and end - t <= e.max_itl_s]
         freed += [min(seen, end) for before, seen in rises if before < end and seen > start
                   and end - min(seen, end) <= e.max_itl_s]
@@ -169,6 +180,33 @@ def waited_for_blocks(
             t = max(freed)
             out[r.request_id] = replace(e, max_itl_s=max(e.max_itl_s, t - start + e.max_itl_s))
     return out
+
+
+#: Tokens a later stream must have streamed inside a stream's silence to have passed it: more than
+#: one step's at either edge (the step that preempted the silent stream, the step that re-admitted
+#: it) and more than an engine that streams every few steps (vLLM's ``--stream-interval``) sends
+#: inside a silence of that length.
+PASSED_TOKENS = 3
+
+
+def passed_while_silent(r: RequestResult, result: ExecutionResult, start: float, end: float, reach_s: float,
+                        lead_s: float) -> str | None:
+    """A request sent at least ``reach_s`` after ``r`` that streamed PASSED_TOKENS tokens while ``r``
+    was silent (from ``start`` to ``end``, ``lead_s`` in from either edge), or None.
+
+    Under FCFS the later request was admitted after ``r``. An engine that preempts the newest running
+    request first and puts a preempted one back at the head of its queue (vLLM v1's recompute
+    preemption; ``SchedulerAssumption.preempted_first``) never lets it run while ``r`` waits: it is
+    preempted before ``r`` is, and admitted after ``r`` is re-admitted. A later request that
+    streams while ``r`` is silent got the blocks ``r`` waited for.
+    """
+    for w in result.requests:
+        if w.request_id == r.request_id or w.sent_s < r.sent_s + reach_s:
+            continue
+        inside = sum(start + lead_s < w.sent_s + t < end - lead_s for t in w.token_times_s)
+        if inside >= PASSED_TOKENS:
+            return w.request_id
+    return None
 
 
 def waited_for_free_kv(expectations: dict[str, Expectation], result: ExecutionResult, factor: float) -> dict[str, Expectation]:

@@ -142,6 +142,11 @@ class SchedulerAssumption:
     #: ones passing it in the queue (vLLM v0's ``--max-long-partial-prefills 1``): legitimate
     #: policies under which a long prompt is served later than plain FCFS serves it.
     long_prefill_threshold: int = 0
+    #: The engine preempts the newest running request first and puts a preempted request back at
+    #: the head of its waiting queue (vLLM v1's recompute preemption), so no later request runs
+    #: while an earlier one waits for its blocks again (fuzzer.oracle.evidence.passed_while_silent).
+    #: False for engines that choose whom to retract otherwise (SGLang) or whose order is not assumed.
+    preempted_first: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
@@ -159,6 +164,8 @@ class SchedulerAssumption:
         order = "admission in arrival order" if self.arrival_order else "admission order not assumed"
         if self.frontend_fifo:
             order += ", frontend in arrival order"
+        if self.arrival_order and self.preempted_first:
+            order += ", newest preempted first and re-queued first"
         cap = ""
         if self.long_prefill_threshold:
             cap = (f", at most {self.long_prefill_threshold} prompt tokens per request per step beside others "
@@ -180,11 +187,13 @@ class SchedulerAssumption:
             "arrival_order": self.arrival_order,
             "frontend_fifo": self.frontend_fifo,
             "long_prefill_threshold": self.long_prefill_threshold,
+            "preempted_first": self.preempted_first,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SchedulerAssumption:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        # A calibration stored before preempted_first existed does not say: the rule it gates stays off.
+        return cls(**{"preempted_first": False, **{k: data[k] for k in cls.__dataclass_fields__ if k in data}})
 
 
 #: Names under which engines document the per-step token budget (server adapters'
@@ -237,4 +246,6 @@ def assumption_for(
         source += "; user override of " + ", ".join(sorted(overrides))
     # FCFS by arrival is documented for vLLM and SGLang ("fcfs"); for the others it is not assumed.
     arrival_order = defaults.get("scheduling_policy") == "fcfs"
-    return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order, frontend_fifo=True)
+    preempted_first = arrival_order and bool(defaults.get("preempted_first"))
+    return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order, frontend_fifo=True,
+                               preempted_first=preempted_first)
