@@ -202,3 +202,31 @@ def test_a_seeded_batch_or_a_timed_out_client_is_a_family_of_its_own_and_old_sig
     for change in ({"seed": 5}, {"disconnect_after_ms": 20.0}):
         changed = seed_trace.with_requests([replace(r, **change) if r is other else r for r in seed_trace.requests])
         assert signature(kind, changed, victim) != base[0] and family(kind, changed, victim) != base[1]
+
+
+def test_a_victim_that_reuses_a_resident_prefix_or_a_burst_beyond_the_kv_is_a_family_of_its_own():
+    # With every bug on, the held-out server's bug6 (admission counting resident prefix blocks as new)
+    # and bug7 (a preempted request re-queued last) shared one ttft/itl family with bug5's stalls
+    # beside long prompts, whose findings had doubled the family's back-off before either was confirmed.
+    from fuzzer.oracle.kinds import FindingKind
+    from fuzzer.oracle.signature import burst_kv, family
+    from fuzzer.trace import Request, Trace
+
+    kind = FindingKind.TTFT_OUTLIER
+    owner = Request(id="owner", at_ms=0, prompt_tokens=4032, max_tokens=400, prefix="sys")
+    plain = Trace(requests=(Request(id="o", at_ms=0, prompt_tokens=4032, max_tokens=400),
+                            Request(id="v", at_ms=500, prompt_tokens=4032, max_tokens=32)))
+    shared = Trace(requests=(owner, Request(id="v", at_ms=500, prompt_tokens=4032, max_tokens=32, prefix="sys")),
+                   prefixes={"sys": 4000})
+    first = Trace(requests=(Request(id="v", at_ms=0, prompt_tokens=4032, max_tokens=32, prefix="sys"),
+                            Request(id="o", at_ms=500, prompt_tokens=4032, max_tokens=400, prefix="sys")),
+                  prefixes={"sys": 4000})
+    assert family(kind, shared, "v") != family(kind, plain, "v")
+    assert family(kind, first, "v") == family(kind, plain, "v")  # the victim computes the prefix itself
+    # The prefix counts once: 4032 + 400 + 32 + 32 tokens, not 8000 more.
+    assert burst_kv(shared) == 4032 + 400 + 32 + 32
+    assert family(kind, plain, "v", kv_tokens=4000) != family(kind, plain, "v")
+    assert family(kind, plain, "v", kv_tokens=64000) == family(kind, plain, "v")
+    # Requests further apart than a burst do not add up.
+    apart = Trace(requests=(plain.requests[0], Request(id="v", at_ms=5000, prompt_tokens=4032, max_tokens=32)))
+    assert burst_kv(apart) == 4432 and family(kind, apart, "v", kv_tokens=8000) == family(kind, apart, "v")

@@ -2,8 +2,8 @@
 
 Two findings with one signature are "the same bug" as a maintainer would count them: ids,
 exact numbers and timings are left out, log2 size classes kept. A *family* is coarser: the kind,
-whether the victim fans out, and what the trace does to everyone's batch (a seeded request, a
-client that times out); one bug met in many trace shapes has many signatures but one family, so a
+whether the victim fans out or reuses a resident prefix, and what the trace does to everyone's
+batch or KV (a seeded request, a client that times out, a burst beyond the KV cache); one bug met in many trace shapes has many signatures but one family, so a
 campaign confirms a family it has found again only now and then (fuzzer.search.confirming).
 """
 
@@ -131,18 +131,45 @@ def _trace_shape(trace: Trace) -> dict[str, Any]:
     }
 
 
-def family(kind: FindingKind, trace: Trace, request_id: str | None) -> str:
+#: Requests sent within this long of each other count as one burst for the KV a trace asks for at once.
+BURST_WINDOW_MS = 2000.0
+
+
+def family(kind: FindingKind, trace: Trace, request_id: str | None, kv_tokens: int | None = None) -> str:
     """The coarse key of a latency finding: its kind, whether its victim fans out (n > 1 or
-    logprobs) and whether the trace holds a seeded request or a client that times out, with sizes,
-    neighbours, timings and the victim's API, streaming and prefix left out.
+    logprobs), whether it reuses a prefix an earlier request of the trace computed, whether the
+    trace holds a seeded request or a client that times out, and whether a burst of it asks for more
+    KV than the server's ``kv_tokens`` (where known); sizes, neighbours, timings and the victim's
+    API, streaming and own cancel left out.
     Other kinds keep their signature: a leak is one per way of leaving already, a failure is told
     apart by its outcome."""
     if request_id is None or kind not in (FindingKind.TTFT_OUTLIER, FindingKind.ITL_STALL, FindingKind.E2E_OUTLIER):
         return signature(kind, trace, request_id)
     shape = request_shape(trace, trace.request(request_id))
-    # Whether the victim streams, its API, a shared prefix or its own cancel do not tell a
-    # scheduler bug apart (one bug met 9 families of those in a campaign on the held-out server);
-    # fan-out and what the trace does to everyone's batch (a seeded request, a client that times out) may.
-    coarse = {"fanout": shape["fanout"], "version": 2}
+    # Whether the victim streams, its API or its own cancel do not tell a scheduler bug apart (one bug
+    # met 9 families of those and of shared prefixes in a campaign on the held-out server); fan-out and
+    # what the trace does to everyone's batch (a seeded request, a client that times out) may, and so
+    # may the engine's prefix cache and KV pressure: admission that counts resident prefix blocks
+    # (vLLM #37308's class) and preemption order (vLLM #41951) are other code than a step's
+    # composition, and with one family their findings waited behind a compute bug's back-off.
+    coarse: dict[str, Any] = {"fanout": shape["fanout"], "version": 2}
     coarse.update(_batch_traits(trace))
+    # Keys added after the first release only where they hold, so earlier families stay.
+    if shape["before_same_prefix"]:
+        coarse["reuses_prefix"] = True
+    if kv_tokens and burst_kv(trace) > kv_tokens:
+        coarse["over_kv"] = True
     return _key(kind, {"kind": kind.value, "family": coarse}).replace(":", ":family-", 1)
+
+
+def burst_kv(trace: Trace) -> int:
+    """The most KV tokens the requests sent within BURST_WINDOW_MS of each other ask for: prompts
+    (a shared prefix once) and every choice's max_tokens."""
+    ordered = sorted(trace.requests, key=lambda r: r.at_ms)
+    most = 0
+    for i, first in enumerate(ordered):
+        burst = [r for r in ordered[i:] if r.at_ms - first.at_ms <= BURST_WINDOW_MS]
+        prefixes = {r.prefix for r in burst if r.prefix is not None}
+        shared = sum(trace.prefixes.get(p, 0) * (sum(r.prefix == p for r in burst) - 1) for p in prefixes)
+        most = max(most, sum(r.prompt_tokens + r.n * r.max_tokens for r in burst) - shared)
+    return most

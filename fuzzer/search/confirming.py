@@ -145,7 +145,7 @@ class Confirmer:
                     continue  # no way leaks alone, and one of them is a known leak: that explains it
             if self._skip(key):
                 continue
-            fam = family(candidate.kind, trace, candidate.request_id) if key == warm_key else None
+            fam = family(candidate.kind, trace, candidate.request_id, kv_tokens(calibration)) if key == warm_key else None
             if fam is not None and self._family_found(fam, sighted):
                 continue
             self.candidates += 1
@@ -237,19 +237,20 @@ class Confirmer:
                 self._checkpoint()
                 raise
         if verdict.is_finding:
-            self._record(trace, verdict, key, fam)
+            self._record(trace, verdict, key, fam, kv_tokens(calibration))
             if candidate.kind is FindingKind.CRASH:
                 await self._recover()
         else:
             self.rejected[key] = 0
         return verdict
 
-    def _record(self, trace: Trace, verdict: Verdict, key: str, fam: str | None = None) -> None:
+    def _record(self, trace: Trace, verdict: Verdict, key: str, fam: str | None = None,
+                kv: int | None = None) -> None:
         sig = verdict.signature or key
         details: dict[str, Any] = {"request_id": verdict.request_id, "pre_signature": key}
         if verdict.kind is not None and verdict.request_id is not None:
             # The family of what was confirmed (a candidate's kind may have become another, say cold-start).
-            fam = family(verdict.kind, trace, verdict.request_id)
+            fam = family(verdict.kind, trace, verdict.request_id, kv)
         if fam is not None:
             details["family"] = fam
             self.families[fam] = self.families.get(fam, 0) + 1
@@ -263,6 +264,12 @@ class Confirmer:
             self.new_findings.append((finding_id, str(verdict.kind)))
             self.last_find = self._clock()
             self._on_finding(finding_id, verdict)
+
+
+def kv_tokens(calibration: Calibration) -> int | None:
+    """The server's KV cache in tokens, where it reports its size (a family trait: fuzzer.oracle.signature)."""
+    a = calibration.assumption
+    return a.kv_blocks * a.block_size if a.kv_blocks else None
 
 
 def family_gap(findings: int) -> int:
