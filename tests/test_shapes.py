@@ -136,20 +136,28 @@ def test_prefix_under_pressure_leaves_the_tails_room_but_not_the_whole_prompts_a
         rng = random.Random(i)
         parent = generate(rng, limits)
         child = shapes.prefix_under_pressure(parent, rng, limits)
+        if child is None:
+            continue  # the parent's requests hold too much of the cache for the shape
         tf.validate(child)
         new = [r for r in child.requests if r not in parent.requests]
         owner = next(r for r in new if r.id.startswith("owner"))
-        held = sum(r.prompt_tokens for r in new if not r.id.startswith("sharer"))
-        free = limits.kv_tokens - held
-        # After the prefills: a sharer's whole prompt does not fit the free KV, its tail does.
-        assert all(r.prefix == owner.prefix and r.prompt_tokens > free > r.prompt_tokens - child.prefixes[r.prefix]
-                   for r in new if r.id.startswith("sharer"))
+        sharers = [r for r in new if r.id.startswith("sharer")]
+        held = sum(r.prompt_tokens for r in new if r not in sharers)
+        # The parent's requests that may still hold KV while the shape runs, at their full length.
+        start = min(r.at_ms for r in new)
+        near = sum(r.prompt_tokens + r.n * r.max_tokens for r in parent.requests if r.at_ms >= start - 1000)
+        free = limits.kv_tokens - held - near
+        # After the prefills a sharer's whole prompt does not fit the free KV; once every decode has
+        # grown to its end, every sharer's tail and output still do (nobody is preempted by design).
+        grown = free - sum(r.max_tokens for r in new if r not in sharers)
+        assert all(r.prefix == owner.prefix and r.prompt_tokens > free for r in sharers)
+        assert grown >= sum(r.prompt_tokens - child.prefixes[r.prefix] + r.max_tokens for r in sharers)
         target = VirtualTarget(pathologies=("resident-prefix-refusal",), seed=i)
         if any(target.run(parent).ground_truth.values()):
             continue
         tried += 1
         reached += any(target.run(child).ground_truth.values())
-    assert tried >= 10 and reached >= 0.6 * tried, (reached, tried)  # 15 of 20 when written
+    assert tried >= 8 and reached >= 0.6 * tried, (reached, tried)  # 12 of 12 (12 of 20 applied) when written
 
 
 @pytest.mark.parametrize("op, pathology, share", [

@@ -277,16 +277,31 @@ def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | N
     prefix = min(kv // rng.choice([4, 8]), fits) // block * block
     if prefix < 4 * block:
         return None
-    # Free KV after the owner's prefill is half its prefix: a latecomer's whole prompt does not fit,
-    # its tail does, and a dozen decodes of this length do not use up the rest (no preemption).
+    # Free KV after the owner's prefill is half its prefix plus what the decodes and the latecomers
+    # will take: a latecomer's whole prompt does not fit, its tail does, and nobody is preempted.
+    # The parent's requests sent from a second before the shape on may hold KV too (all of theirs at
+    # once: an upper bound): they take the room the latecomers' whole prompts do not need, and a
+    # parent that holds more makes no such shape. Without the decodes in the sum, a seed trace's
+    # requests beside the shape ran the held-out server's cache out by design: the latecomer was
+    # preempted on paper, its bound took the wait, and bug6 hid in it.
     out = max(16, min(rng.choice([256, 512]), prefix // 24))
     if prefix + 32 + out > limits.max_model_len:
         return None
-    victims = rng.randint(1, 2)
-    fill = kv - prefix - prefix // 2
+    victims = rng.randint(2, 3)
     per = limits.max_model_len - out - 16
-    count = min(room - 1 - victims, max(0, -(-fill // per)))
+    count = min(room - 1 - victims, max(0, -(-(kv - prefix - prefix // 2) // per)))
+    growth = (count + 1) * out + victims * (64 + 32)
+    slack = prefix // 2 - growth - block
+
+    def near(at: float) -> int:
+        return sum(r.prompt_tokens + r.n * r.max_tokens for r in trace.requests if r.at_ms >= at - 1000.0)
+
     at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    if near(at) > slack:
+        at = trace.duration_ms() + 1000.0  # after the parent, then
+    if count < 1 or near(at) > slack:
+        return None
+    fill = kv - (prefix + 32) - prefix // 2 - growth - near(at)
     name = fresh_name(set(trace.prefixes), "held")
     current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: prefix}, name=trace.name)
     added = [Request(id=fresh_id(current, f"fill{i}"), at_ms=at + i, prompt_tokens=max(1, min(per, fill // count)),
@@ -295,10 +310,13 @@ def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | N
     owner = Request(id=fresh_id(current, "owner"), at_ms=at + count + 1, prompt_tokens=prefix + 32, max_tokens=out,
                     prefix=name)
     current = replace(current, requests=(*current.requests, owner))
-    delay = rng.choice([100.0, 500.0, 2000.0])
+    # The latecomers come while the long prompts are still computed (in the queue behind them, by
+    # design) or once they decode (admitted at once, where the resident prefix is counted once): how
+    # long either lasts depends on the server's speed, so they come a factor of four apart.
+    delay = rng.choice([100.0, 250.0, 500.0])
     for i in range(victims):
         tail = rng.choice([16, 32, 64])
-        late = Request(id=fresh_id(current, f"sharer{i}"), at_ms=owner.at_ms + delay * (i + 1),
+        late = Request(id=fresh_id(current, f"sharer{i}"), at_ms=owner.at_ms + delay * 4 ** i,
                        prompt_tokens=prefix + tail, max_tokens=32, prefix=name)
         current = replace(current, requests=(*current.requests, late))
     return current.with_requests(current.requests)
