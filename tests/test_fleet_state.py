@@ -65,3 +65,51 @@ def test_mutants_fit_every_target_of_the_fleet_and_the_campaigns_own_limits():
     got = _narrowest([small, large], settings)
     assert got.max_model_len == 4096 and got.unsupported == {"n", "logprobs"} and got.max_n == 1
     assert (got.max_requests, got.max_output_tokens) == (10, 128)
+
+
+def test_the_coordinator_backs_off_a_found_family_and_strips_a_found_leaks_disconnects(store):
+    """The fleet confirms as a campaign does (fuzzer.search.confirming): a new signature of a found
+    family once in FAMILY_EVERY sightings, and no child keeps a disconnect whose leak is confirmed."""
+    from types import SimpleNamespace
+
+    from fuzzer.execution import ExecutionResult
+    from fuzzer.fleet.coordinator import Coordinator
+    from fuzzer.fleet.state import UP
+    from fuzzer.oracle.kinds import FindingKind
+    from fuzzer.oracle.signature import family, leak_signature
+    from fuzzer.oracle.verdict import Decision, Verdict
+    from fuzzer.search.confirming import FAMILY_EVERY
+    from fuzzer.search.mutators import NullMutator
+    from fuzzer.search.settings import Settings
+
+    coordinator = Coordinator(None, [FleetTarget("a", url="http://127.0.0.1:1", kind="k")], store, Settings())
+    coordinator._open()
+    coordinator.mutator = NullMutator(Limits())
+    t = coordinator.targets["a"]
+    t.status, t.info = UP, {"limits": Limits().to_dict()}
+    kind = FindingKind.TTFT_OUTLIER
+    # Traces in which a request v follows k others of growing prompts: new signatures, one family.
+    traces = [Trace(requests=(*(Request(id=f"o{i}", at_ms=i, prompt_tokens=16 << k, max_tokens=8) for i in range(k)),
+                              Request(id="v", at_ms=20, prompt_tokens=256, max_tokens=32))) for k in range(2 + FAMILY_EVERY)]
+    assert len({family(kind, tr, "v") for tr in traces}) == 1
+    candidate = {"kind": str(kind), "request_id": "v", "metric": "ttft", "ratio": 9.0, "after_idle": False, "detail": ""}
+    found = Verdict(kind, Decision.DIFFERENT, "test", request_id="v", reproduced=3, runs=3)
+    coordinator._confirmed(t, Task("confirm", traces[0], candidate=candidate, key="k0"),
+                           SimpleNamespace(runs=[], verdict=found.to_dict()))
+    assert store.list_findings()[0].details["family"] == family(kind, traces[0], "v")
+    queued = []
+    for tr in traces[1:]:
+        result = ExecutionResult(tr.content_hash(), "http://127.0.0.1:1", 0.0, 1.0, ())
+        coordinator._executed(t, Task("fuzz", tr, operators=("x",)),
+                              SimpleNamespace(result=result, coverage=Coverage(frozenset({tr.content_hash()})),
+                                              candidates=[candidate]))
+        queued.append(len(t.confirm))
+        t.confirm.clear()
+    # Passed over FAMILY_EVERY - 1 times, then confirmed once again (a second bug of the family is still found).
+    assert queued[:FAMILY_EVERY] == [0] * (FAMILY_EVERY - 1) + [1]
+    # A child made once a leak by cancels is confirmed keeps no cancel.
+    coordinator.found.add(leak_signature({"cancel"}))
+    parent = Trace(requests=(Request(id="c", at_ms=0, prompt_tokens=64, max_tokens=512, cancel_after_tokens=4),))
+    t.corpus.add(parent, [Coverage(frozenset({"p"}))])
+    child = coordinator._next_task(t).trace
+    assert all(r.cancel_after_tokens is None for r in child.requests)

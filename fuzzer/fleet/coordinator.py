@@ -10,7 +10,10 @@ the campaign's database: every execution is stored with the id of the target it 
   something new.
 - A candidate is confirmed on the target it was seen on; a confirmed finding is deduplicated
   by signature across targets and then re-checked on every other target of the same
-  ``kind``; its details say on which targets it reproduced.
+  ``kind``; its details say on which targets it reproduced. As in a campaign, a found family
+  is confirmed again only now and then (:class:`fuzzer.search.confirming.Families`) and children
+  lose the disconnects of a confirmed leak's way; a leak of several ways is confirmed as it is
+  (a campaign confirms it one way at a time).
 - A worker (or its node) that dies is detected when its task is collected: its target is
   marked down, its fuzzing work goes to the others, its confirmations to a target of the
   same kind (or stay pending until one is up). A server that cannot be reached several
@@ -34,10 +37,10 @@ from fuzzer.fleet.pool import WorkerLost
 from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, to_state
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.oracle.kinds import FindingKind
-from fuzzer.oracle.signature import signature
+from fuzzer.oracle.signature import family, signature
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import recently_rejected
-from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
+from fuzzer.search.confirming import Families, recently_rejected
+from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats, without_found_leaks
 from fuzzer.search.settings import ExitReason, Settings, stop_reason
 from fuzzer.store import Store
 from fuzzer.trace import Trace
@@ -100,6 +103,8 @@ class Coordinator:
         self.orphans: list[tuple[str, Task]] = []
         self.rejected: dict[str, int] = {}
         self.found: set[str] = {f.signature for f in store.list_findings()}
+        #: The back-off of found families, as a campaign's (fuzzer.search.confirming.Families).
+        self.families = Families(store.list_findings())
         self.new_findings: list[tuple[int, str, str]] = []
         self._inflight: dict[Any, tuple[str, Task]] = {}
         self._since_checkpoint = 0
@@ -125,6 +130,7 @@ class Coordinator:
                 self.rng.setstate((version, tuple(internal), gauss))
             self.retry, self.orphans = from_state(self.targets, state, self.store.get_trace)
             self.rejected = dict(state.get("rejected", {}))
+            self.families.seen = dict(state.get("family_seen", {}))
         self._operators = OperatorStats.from_dict(state.get("operators", {}))
         return latest is not None and "fleet" in latest["settings"]
 
@@ -236,7 +242,8 @@ class Coordinator:
         parent = t.corpus.choose(self.rng)
         other = t.corpus.choose(self.rng).trace if len(t.corpus) > 1 else None
         child: Child = self.mutator.mutate(parent.trace, self.rng, other)
-        return Task("fuzz", child.trace, parent=parent.id, operators=child.operators)
+        # As a campaign's: a disconnect whose leak is confirmed could only find it again.
+        return Task("fuzz", without_found_leaks(child.trace, self.found), parent=parent.id, operators=child.operators)
 
     # --- results ---------------------------------------------------------------------------
 
@@ -289,9 +296,13 @@ class Coordinator:
             for other in self.targets.values():
                 if other is not t and other.status == UP:
                     other.inbox.append(Task("sync", task.trace, operators=("sync",)))
+        sighted: set[str] = set()  # a found family is sighted once per execution
         for candidate in done.candidates:
-            key = signature(FindingKind(candidate["kind"]), task.trace, candidate.get("request_id"))
+            kind, victim = FindingKind(candidate["kind"]), candidate.get("request_id")
+            key = signature(kind, task.trace, victim)
             if self._skip(key):
+                continue
+            if self.families.pass_over(family(kind, task.trace, victim, self._kv(t)), sighted):
                 continue
             t.confirm.append(Task("confirm", task.trace, candidate=candidate, key=key))
             self._checkpoint(force=True)  # a candidate must survive the coordinator
@@ -315,11 +326,15 @@ class Coordinator:
             self.rejected[task.key] = 0
             return
         sig = verdict.signature or task.key
+        details = {"request_id": verdict.request_id, "pre_signature": task.key, "target": t.name,
+                   "targets": {t.name: verdict.reproduction}}
+        if verdict.kind is not None and verdict.request_id is not None:
+            details["family"] = family(verdict.kind, task.trace, verdict.request_id, self._kv(t))
+            self.families.record(details["family"])
         finding_id, created = self.store.add_finding(
             kind=str(verdict.kind), signature=sig, trace=task.trace, verdict=verdict.to_dict(),
             slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=self.campaign_id,
-            target_id=t.target_id, details={"request_id": verdict.request_id, "pre_signature": task.key,
-                                            "target": t.name, "targets": {t.name: verdict.reproduction}},
+            target_id=t.target_id, details=details,
         )
         self.found.update({sig, task.key})
         if not created:
@@ -332,6 +347,11 @@ class Coordinator:
                 other.confirm.append(Task("recheck", task.trace, candidate=task.candidate, key=task.key,
                                           finding_id=finding_id, origin=t.name))
         self._checkpoint(force=True)
+
+    @staticmethod
+    def _kv(t: TargetState) -> int | None:
+        """The target's KV cache in tokens, where it reports its size (a family trait)."""
+        return Limits.from_dict(t.info["limits"]).kv_tokens if t.info.get("limits") else None
 
     def _rechecked(self, t: TargetState, task: Task, verdict: Verdict) -> None:
         outcome = verdict.reproduction if verdict.is_finding else f"not reproduced ({verdict.decision})"
@@ -393,6 +413,7 @@ class Coordinator:
             "rng": [version, list(internal), gauss],
             "operators": self._operators.to_dict(),
             "rejected": self.rejected,
+            "family_seen": self.families.seen,
             **self._state(),
             "stats": {"executions": self.executions, "elapsed_s": elapsed,
                       "execs_per_min": 60.0 * self._stored_here / elapsed,

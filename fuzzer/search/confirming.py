@@ -11,7 +11,7 @@ one whose every run is stored and counted as a campaign execution, and that rais
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -101,14 +101,8 @@ class Confirmer:
         found = store.list_findings()
         #: Signatures (and pre-signatures) already found: never confirmed again.
         self.found: set[str] = {f.signature for f in found}
-        #: Families of the latency findings -> how many findings each has: a new signature of one is
-        #: confirmed once in FAMILY_EVERY * 2**(findings - 1) sightings (family_gap).
-        self.families: dict[str, int] = {}
-        for f in found:
-            if fam := f.details.get("family"):
-                self.families[fam] = self.families.get(fam, 0) + 1
-        #: Family -> sightings of new signatures of it since its last confirmation.
-        self.family_seen: dict[str, int] = dict(state.get("family_seen", {}))
+        #: The families of the latency findings, and their back-off.
+        self.families = Families(found, state.get("family_seen", {}))
         #: Pre-signatures whose confirmation came back SAME -> times seen since.
         self.rejected: dict[str, int] = dict(state.get("rejected", {}))
         #: Candidates whose confirmation the deadline cut short: (trace, candidate, key).
@@ -146,7 +140,7 @@ class Confirmer:
             if self._skip(key):
                 continue
             fam = family(candidate.kind, trace, candidate.request_id, kv_tokens(calibration)) if key == warm_key else None
-            if fam is not None and self._family_found(fam, sighted):
+            if fam is not None and self.families.pass_over(fam, sighted):
                 continue
             self.candidates += 1
             return await self._confirm_candidate(trace, candidate, key, calibration, fam)
@@ -174,21 +168,6 @@ class Confirmer:
     def _skip(self, key: str) -> bool:
         """Found already, or rejected and not yet seen RECONFIRM_AFTER times since (counted here)."""
         return key in self.found or recently_rejected(self.rejected, key)
-
-    def _family_found(self, fam: str, sighted: set[str]) -> bool:
-        """Whether to pass over a new signature of a found family: all but one in family_gap sightings
-        (executions that show it: ``sighted`` holds the families this execution has shown already)."""
-        if fam not in self.families:
-            return False
-        if fam in sighted:
-            return True
-        sighted.add(fam)
-        seen = self.family_seen.get(fam, 0) + 1
-        if seen >= family_gap(self.families[fam]):
-            self.family_seen[fam] = 0
-            return False
-        self.family_seen[fam] = seen
-        return True
 
     async def _check_slo(self, trace: Trace, result: ExecutionResult) -> Verdict | None:
         """Confirm the request furthest over the SLO (bounded re-runs); an OutOfTime drops it (no pending)."""
@@ -220,7 +199,7 @@ class Confirmer:
         """What a checkpoint keeps of the confirmations (the campaign's ``rejected`` and ``pending``)."""
         return {
             "rejected": self.rejected,
-            "family_seen": self.family_seen,
+            "family_seen": self.families.seen,
             "pending": [{**candidate_to_dict(c), "trace_hash": t.content_hash(), "key": k} for t, c, k in self.pending],
         }
 
@@ -253,7 +232,7 @@ class Confirmer:
             fam = family(verdict.kind, trace, verdict.request_id, kv)
         if fam is not None:
             details["family"] = fam
-            self.families[fam] = self.families.get(fam, 0) + 1
+            self.families.record(fam)
         finding_id, created = self._store.add_finding(
             kind=str(verdict.kind), signature=sig, trace=trace, verdict=verdict.to_dict(),
             slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=self._campaign_id,
@@ -264,6 +243,43 @@ class Confirmer:
             self.new_findings.append((finding_id, str(verdict.kind)))
             self.last_find = self._clock()
             self._on_finding(finding_id, verdict)
+
+
+class Families:
+    """The back-off of found families (a campaign's and a fleet's): a new signature of a family with
+    findings is confirmed once in family_gap sightings, an execution that shows the family being one
+    sighting however many of its requests show it.
+
+    ``found``: the stored findings (their ``family`` detail counts); ``seen``: a checkpoint's sightings
+    of each family since its last confirmation.
+    """
+
+    def __init__(self, found: Iterable[Any] = (), seen: Mapping[str, int] | None = None):
+        #: Family -> its findings.
+        self.counts: dict[str, int] = {}
+        for f in found:
+            if fam := f.details.get("family"):
+                self.counts[fam] = self.counts.get(fam, 0) + 1
+        #: Family -> sightings of new signatures of it since its last confirmation.
+        self.seen: dict[str, int] = dict(seen or {})
+
+    def pass_over(self, fam: str, sighted: set[str]) -> bool:
+        """Whether to pass over a new signature of ``fam``: all but one in family_gap sightings
+        (``sighted`` holds the families this execution has shown already)."""
+        if fam not in self.counts:
+            return False
+        if fam in sighted:
+            return True
+        sighted.add(fam)
+        seen = self.seen.get(fam, 0) + 1
+        if seen >= family_gap(self.counts[fam]):
+            self.seen[fam] = 0
+            return False
+        self.seen[fam] = seen
+        return True
+
+    def record(self, fam: str) -> None:
+        self.counts[fam] = self.counts.get(fam, 0) + 1
 
 
 def kv_tokens(calibration: Calibration) -> int | None:
