@@ -7,13 +7,12 @@ server preempts it by design) and the preemption-thrash trigger, on virtual time
 
 from __future__ import annotations
 
-from collections import deque
-
 import asyncio
 import dataclasses
 import functools
 import json
 import random
+from collections import deque
 from pathlib import Path
 
 import numpy as np
