@@ -139,7 +139,8 @@ def test_a_stream_that_a_later_request_streamed_past_while_it_was_silent_did_not
     assert waited_for_blocks(expectations, passed, 2.0)["d"] == bound
     # Controls: an engine not held to that order; w sent with d (FCFS may have admitted it first:
     # it is preempted first, not held back); w streaming only at the silence's edges.
-    assert waited_for_blocks(expectations, passed, 2.0, preempted_first=False)["d"].max_itl_s == 3.0 - SILENT_TIMES[-3] + 0.2
+    unheld = waited_for_blocks(expectations, passed, 2.0, preempted_first=False)
+    assert unheld["d"].max_itl_s == 3.0 - SILENT_TIMES[-3] + 0.2
     alongside = run(0.0, tuple(np.arange(1.5, 2.5, 0.05).tolist()))
     assert waited_for_blocks(expectations, alongside, 2.0)["d"].max_itl_s > bound.max_itl_s
     edges = run(0.5, (0.99, 1.0, 1.01, 3.05, 3.06))

@@ -90,9 +90,11 @@ def test_the_coordinator_backs_off_a_found_family_and_strips_a_found_leaks_disco
     kind = FindingKind.TTFT_OUTLIER
     # Traces in which a request v follows k others of growing prompts: new signatures, one family.
     traces = [Trace(requests=(*(Request(id=f"o{i}", at_ms=i, prompt_tokens=16 << k, max_tokens=8) for i in range(k)),
-                              Request(id="v", at_ms=20, prompt_tokens=256, max_tokens=32))) for k in range(2 + FAMILY_EVERY)]
+                              Request(id="v", at_ms=20, prompt_tokens=256, max_tokens=32)))
+              for k in range(2 + FAMILY_EVERY)]
     assert len({family(kind, tr, "v") for tr in traces}) == 1
-    candidate = {"kind": str(kind), "request_id": "v", "metric": "ttft", "ratio": 9.0, "after_idle": False, "detail": ""}
+    candidate = {"kind": str(kind), "request_id": "v", "metric": "ttft", "ratio": 9.0, "after_idle": False,
+                 "detail": ""}
     found = Verdict(kind, Decision.DIFFERENT, "test", request_id="v", reproduced=3, runs=3)
     coordinator._confirmed(t, Task("confirm", traces[0], candidate=candidate, key="k0"),
                            SimpleNamespace(runs=[], verdict=found.to_dict()))

@@ -200,7 +200,8 @@ def _expect(
             # chunks (100 ms) where the fan-out schedule alone gave it 33 ms (a confirmed false positive).
             fifo = assumption.frontend_fifo
             variants += [serve(requests, prefixes, sent, m, assumption, True, window=0.0, kv_blocks=cap,
-                               fifo_frontend=fifo, fanout=True) for m in (model, *(model.scaled(k) for k in ENVELOPE_SCALES))]
+                               fifo_frontend=fifo, fanout=True)
+                         for m in (model, *(model.scaled(k) for k in ENVELOPE_SCALES))]
             if fifo and model.frontend_token_s > 0:
                 variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                       fifo_frontend=True, shared_frontend=True, fanout=True))

@@ -3,8 +3,9 @@
 Two findings with one signature are "the same bug" as a maintainer would count them: ids,
 exact numbers and timings are left out, log2 size classes kept. A *family* is coarser: the kind,
 whether the victim fans out or reuses a resident prefix, and what the trace does to everyone's
-batch or KV (a seeded request, a client that times out, a burst beyond the KV cache); one bug met in many trace shapes has many signatures but one family, so a
-campaign confirms a family it has found again only now and then (fuzzer.search.confirming).
+batch or KV (a seeded request, a client that times out, a burst beyond the KV cache); one bug
+met in many trace shapes has many signatures but one family, so a campaign confirms a family it
+has found again only now and then (fuzzer.search.confirming).
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ class Confirmer:
                     continue  # no way leaks alone, and one of them is a known leak: that explains it
             if self._skip(key):
                 continue
-            fam = family(candidate.kind, trace, candidate.request_id, kv_tokens(calibration)) if key == warm_key else None
+            kv = kv_tokens(calibration)
+            fam = family(candidate.kind, trace, candidate.request_id, kv) if key == warm_key else None
             if fam is not None and self.families.pass_over(fam, sighted):
                 continue
             self.candidates += 1
