@@ -259,7 +259,7 @@ def kv_burst(trace: Trace, rng: random.Random, limits) -> Trace | None:
 
 def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """Long requests holding most of the reported KV cache, a request that owns a long shared prefix
-    among them, then one or two requests with that prefix and a short tail of their own.
+    among them, then two or three requests with that prefix and a short tail of their own.
 
     Once the owner's prefix is computed, a latecomer needs only its tail's blocks, and FCFS admits it
     while free KV is short of its whole prompt; an admission check that counts the resident prefix
