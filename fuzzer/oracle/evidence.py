@@ -171,11 +171,11 @@ def waited_for_blocks(
         gaps = np.diff(np.asarray(r.token_times_s))
         k = int(np.argmax(gaps))
         start, end = r.sent_s + r.token_times_s[k], r.sent_s + r.token_times_s[k + 1]
-        if preempted_first and passed_while_silent(r, result, start, end, reach_s, lead_s) is not None:
-            continue
         freed = [t for t, pid in ends if pid != r.request_id and start < t <= end and end - t <= e.max_itl_s]
         freed += [min(seen, end) for before, seen in rises if before < end and seen > start
                   and end - min(seen, end) <= e.max_itl_s]
+        if freed and preempted_first and passed_while_silent(r, result, start, end, reach_s, lead_s) is not None:
+            continue
         if freed:
             t = max(freed)
             out[r.request_id] = replace(e, max_itl_s=max(e.max_itl_s, t - start + e.max_itl_s))

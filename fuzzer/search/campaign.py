@@ -173,7 +173,7 @@ class Campaign:
             checkpoint=lambda: self._checkpoint(force=True), clock=self._clock, in_phase=self._in_phase,
             recover=self._wait_for_server, on_finding=self._on_finding, state=state,
             slo=Slo(**{f"{k}_ms": v for k, v in self.settings.slo_ms.items()}) if self.settings.slo_ms else None,
-            futility=self.settings.futility,
+            futility=self.settings.futility, kv_tokens=self.settings.limits.kv_tokens,
         )
         if self.settings.mutator == "null":
             self.mutator = NullMutator(self.settings.limits)

@@ -80,6 +80,7 @@ class Confirmer:
         state: Mapping[str, Any] | None = None,
         slo: Slo | None = None,
         futility: bool = True,
+        kv_tokens: int | None = None,
     ):
         self._target = target
         self._store = store
@@ -97,6 +98,8 @@ class Confirmer:
         self._slo = slo
         #: Sequential confirmation: one re-run first, stop when it does not recur (fuzzer.oracle.confirm).
         self._futility = futility
+        #: The server's KV cache in tokens where it reports it (the campaign's Limits): a family trait.
+        self._kv_tokens = kv_tokens
         state = state or {}
         found = store.list_findings()
         #: Signatures (and pre-signatures) already found: never confirmed again.
@@ -139,8 +142,7 @@ class Confirmer:
                     continue  # no way leaks alone, and one of them is a known leak: that explains it
             if self._skip(key):
                 continue
-            kv = kv_tokens(calibration)
-            fam = family(candidate.kind, trace, candidate.request_id, kv) if key == warm_key else None
+            fam = family(candidate.kind, trace, candidate.request_id, self._kv_tokens) if key == warm_key else None
             if fam is not None and self.families.pass_over(fam, sighted):
                 continue
             self.candidates += 1
@@ -217,20 +219,19 @@ class Confirmer:
                 self._checkpoint()
                 raise
         if verdict.is_finding:
-            self._record(trace, verdict, key, fam, kv_tokens(calibration))
+            self._record(trace, verdict, key, fam)
             if candidate.kind is FindingKind.CRASH:
                 await self._recover()
         else:
             self.rejected[key] = 0
         return verdict
 
-    def _record(self, trace: Trace, verdict: Verdict, key: str, fam: str | None = None,
-                kv: int | None = None) -> None:
+    def _record(self, trace: Trace, verdict: Verdict, key: str, fam: str | None = None) -> None:
         sig = verdict.signature or key
         details: dict[str, Any] = {"request_id": verdict.request_id, "pre_signature": key}
         if verdict.kind is not None and verdict.request_id is not None:
             # The family of what was confirmed (a candidate's kind may have become another, say cold-start).
-            fam = family(verdict.kind, trace, verdict.request_id, kv)
+            fam = family(verdict.kind, trace, verdict.request_id, self._kv_tokens)
         if fam is not None:
             details["family"] = fam
             self.families.record(fam)
@@ -281,12 +282,6 @@ class Families:
 
     def record(self, fam: str) -> None:
         self.counts[fam] = self.counts.get(fam, 0) + 1
-
-
-def kv_tokens(calibration: Calibration) -> int | None:
-    """The server's KV cache in tokens, where it reports its size (a family trait: fuzzer.oracle.signature)."""
-    a = calibration.assumption
-    return a.kv_blocks * a.block_size if a.kv_blocks else None
 
 
 def family_gap(findings: int) -> int:
