@@ -235,3 +235,23 @@ def test_idle_share_zero_keeps_a_campaign_from_idling_on_purpose(tmp_path):
                 purposes[share] = dict(conn.execute("select purpose, count(*) from executions group by purpose"))
     assert "cold-probe" not in purposes["0"] and purposes["0"]["fuzz"] >= 1
     assert purposes["0.1"].get("cold-probe") == 1
+
+
+async def test_confirmation_keeps_to_its_share_of_the_server_time_and_the_rest_waits():
+    # Every pathology planted: nearly every execution has a candidate. Uncapped (a share of 1),
+    # confirmation takes its fill; at 20% the campaign confirms within the share (give or take the
+    # confirmation that crossed it) and the candidates beyond it wait, ranked.
+    shares = {}
+    for share in (1.0, 0.2):
+        sim = _Sim(VirtualTarget(pathologies=P.parse("all"), seed=0))
+        calibration = await _warm(sim, 0)
+        store = Store.memory()
+        seeds = [tf.load(p) for p in sorted(CORPUS.glob("*.json"))][:4]
+        campaign = _campaign(sim, store, seeds, calibration, max_execs=60, idle_share=0.0, confirm_share=share)
+        await campaign.run()
+        t = campaign.server_time
+        shares[share] = (t.confirm_s / t.total_s, len(campaign.confirmer.waiting), len(store.list_findings()))
+    uncapped, capped = shares[1.0], shares[0.2]
+    assert uncapped[0] > 0.3 and uncapped[1] == 0  # without a cap confirmation takes far more, nothing waits
+    assert capped[0] < uncapped[0] and capped[0] <= 0.2 + 0.1 and capped[2] >= 1
+    assert capped[1] >= 1  # what the share held back waits for the next run

@@ -33,7 +33,7 @@ from fuzzer.execute import clientlag
 from fuzzer.oracle.calibration import Calibration, calibration_keys
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.campaign import Campaign
-from fuzzer.search.pacing import IDLE_SHARE
+from fuzzer.search.pacing import CONFIRM_SHARE, IDLE_SHARE
 from fuzzer.search.settings import ExitReason, Settings, Stats, Summary
 from fuzzer.store import CampaignLock, Store
 
@@ -92,11 +92,20 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
     help="Largest share of wall time spent letting the server idle on purpose (10 s at a time) to catch "
     "cold starts; 0 never does.",
 )
+@click.option(
+    "--confirm-share",
+    type=click.FloatRange(min=0.05, max=1.0),
+    default=CONFIRM_SHARE,
+    show_default=True,
+    help="Largest share of server time spent confirming before a candidate of a kind already found waits "
+    "(ranked: new families first, then the largest slowdowns); 1 confirms each at once.",
+)
 @goodput_option
 @fleet_options
 def command(
     target, launch, target_file, db_path, duration, max_execs, seed, corpus_dir, server, model, pathologies, faults,
-    fault_rate, speed, timeout_s, null_mutator, idle_share, goodput_specs, ray_address=None, targets_file=None,
+    fault_rate, speed, timeout_s, null_mutator, idle_share, confirm_share, goodput_specs, ray_address=None,
+    targets_file=None,
 ) -> None:
     """Fuzz a server for latency pathologies; resume with the same --db.
 
@@ -149,7 +158,7 @@ def command(
         summary = asyncio.run(
             _run(target, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s,
                  null_mutator, idle_share, slo_ms=dict(slo.items()) if slo else None,
-                 launch=managed.spec if managed else None)
+                 launch=managed.spec if managed else None, confirm_share=confirm_share)
         )
     except (asyncio.CancelledError, KeyboardInterrupt):  # stopped while the server was being started
         _console.err.print("interrupted before the campaign started; nothing was stored")
@@ -182,6 +191,7 @@ def _load_seeds(folder: Path | None) -> list[trace_format.Trace]:
 async def _run(
     url, db_path, duration_s, max_execs, seed, seeds, server, model, planted, sim, timeout_s, null_mutator, idle_share,
     wall_clock: Callable[[], float] = time.time, slo_ms: dict[str, float] | None = None, launch=None,
+    confirm_share: float = CONFIRM_SHARE,
 ) -> Summary:
     stop = asyncio.Event()
     running = asyncio.Event()
@@ -219,7 +229,7 @@ async def _run(
                 settings = Settings(
                     duration_s=duration_s, max_execs=max_execs, seed=seed,
                     mutator="null" if null_mutator else "guided", limits=limits_for(target), idle_share=idle_share,
-                    slo_ms=slo_ms,
+                    confirm_share=confirm_share, slo_ms=slo_ms,
                 )
                 # One key for every command (fuzz calibrate stores there); older keys still read.
                 # The campaign measures again when the stored calibration is stale.
@@ -287,7 +297,8 @@ def _stats_table(s: Stats) -> Table:
         ("corpus", f"{s.corpus} ({s.favoured} favoured)"),
         ("features", str(s.features)),
         ("stability", f"{s.stability:.1%}" + ("  (low: timing noise)" if s.stability < STABILITY_WARNING else "")),
-        ("candidates / confirmations", f"{s.candidates} / {s.confirmations}"),
+        ("candidates / confirmations", f"{s.candidates} / {s.confirmations}"
+                                       + (f" ({s.waiting} waiting for the confirmation share)" if s.waiting else "")),
         ("findings", f"{s.findings} (last find: {since})"),
         ("server", s.server),
         ("time by phase", time_line(s.time_s)),
@@ -325,6 +336,8 @@ def _print_summary(summary: Summary, db_path: str) -> None:
         out.print("  stability is below 90%: timing noise is high; features that flicker are ignored")
     if s.time_s:
         out.print("  time: " + time_line(s.time_s))
+    if s.waiting:
+        out.print(f"  candidates waiting for the confirmation share: {s.waiting} (resuming the campaign confirms them, best first, as its share allows)")
     if s.too_long:
         out.print(f"  mutants passed over as longer than their share of --duration: {s.too_long}")
     if s.client_stalls:

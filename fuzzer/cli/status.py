@@ -92,6 +92,8 @@ def _stats(store: Store, db_path: str, clock: Callable[[], float] = time.time) -
     if saved.get("client_stalls"):  # the run's own count (a resumed campaign counts afresh)
         stats["client_stalls"] = {"executions": saved["client_stalls"],
                                   "worst_s": round(saved.get("worst_client_stall_s", 0.0), 3)}
+    if saved.get("waiting"):  # candidates the confirmation share held back (a resumed campaign confirms them)
+        stats["candidates_waiting"] = saved["waiting"]
     if saved.get("since_last_find_s") is not None:
         stats["last_find_s_before_update"] = round(saved["since_last_find_s"])
     return stats

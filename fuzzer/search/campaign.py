@@ -174,6 +174,7 @@ class Campaign:
             recover=self._wait_for_server, on_finding=self._on_finding, state=state,
             slo=Slo(**{f"{k}_ms": v for k, v in self.settings.slo_ms.items()}) if self.settings.slo_ms else None,
             futility=self.settings.futility, kv_tokens=self.settings.limits.kv_tokens,
+            due=lambda: self.server_time.confirm_due(self.settings.confirm_share),
         )
         if self.settings.mutator == "null":
             self.mutator = NullMutator(self.settings.limits)
@@ -191,9 +192,10 @@ class Campaign:
         try:
             await self._ensure_calibration()
             while (reason := self._should_stop()) is None:
-                if self.confirmer.pending:
+                if self.confirmer.pending or self.confirmer.waiting_due():
                     assert self.calibration is not None
-                    await self.confirmer.confirm_pending(self.calibration)
+                    confirm = self.confirmer.confirm_pending if self.confirmer.pending else self.confirmer.confirm_waiting
+                    await confirm(self.calibration)
                 elif self._seeded < len(self.seeds) and self.server_time.seed_due(len(self.corpus), self.settings.seed_share):
                     self._phase = Phase.SEED
                     await self._seed(self.seeds[self._seeded])
@@ -525,6 +527,7 @@ class Campaign:
             since_last_find_s=None if self.confirmer.last_find is None else self._clock() - self.confirmer.last_find,
             server=self._server, time_s=self.time_spent.by_phase(elapsed), too_long=self.too_long,
             client_stalls=self.client_stalls, worst_client_stall_s=self.worst_client_stall_s,
+            waiting=len(self.confirmer.waiting),
         )
 
     def _emit(self) -> None:

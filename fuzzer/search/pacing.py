@@ -18,6 +18,9 @@ the trace warm and after idle periods, as for any cold-start candidate).
   of confirmation) may take at most ``idle_share`` of the campaign's wall time, counted
   against its planned duration when it has one.
 
+Confirmation share. Confirmation runs may take at most ``confirm_share`` of the server time;
+a latency candidate that would go over it waits, ranked (fuzzer.search.confirming).
+
 Seeding share. Every seed is executed once and kept provisionally (its stability
 runs come when it is first fuzzed, see :meth:`fuzzer.search.corpus.Corpus.settle`). Seeds run
 cheapest first, and once the corpus has an entry, seeding may take at most
@@ -40,6 +43,11 @@ COLD_PROBE_FLOOR = 0.01
 IDLE_SHARE = 0.1
 #: Once the corpus has an entry, seeding may take at most this share of the server time.
 SEED_SHARE = 0.5
+#: Confirmation runs may take at most this share of the server time before a latency candidate waits
+#: (fuzzer.search.confirming): with stability re-runs (~13%) and the rest (calibration, seeds, idle:
+#: ~5%) it leaves 60% of a campaign to fuzz executions. On the held-out vLLM-like server with every
+#: bug on, uncapped confirmation took 31-44% of 30-minute campaigns, most of it one bug's findings.
+CONFIRM_SHARE = 0.2
 
 
 @dataclass
@@ -93,19 +101,26 @@ class ColdProbes:
 
 @dataclass
 class ServerTime:
-    """Server seconds (execution durations) spent seeding and in all, for the seeding share."""
+    """Server seconds (execution durations) spent seeding, confirming and in all, for their shares."""
 
     seed_s: float = 0.0
     total_s: float = 0.0
+    confirm_s: float = 0.0
 
     def record(self, purpose: str, duration_s: float) -> None:
         self.total_s += duration_s
         if purpose == "seed":
             self.seed_s += duration_s
+        elif purpose == "confirm":
+            self.confirm_s += duration_s
 
     def seed_due(self, corpus_size: int, share: float = SEED_SHARE) -> bool:
         """Seed next (rather than fuzz)? Always while the corpus is empty, then within ``share``."""
         return corpus_size == 0 or share >= 1.0 or self.seed_s <= share * self.total_s
+
+    def confirm_due(self, share: float = CONFIRM_SHARE) -> bool:
+        """May a confirmation start now? While confirmation runs are within ``share`` of the server time."""
+        return share >= 1.0 or self.confirm_s <= share * self.total_s
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,7 +128,8 @@ class ServerTime:
     @classmethod
     def from_dict(cls, data: Mapping | None) -> "ServerTime":
         data = data or {}
-        return cls(seed_s=float(data.get("seed_s", 0.0)), total_s=float(data.get("total_s", 0.0)))
+        return cls(seed_s=float(data.get("seed_s", 0.0)), total_s=float(data.get("total_s", 0.0)),
+                   confirm_s=float(data.get("confirm_s", 0.0)))
 
 
 #: The phases server time is attributed to (TimeSpent), in the order they are shown. Executions

@@ -14,7 +14,7 @@ from typing import Any
 from fuzzer.oracle.calibration import REFRESH_AFTER_S
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.mutators import Limits
-from fuzzer.search.pacing import IDLE_SHARE, SEED_SHARE, fuzz_share
+from fuzzer.search.pacing import CONFIRM_SHARE, IDLE_SHARE, SEED_SHARE, fuzz_share
 
 # AFL calibrates a new queue entry with 3-7 runs (CAL_CYCLES); our runs cost seconds, so at
 # most 3 (the first run and up to 2 re-runs, fewer when they agree), done when it is first fuzzed.
@@ -55,6 +55,9 @@ class Settings:
     idle_share: float = IDLE_SHARE
     #: Once the corpus has an entry, seeding may take at most this share of the server time.
     seed_share: float = SEED_SHARE
+    #: Confirmation runs may take at most this share of the server time before a latency candidate
+    #: of a kind already found waits, ranked (fuzzer.search.confirming); 1 confirms every one at once.
+    confirm_share: float = CONFIRM_SHARE
     #: The user's SLOs in ms (``--goodput``: ttft, tpot, e2el); None: no SLO check.
     slo_ms: Mapping[str, float] | None = None
     #: Sequential confirmation with a futility stop: one re-run first, SAME at once when it
@@ -68,7 +71,7 @@ class Settings:
             "duration_s": self.duration_s, "max_execs": self.max_execs, "seed": self.seed,
             "mutator": self.mutator, "stability_runs": self.stability_runs,
             "recalibrate_after_s": self.recalibrate_after_s,
-            "idle_share": self.idle_share, "seed_share": self.seed_share,
+            "idle_share": self.idle_share, "seed_share": self.seed_share, "confirm_share": self.confirm_share,
             "limits": self.limits.to_dict(), "policy": asdict(self.policy),
             "slo_ms": dict(self.slo_ms) if self.slo_ms else None, "futility": self.futility,
         }
@@ -124,6 +127,8 @@ class Stats:
     #: CPU), and the worst stall (fuzzer.execute.clientlag).
     client_stalls: int = 0
     worst_client_stall_s: float = 0.0
+    #: Latency candidates waiting for the confirmation share (fuzzer.search.confirming).
+    waiting: int = 0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "time_s": dict(self.time_s)}
