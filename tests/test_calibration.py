@@ -11,7 +11,8 @@ from paper_target import TRUE_MODEL, PaperTarget
 
 from fuzzer.errors import TargetError
 from fuzzer.execution import Outcome
-from fuzzer.oracle.calibrate import calibrate, reuse_or_calibrate, theil_sen
+from fuzzer.oracle.calibrate import calibrate, reuse_or_calibrate
+from fuzzer.oracle.fitting import theil_sen
 from fuzzer.oracle.calibration import REFRESH_AFTER_S, Calibration
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption
@@ -232,3 +233,80 @@ async def test_the_servers_own_tokenizer_caps_the_frontend_share():
     # The per-token total is kept: what leaves the frontend goes to the prefill.
     total = lambda m: m.frontend_token_s + m.prefill_token_s  # noqa: E731
     assert total(capped.model) == pytest.approx(total(free.model), rel=0.02)
+
+
+# --- the context cost of long sequences decoding together -------------------------------------
+
+
+async def _round_with_long_batch(target, *, long_batch=(8, 4096)):
+    """One probe round on ``target`` with the long-context batch, paced generously."""
+    from fuzzer.oracle.calibrate import _probe_round
+    from fuzzer.oracle.probes import Pace
+
+    pace = Pace((1, 2.0), (8192, 2.0))
+    return await _probe_round(target, SchedulerAssumption(), random.Random(3), 2,
+                              {"prefill": pace, "decode": pace, "batch": pace}, (16, 64, 256, 512, 1024, 2048),
+                              (256, 512, 1024), (16, 512, 1024, 2048, 4096), long_batch)
+
+
+def _fitted(probes):
+    from fuzzer.oracle.fitting import fit
+
+    return fit(target="t", created_at=0.0, assumption=SchedulerAssumption(), prefill=probes.prefill,
+               cached=probes.cached, single=probes.single, batched=probes.batched)
+
+
+def _slower_after_all_started(probes, extra_s):
+    """The long batches' probes with every gap once all of a batch decode ``extra_s`` longer."""
+    from fuzzer.oracle.probes import Probe, Probes
+
+    out = []
+    by_run: dict = {}
+    for p in probes.batched:
+        if p.prompt > 16:
+            by_run.setdefault(p.result.x_request_id.split("-")[-1] + p.result.request_id.split("b")[0], []).append(p)
+    together = {k: max(q.result.sent_s + q.result.ttft_s for q in v) for k, v in by_run.items()}
+    for p in probes.batched:
+        r = p.result
+        if p.prompt > 16:
+            start = together[r.x_request_id.split("-")[-1] + r.request_id.split("b")[0]] - r.sent_s
+            times, late = [], 0.0
+            for i, t in enumerate(r.token_times_s):
+                if i and t > start:
+                    late += extra_s
+                times.append(t + late)
+            r = replace(r, token_times_s=tuple(times), e2e_s=times[-1])
+        out.append(Probe(p.prompt, p.cached, p.max_tokens, p.batch, r))
+    return replace(probes, batched=tuple(out))
+
+
+async def test_the_context_cost_of_a_long_batch_is_measured_where_one_sequence_shows_none():
+    # The vLLM-like server written for issue 16: one 7000-token stream decoded 0.06 ms slower than a
+    # 16-token one, eight such streams together 4 ms slower; with the context cost read off one
+    # sequence the calibration fitted none, and the paper schedule emptied a KV burst's queue 0.7 s
+    # early (a confirmed false positive of the clean server, tests/data/fp-kv-burst-batched-context.json).
+    flat = replace(TRUE, context_token_s=0.0)
+    probes = await _round_with_long_batch(PaperTarget(flat, noise=0.0))
+    assert len([p for p in probes.batched if p.prompt == 4096]) == 8  # one batch of eight a round
+    assert _fitted(probes).model.context_token_s == pytest.approx(0.0, abs=1e-10)
+    extra = 0.0014  # each step of the eight 4096-token sequences together takes 1.4 ms more
+    cal = _fitted(_slower_after_all_started(probes, extra))
+    per_token = extra / (8 * (4096 + 16))
+    assert cal.model.context_token_s == pytest.approx(per_token, rel=0.05)
+    assert cal.context_fit.slope == pytest.approx(0.0, abs=1e-10)  # the one-sequence line still shows none
+    # A server whose one sequence shows the cost already (the paper target's linear model) keeps it.
+    linear = await _round_with_long_batch(PaperTarget(noise=0.0))
+    assert _fitted(linear).model.context_token_s == pytest.approx(TRUE.context_token_s, rel=0.05)
+
+
+def test_the_long_batch_fits_the_servers_kv_cache_its_slots_and_its_context():
+    from fuzzer.oracle.calibrate import LONG_BATCH, long_batch_shape
+
+    assert long_batch_shape(SchedulerAssumption(), None) == (LONG_BATCH, 4096 - 34)  # the default context
+    assert long_batch_shape(SchedulerAssumption(), 32768) == (LONG_BATCH, 4096)
+    small_kv = SchedulerAssumption(kv_blocks=1200, block_size=16)  # 19200 tokens: 60% of it is 11520
+    batch, context = long_batch_shape(small_kv, 32768)
+    assert batch * (context + 32) <= 0.6 * 1200 * 16 and context >= 1024 and batch >= 2
+    assert long_batch_shape(SchedulerAssumption(max_num_seqs=4), 8192) == (4, 4096)  # llama.cpp's slots
+    assert long_batch_shape(SchedulerAssumption(kv_blocks=100, block_size=16), 8192) is None  # no room
+    assert long_batch_shape(SchedulerAssumption(max_num_seqs=1), 8192) is None

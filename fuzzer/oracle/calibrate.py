@@ -7,41 +7,43 @@ requests run one at a time (spaced further apart than each takes):
 - idle TTFT versus prompt length, uncached (a fresh salt per execution) and cached
   (a second request reusing the prefix the first one computed);
 - decode step time (inter-token latency) versus context length for one sequence,
-  and versus batch size for many short sequences decoding together.
+  versus batch size for many short sequences decoding together, and for a batch of
+  long sequences (decode attention reads every sequence's KV: a GPU's step grows with the
+  batch's total context far more than one sequence's context shows).
 
-Each relation is fitted with the Theil-Sen estimator (scipy), which ignores the
-stray slow request (a GC pause, a late packet) that would drag a least-squares line.
-The fits give the :class:`~fuzzer.oracle.expectation.StepModel`; the residuals of every
-probe against that model give the measured noise and the *baseline*: the ratios
-observed / expected that an unremarkable request shows. Confirmation tests a
+:mod:`fuzzer.oracle.fitting` fits the step model, the noise and the *baseline* (the ratios
+observed / expected that an unremarkable request shows) to the probes; confirmation tests a
 candidate's ratios against this baseline.
 
-This module measures and fits; what comes out, the :class:`Calibration` value type
-and the keys it is stored under, is :mod:`fuzzer.oracle.calibration`.
+This module measures; :mod:`fuzzer.oracle.fitting` fits; what comes out, the
+:class:`Calibration` value type and the keys it is stored under, is :mod:`fuzzer.oracle.calibration`.
 :func:`reuse_or_calibrate` is the one rule every command follows to get a calibration:
 the stored one while it is fresh, else a new one measured now.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
-import numpy as np
-from scipy import optimize, stats
-
 from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
-from fuzzer.execution import RequestResult, Target
-from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration, Fit
+from fuzzer.execution import Target
+from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration
 from fuzzer.oracle.chunkcap import chunk_cap
-from fuzzer.oracle.expectation import idle_expectation
+from fuzzer.oracle.fitting import fit
 from fuzzer.oracle.kinds import Metric
-from fuzzer.oracle.model import SchedulerAssumption, StepModel, assumption_for
-from fuzzer.oracle.probes import Pace, Plan, Probe, Probes, run_plan, usable
+from fuzzer.oracle.model import SchedulerAssumption, assumption_for
+from fuzzer.oracle.probes import (
+    BATCH_PROMPT_TOKENS,
+    Pace,
+    Plan,
+    Probes,
+    run_plan,
+    usable,
+)
 
 # --- probe design -------------------------------------------------------------------------
 
@@ -57,9 +59,6 @@ LONG_PREFILL_BUDGETS = (2, 3)
 #: at least this many budgets (rounded down to LONG_PREFILL_ROUND tokens).
 LONG_PREFILL_MIN_BUDGETS = 1.5
 LONG_PREFILL_ROUND = 64
-#: The chunked prompts must take this many times what the one-step line predicts before the
-#: fit adds an attention term: a linear server's long prompts stay within its noise of it.
-PAIR_EVIDENCE = 1.25
 DEFAULT_MAX_MODEL_LEN = 4096
 #: Prefix lengths of the cached probes (each followed by a short private suffix).
 CACHED_PREFIXES = (256, 512, 1024, 2048)
@@ -73,7 +72,22 @@ LONG_DECODE_CONTEXTS = (8192,)
 DECODE_TOKENS = 32
 #: Batch sizes of the batched decode probes (short prompts, all sent at once).
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-BATCH_PROMPT_TOKENS = 16
+#: A batch of this many sequences of LONG_BATCH_CONTEXT tokens (fewer where the KV cache, the
+#: running sequences or the context do not allow: LONG_BATCH_KV_SHARE of the cache at most, at least
+#: LONG_BATCH_MIN_CONTEXT tokens and 2 sequences) decoding together: its step time less the short
+#: batch's line is the cost of the batch's context. One sequence's context barely shows it: on the
+#: vLLM-like server written for issue 16 one 7000-token stream decoded 0.06 ms slower than a
+#: 16-token one, eight of them 4.0 ms slower (8 x 7000 tokens: 72 ns a token), and with the context
+#: cost read off one sequence (none) the paper schedule decoded a KV burst's sixteen 4788-token
+#: streams in 7.3 ms steps where the server took 10.5 ms: the queue behind them was still there 0.7 s
+#: after the paper had emptied it, a confirmed false positive of the clean server.
+LONG_BATCH = 8
+LONG_BATCH_CONTEXT = 4096
+LONG_BATCH_MIN_CONTEXT = 1024
+LONG_BATCH_KV_SHARE = 0.6
+#: ... and its context is halved while the pilot's pace says the batch would take longer than this
+#: (a CPU engine prefills 32k tokens in tens of seconds; its one sequence shows its attention anyway).
+LONG_BATCH_MAX_S = 4.0
 #: Each probe is repeated this often: with 9 lengths this gives ~36 TTFT residuals, a
 #: baseline large enough for MWU/KS to reach p <= 0.01 with three candidate samples.
 REPEATS = 4
@@ -86,10 +100,6 @@ SETTLED_SPREAD = 0.10
 SETTLED_BASELINE = 16
 #: The first pilot run knows nothing yet: its largest probes are this far apart, its smallest half that.
 PILOT_SPACING_S = 1.0
-#: 1.4826 x MAD estimates a normal standard deviation robustly (Iglewicz-Hoaglin).
-MAD_SCALE = 1.4826
-#: Fewer usable probes than this in a fit means the target misbehaved; refuse to fit.
-MIN_FIT_POINTS = 4
 #: The frontend's per-token time is read off cached prompts (a cached token skips the prefill,
 #: not the tokenizer), but on a real engine a cached prefix also costs the suffix's attention
 #: over it: vLLM's CPU build put 8.8 us per prompt token in the frontend that way, which let a
@@ -100,20 +110,6 @@ TOKENIZE_ALLOWANCE = 2.0
 #: Prompt lengths of the tokenize timing, each timed this often (the fastest counts).
 TOKENIZE_PROBE_TOKENS = (16, 4096)
 TOKENIZE_REPEATS = 3
-
-
-# --- fitting (the model from the probes: fit, below) -----------------------------------------
-
-
-def theil_sen(x: Sequence[float], y: Sequence[float]) -> Fit:
-    """Theil-Sen fit of y on x (median of pairwise slopes): robust to up to ~29% outliers."""
-    if len(x) < MIN_FIT_POINTS or len(set(x)) < 2:
-        raise TargetError(
-            f"calibration got {len(x)} usable probe measurements at {len(set(x))} distinct sizes; "
-            f"at least {MIN_FIT_POINTS} at 2 sizes are needed (is the server failing requests?)"
-        )
-    res = stats.theilslopes(np.asarray(y, dtype=float), np.asarray(x, dtype=float), alpha=0.95, method="joint")
-    return Fit(float(res.intercept), float(res.slope), float(res.low_slope), float(res.high_slope), len(x))
 
 
 # --- the KV capacity the server reports ----------------------------------------------------------
@@ -218,7 +214,11 @@ async def calibrate(
     # A server may report its KV capacity only once its engine is up (vLLM's cache_config_info).
     assumption = with_reported_kv(assumption, target)
 
-    sizes = (lengths, prefixes, contexts)
+    long_batch = long_batch_shape(assumption, max_model_len)
+    while long_batch is not None and long_batch_spacing_s(spacing, *long_batch) > LONG_BATCH_MAX_S:
+        batch, context = long_batch
+        long_batch = (batch, context // 2) if context // 2 >= LONG_BATCH_MIN_CONTEXT else None
+    sizes = (lengths, prefixes, contexts, long_batch)
     cap = await tokenize_token_s(target)
 
     def fitted(probes: Probes, rounds: str) -> Calibration:
@@ -354,6 +354,26 @@ def long_prefill_lengths(budget: int, longest: int, *, fallback: bool = True) ->
     return (longest // LONG_PREFILL_ROUND * LONG_PREFILL_ROUND,)
 
 
+def long_batch_shape(assumption: SchedulerAssumption, max_model_len: int | None) -> tuple[int, int] | None:
+    """(sequences, context) of the long-context batch probe, or None where none fits (LONG_BATCH)."""
+    batch = min(LONG_BATCH, assumption.max_num_seqs)
+    context = min(LONG_BATCH_CONTEXT, (max_model_len or DEFAULT_MAX_MODEL_LEN) - DECODE_TOKENS - 2)
+    if assumption.kv_blocks is not None:
+        room = int(LONG_BATCH_KV_SHARE * assumption.kv_blocks * assumption.block_size)
+        while batch > 2 and batch * (context + DECODE_TOKENS) > room:
+            batch -= 1
+        context = min(context, room // batch - DECODE_TOKENS)
+    if batch < 2 or context < LONG_BATCH_MIN_CONTEXT:
+        return None
+    return batch, context
+
+
+def long_batch_spacing_s(spacing: Mapping[str, Pace], batch: int, context: int) -> float:
+    """How long the long-context batch probe is given: its prompts paced as one prompt of them all, then
+    its decodes as the short batch's of its size."""
+    return spacing["prefill"].spacing_s(batch * context) + spacing["batch"].spacing_s(batch)
+
+
 def batch_sizes(assumption: SchedulerAssumption) -> tuple[int, ...]:
     """The batched-decode probe sizes a server can run at once: a batch beyond its running
     sequences (llama.cpp's 4 slots) would queue, measuring queueing instead of decode steps."""
@@ -369,6 +389,7 @@ async def _probe_round(
     lengths: Sequence[int],
     prefixes: Sequence[int],
     contexts: Sequence[int],
+    long_batch: tuple[int, int] | None = None,
 ) -> Probes:
     """One round of probes (uncached and cached TTFT, decode, batched decode), ``repeats`` of each size."""
 
@@ -402,168 +423,13 @@ async def _probe_round(
     plan.add(16, 2, lead_in=True)
     for b in shuffled([b for b in batch_sizes(assumption) for _ in range(repeats)]):
         plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b, size=b)
+    if long_batch is not None:
+        # Long sequences together: their prompts (paced as one prompt of them all), then their decodes. One
+        # batch a round: its steps give hundreds of gaps, and the calibration's time is the campaign's.
+        b, context = long_batch
+        for _ in range(max(1, repeats // 2)):
+            plan.add(context, DECODE_TOKENS, batch=b, spacing_s=long_batch_spacing_s(spacing, b, context))
     batched = usable(await run_plan(target, plan, "calibration-batch"))
     return Probes(tuple(prefill), tuple(cached_probes), tuple(single), tuple(batched))
 
 
-def _median_itl(r: RequestResult) -> float | None:
-    gaps = r.itl_s
-    return float(np.median(gaps)) if gaps else None
-
-
-def fit(
-    *,
-    target: str,
-    created_at: float,
-    assumption: SchedulerAssumption,
-    prefill: Sequence[Probe],
-    cached: Sequence[Probe],
-    single: Sequence[Probe],
-    batched: Sequence[Probe],
-    warmup_runs: int = WARMUP_RUNS,
-    frontend_cap_s: float | None = None,
-    probing: str = "",
-) -> Calibration:
-    """Fit the step model from probe measurements and measure the residual noise.
-
-    ``frontend_cap_s``: the most frontend time per prompt token the server's own tokenizer
-    explains (:func:`tokenize_token_s`); the rest of the cached prompts' extra time is the
-    engine's (attention over the cached prefix), not the frontend's.
-    """
-    # Single-sequence decode: ITL = (overhead + one sequence) + context cost x context.
-    pts = [(p.prompt + p.max_tokens / 2.0, _median_itl(p.result)) for p in single]
-    pts = [(x, y) for x, y in pts if y is not None]
-    context_fit = theil_sen([x for x, _ in pts], [y for _, y in pts])
-    context_token_s = max(0.0, context_fit.slope)
-
-    # Batched decode, per group (requests of one slot): ITL minus context cost, versus batch size.
-    groups: dict[str, list[float]] = {}
-    for p in batched:
-        itl = _median_itl(p.result)
-        if itl is not None:
-            slot = p.result.request_id.split("b")[0]
-            ctx = p.batch * (p.prompt + p.max_tokens / 2.0)
-            groups.setdefault(f"{slot}:{p.batch}", []).append(itl - context_token_s * ctx)
-    xs = [int(k.split(":")[1]) for k in groups]
-    ys = [float(np.median(v)) for v in groups.values()]
-    batch_fit = theil_sen(xs, ys)
-    overhead_s = max(0.0, batch_fit.intercept)
-    decode_seq_s = max(0.0, batch_fit.slope)
-
-    # Idle TTFT: request overhead + step overhead (one a chunk) + (frontend + prefill) cost x
-    # uncached tokens + attention cost x token pairs. The line of the one-step probes is kept
-    # for the record; the model's costs come from the fit of all of them, chunked ones included.
-    budget = assumption.token_budget
-    short = [p for p in prefill if p.prompt <= budget]
-    ttft_fit = theil_sen([p.prompt for p in short], [p.result.ttft_s for p in short])
-    intercept, slope, prefill_pair_s = ttft_fit.intercept, ttft_fit.slope, 0.0
-    if _beyond_the_line(prefill, ttft_fit, overhead_s, budget):
-        intercept, slope, prefill_pair_s = _prefill_fit(prefill, overhead_s, budget) or (intercept, slope, 0.0)
-    request_overhead_s = max(0.0, intercept - overhead_s)
-
-    def uncached_ttft(tokens: int, context: int = 0) -> float:
-        return intercept + slope * tokens + prefill_pair_s * tokens * (context + tokens / 2)
-
-    # A cached prompt token skips the prefill but not the frontend (tokenization): the extra
-    # TTFT per cached token is the frontend's per-token cost; the rest of the slope is prefill.
-    cached_fit = None
-    frontend_token_s = 0.0
-    if len(cached) >= MIN_FIT_POINTS and len({p.cached for p in cached}) >= 2:
-        extra = [p.result.ttft_s - uncached_ttft(p.prompt - p.cached, p.cached) for p in cached]
-        cached_fit = theil_sen([p.cached for p in cached], extra)
-        frontend_token_s = min(max(0.0, cached_fit.slope), max(0.0, ttft_fit.slope))
-    if frontend_cap_s is not None:
-        frontend_token_s = min(frontend_token_s, frontend_cap_s)
-    prefill_token_s = max(0.0, slope - frontend_token_s)
-
-    model = StepModel(
-        overhead_s=overhead_s,
-        prefill_token_s=prefill_token_s,
-        decode_seq_s=decode_seq_s,
-        context_token_s=context_token_s,
-        request_overhead_s=request_overhead_s,
-        frontend_token_s=frontend_token_s,
-        prefill_pair_s=prefill_pair_s,
-    )
-    noise, noise_s, baseline = _residuals(model, assumption, [*prefill, *cached, *single])
-    return Calibration(
-        target=target,
-        created_at=created_at,
-        model=model,
-        assumption=assumption,
-        ttft_fit=ttft_fit,
-        cached_fit=cached_fit,
-        context_fit=context_fit,
-        batch_fit=batch_fit,
-        noise=noise,
-        noise_s=noise_s,
-        baseline=baseline,
-        probes=len(prefill) + len(cached) + len(single) + len(batched),
-        probing=probing,
-        warmup_runs=warmup_runs,
-    )
-
-
-def _beyond_the_line(prefill: Sequence[Probe], line: Fit, overhead_s: float, budget: int) -> bool:
-    """Does the longest chunked prompt take clearly longer than the one-step prompts' line
-    says (by PAIR_EVIDENCE, over the noise; the median of its repeats)? Then the prefill grows
-    faster than the prompt. The longest alone: attention grows with the square of the length,
-    and the line's slope already holds a budget's own attention (vLLM's CPU build on a 2-core
-    AMD EPYC, from its fitted model: 4096 tokens ~1.23x the line, 6144 tokens ~1.45x; their
-    median sat near the threshold and one CI run fitted no attention)."""
-    chunked = [p for p in prefill if p.prompt > budget and p.result.ttft_s is not None]
-    if not chunked:
-        return False
-    longest = max(p.prompt for p in chunked)
-    ratios = [p.result.ttft_s / (line(p.prompt) + overhead_s * (math.ceil(p.prompt / budget) - 1))
-              for p in chunked if p.prompt == longest]
-    return float(np.median(ratios)) > PAIR_EVIDENCE
-
-
-def _prefill_fit(prefill: Sequence[Probe], overhead_s: float, budget: int) -> tuple[float, float, float] | None:
-    """Idle TTFT = intercept + slope x n + pair x n^2/2 (+ one step overhead a chunk after the
-    first), fitted to each prompt length's median TTFT with no coefficient below zero; None
-    with fewer than MIN_FIT_POINTS lengths."""
-    by_length: dict[int, list[float]] = {}
-    for p in prefill:
-        if p.result.ttft_s is not None:
-            by_length.setdefault(p.prompt, []).append(p.result.ttft_s)
-    if len(by_length) < MIN_FIT_POINTS:
-        return None
-    n = np.array(sorted(by_length), dtype=np.float64)
-    y = np.array([float(np.median(by_length[int(k)])) for k in n]) - overhead_s * (np.ceil(n / budget) - 1)
-    # Each row scaled by its expected size: the short prompts' few ms weigh as much as the long ones' seconds.
-    design = np.column_stack([np.ones_like(n), n, n * n / 2])
-    weight = 1.0 / np.maximum(y, 1e-4)
-    (intercept, slope, pair), _ = optimize.nnls(design * weight[:, None], y * weight)
-    return float(intercept), float(slope), float(pair)
-
-
-def _residuals(
-    model: StepModel, assumption: SchedulerAssumption, probes: Sequence[Probe]
-) -> tuple[dict[Metric, float], dict[Metric, float], dict[Metric, tuple[float, ...]]]:
-    """Observed / expected of every probe, per metric, under the fitted model."""
-    observed: dict[Metric, list[tuple[float, float]]] = {m: [] for m in Metric}
-    for p in probes:
-        e = idle_expectation(p.prompt, p.max_tokens, model, assumption, cached_tokens=p.cached)
-        r = p.result
-        for metric, value, expected in (
-            (Metric.TTFT, r.ttft_s, e.ttft_s),
-            (Metric.MAX_ITL, r.max_itl_s, e.max_itl_s),
-            (Metric.E2E, r.e2e_s, e.e2e_s),
-        ):
-            if value is not None and expected and expected > 0 and value > 0:
-                observed[metric].append((value, expected))
-    noise: dict[Metric, float] = {}
-    noise_s: dict[Metric, float] = {}
-    baseline: dict[Metric, tuple[float, ...]] = {}
-    for metric, pairs in observed.items():
-        if not pairs:
-            continue
-        ratios = np.array([v / e for v, e in pairs])
-        diffs = np.array([v - e for v, e in pairs])
-        logs = np.log(ratios)
-        noise[metric] = float(MAD_SCALE * np.median(np.abs(logs - np.median(logs))))
-        noise_s[metric] = float(MAD_SCALE * np.median(np.abs(diffs - np.median(diffs))))
-        baseline[metric] = tuple(float(x) for x in ratios)
-    return noise, noise_s, baseline

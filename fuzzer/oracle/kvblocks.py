@@ -9,6 +9,15 @@ when it is re-admitted while they are resident (vLLM looks a re-admitted request
 cache as a new one, and blocks a running request holds are hits: counted without sharing, a member
 preempted once waited on paper for its whole prompt's blocks until the long requests beside it
 ended, the held-out server's bug6 inside its bound), but never pays for them.
+
+Blocks nobody holds stay in the prefix cache until they are reused: vLLM's block pool hands out
+free blocks oldest-freed first (its free queue is FIFO, a request's blocks going in tail first)
+and a reused block loses its cached contents. So a prefix group whose last holder left is hit
+again in full only while the blocks handed out since have not reached it: those free when it
+left are handed out first, then its own, tail first. On a server its own execution had filled,
+a prompt sharing a 7824-token prefix freed 5 s earlier hit 2960 of its tokens (the held-out
+vLLM-like server of issue 16, clean): counted as a full hit, its prefill of the rest was a
+confirmed false positive.
 """
 
 from __future__ import annotations
@@ -56,6 +65,21 @@ class KVBlocks:
         self.payer: dict[str, tuple[Job, int]] = {}
         #: prefix group -> its running members that share the payer's blocks.
         self.sharers: dict[str, list[Job]] = {}
+        #: Blocks handed out from the free queue so far.
+        self.handed_out = 0
+        #: prefix group nobody holds -> (its blocks, the free blocks ahead of them when it was freed,
+        #: handed_out then).
+        self.released: dict[str, tuple[int, int, int]] = {}
+
+    def surviving(self, group: str, hit: int) -> int:
+        """Of a prefix ``hit`` (tokens) of ``group``, what is still cached: all while a running request
+        holds its blocks; once nobody does, less the tail blocks the free queue has handed out since."""
+        freed = self.released.get(group) if group not in self.payer else None
+        if freed is None:
+            return hit
+        blocks, ahead, handed_out = freed
+        evicted = min(blocks, max(0, self.handed_out - handed_out - ahead))
+        return min(hit, (blocks - evicted) * self.block)
 
     def resident(self, j: Job, cached: int) -> int:
         """Blocks of ``j``'s prefix hit that a running request holds: they take no free block."""
@@ -68,7 +92,9 @@ class KVBlocks:
         if shared:
             j.held = j.shared = shared
             self.sharers.setdefault(j.group, []).append(j)
+        revived = j.cached // self.block if not shared and j.cached else 0
         self.hold(j, tokens)
+        self.handed_out -= min(revived, j.held)  # cached blocks taken back out of the queue evict nothing
         if not shared and j.cached and not j.preemptions:
             self.computed_prefix(j, j.cached)  # a hit on free cached blocks: it revived them, it pays
 
@@ -76,6 +102,7 @@ class KVBlocks:
         """``j`` holds the first ``tokens`` of its prefix group's blocks, paid: later members share them."""
         if j.group is not None and j.group not in self.payer and not j.shared and not j.preemptions:
             self.payer[j.group] = (j, tokens // self.block)
+            self.released.pop(j.group, None)
 
     def release(self, j: Job) -> None:
         """``j`` leaves (ends or is preempted): its blocks are free but those another member still shares."""
@@ -93,6 +120,8 @@ class KVBlocks:
                 freed -= heir.shared
                 self.payer[j.group] = (heir, heir.shared)
                 heir.shared = 0
+            else:  # nobody holds the prefix now: its blocks join the free queue behind those free already
+                self.released[j.group] = (paid[1], self.free, self.handed_out)
         self.free += freed
         j.held = j.shared = 0
 
@@ -110,6 +139,7 @@ class KVBlocks:
         if need > 0:
             j.held += need
             self.free -= need
+            self.handed_out += need
 
     def admit_blocks(self, j: Job, cached: int, budget: int, running: int) -> int | None:
         """Blocks the waiting ``j`` would take if admitted now with ``cached`` prompt tokens from the

@@ -295,7 +295,7 @@ def schedule(
                 not waiting
                 or budget <= 0
                 or decode_seqs + waiting[0].n > a.max_num_seqs
-                or (kv is not None and running and kv.admit_blocks(waiting[0], _hit(waiting[0], t, ready, a), budget, len(running)) is None)
+                or (kv is not None and running and kv.admit_blocks(waiting[0], _hit(waiting[0], t, ready, a, kv), budget, len(running)) is None)
             )
             and steps < MAX_MODEL_STEPS
         ):
@@ -323,12 +323,12 @@ def schedule(
                 i += 1  # shorter ones pass it
                 continue
             if kv is not None and running:
-                blocks = kv.admit_blocks(waiting[i], _hit(waiting[i], t, ready, a), min(budget, limit), len(running))
+                blocks = kv.admit_blocks(waiting[i], _hit(waiting[i], t, ready, a, kv), min(budget, limit), len(running))
                 if blocks is None:
                     break  # its blocks do not fit: head-of-line, as vLLM's FCFS admission
             j = waiting[i]
             del waiting[i]
-            _admit(j, t, ready, a)
+            _admit(j, t, ready, a, kv)
             running.append(j)
             seqs += j.n
             left = j.prompt + j.recompute - j.computed
@@ -476,16 +476,18 @@ def _decode_run(
     return times[-1], float(dts[-1]), count
 
 
-def _admit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption) -> None:
+def _admit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None) -> None:
     job.admitted = True
-    job.cached = _hit(job, t, ready, a)
+    job.cached = _hit(job, t, ready, a, kv)
     job.computed = job.cached
 
 
-def _hit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption) -> int:
-    """Prompt tokens a job admitted at ``t`` takes from the prefix cache."""
+def _hit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None) -> int:
+    """Prompt tokens a job admitted at ``t`` takes from the prefix cache (with the KV cache modelled,
+    what the free queue has not handed out since nobody held them: KVBlocks.surviving)."""
     if job.forced_cached is not None:
         return job.forced_cached
     if a.prefix_caching and job.group is not None and ready.get(job.group, float("inf")) <= t:
-        return _cacheable(job, a.block_size)
+        hit = _cacheable(job, a.block_size)
+        return hit if kv is None else kv.surviving(job.group, hit)
     return job.cached

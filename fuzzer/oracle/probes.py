@@ -20,6 +20,9 @@ from fuzzer.trace import Request, Trace
 #: pilot runs first, so its largest probe measures a warm server; the factor covers the noise.
 SPACING_FACTOR = 1.5
 MIN_SPACING_S = 0.05
+#: The prompt of each sequence of the short batched-decode probes (longer prompts make the
+#: long-context batch, fuzzer.oracle.calibrate.LONG_BATCH).
+BATCH_PROMPT_TOKENS = 16
 
 
 @dataclass(frozen=True)
