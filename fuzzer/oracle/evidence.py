@@ -58,7 +58,8 @@ def bounds(
     and the plain factor; when the execution thrashed (``thrashed``: :func:`thrash` of
     it, computed once per execution by the caller) the KV-unaware bound, no allowance.
     Either way a request that found every slot taken waits for the first to free as observed
-    (:func:`waited_for_slot`), and a stream's max-ITL bound holds the
+    (:func:`waited_for_slot`), one that came while older requests were still queued waits for them
+    as observed (:func:`queued_behind`), and a stream's max-ITL bound holds the
     longest prompt-chunk step of its observed life (:func:`exposed_to_steps`).
     Without a capacity, the KV-unaware bound and, under by-design KV pressure
     (:func:`kv_pressure`), a factor KV_PRESSURE_FACTOR times larger.
@@ -80,6 +81,7 @@ def bounds(
         factor = policy.factor * (policy.kv_pressure_factor if kv_pressure(result, policy) else 1.0)
     expectations = waited_for_slot(expectations, result, {q.id: q.n for q in trace.requests}, a.max_num_seqs,
                                    policy.factor)
+    expectations = queued_behind(expectations, result, policy.factor, policy.order_reach_s)
     return exposed_to_steps(expectations, result, prefill_steps(trace, model, a, result, kv=not thrashed)), factor
 
 
@@ -291,6 +293,44 @@ def waited_for_slot(
         wait = end - r.sent_s + e.idle_ttft_s
         if wait > e.ttft_s:
             out[r.request_id] = e.waiting_until(wait, f"a slot ({pid} ended)")
+    return out
+
+
+def queued_behind(
+    expectations: dict[str, Expectation], result: ExecutionResult, factor: float, reach_s: float
+) -> dict[str, Expectation]:
+    """``expectations`` with each request's wait for the requests queued ahead of it, as observed.
+
+    First-come-first-served admits nobody past an older request: a request V that arrived while
+    requests sent before it (by ``reach_s`` at least, so they surely reached the engine first) had
+    no first token yet, and that was served after them (or with them: ``SAME_STEP_S``), waited for
+    them, whatever the paper schedule says of when they would be served. The schedule's timing
+    drifts from an engine whose costs it models only roughly (a step over many long contexts, a
+    frontend busy with a burst) and drift piles up under a queue: on the vLLM-like server written
+    for issue 16 the paper emptied a KV burst's queue 0.7 s before the server did, and a request
+    sent in that gap met a server the paper thought idle. V is bounded by the latest first token of
+    those it waited for, each at most ``factor`` times its own TTFT bound after its send (a
+    predecessor later than that is a finding of its own, not V's excuse), plus V's idle TTFT.
+    Requests are taken in send order, so a wait passes down a queue.
+    """
+    order = sorted((r for r in result.requests if r.ttft_s is not None), key=lambda r: r.sent_s)
+    out = dict(expectations)
+    for i, r in enumerate(order):
+        e = out.get(r.request_id)
+        if e is None:
+            continue
+        served = r.sent_s + r.ttft_s
+        held = []
+        for p in order[:i]:
+            first, bound = p.sent_s + p.ttft_s, out.get(p.request_id)
+            if bound is not None and p.sent_s + reach_s <= r.sent_s < first <= served + SAME_STEP_S:
+                held.append((min(first, p.sent_s + factor * bound.ttft_s), p.request_id))
+        if not held:
+            continue
+        until, pid = max(held)
+        wait = until - r.sent_s + e.idle_ttft_s
+        if wait > e.ttft_s:
+            out[r.request_id] = e.waiting_until(wait, f"{pid}, queued ahead of it")
     return out
 
 
