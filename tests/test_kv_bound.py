@@ -385,18 +385,24 @@ def test_a_freed_prefix_is_hit_until_the_blocks_handed_out_since_reach_it_tail_f
     assert kv.payer["g"][0] is member and kv.surviving("g", 640) == 640  # held again: hit in full
 
 
+def _false_positive(name: str, victim: str):
+    """A stored false positive (tests/data): its trace, model, assumption, send times as an execution, and
+    the victim's worst observed TTFT."""
+    from fuzzer.execution import ExecutionResult, Outcome, RequestResult
+
+    data = json.loads((Path(__file__).parent / "data" / name).read_text())
+    result = ExecutionResult("h", "http://127.0.0.1:1", 0.0, max(data["sent_s"].values()) + 1.0, tuple(
+        RequestResult(rid, rid, sent, sent, Outcome.OK) for rid, sent in data["sent_s"].items()))
+    return (from_dict(data["trace"]), StepModel.from_dict(data["model"]),
+            SchedulerAssumption.from_dict(data["assumption"]), result, max(data["observed_ttft_s"][victim]))
+
+
 def test_a_prompt_sharing_a_prefix_the_full_cache_evicted_is_bounded_by_its_prefill():
     # The vLLM-like server written for issue 16, clean: the paper counted a full hit for sharer2 and
     # a prefill of 2960 of its 7856 tokens was a confirmed ttft-outlier of 8.3x (3/3).
-    from fuzzer.execution import ExecutionResult, Outcome, RequestResult
     from fuzzer.oracle.policy import DEFAULT_POLICY
 
-    data = json.loads((Path(__file__).parent / "data" / "fp-evicted-free-prefix.json").read_text())
-    trace = from_dict(data["trace"])
-    model, a = StepModel.from_dict(data["model"]), SchedulerAssumption.from_dict(data["assumption"])
-    result = ExecutionResult("h", "http://127.0.0.1:1", 0.0, 12.0, tuple(
-        RequestResult(rid, rid, sent, sent, Outcome.OK) for rid, sent in data["sent_s"].items()))
-    observed = max(data["observed_ttft_s"]["sharer2"])
+    trace, model, a, result, observed = _false_positive("fp-evicted-free-prefix.json", "sharer2")
     assert DEFAULT_POLICY.factor * expect(trace, model, a, result)["sharer2"].ttft_s > observed
     # The control: with a cache four times as large nothing reaches the prefix, and the hit stays whole.
     roomy = dataclasses.replace(a, kv_blocks=4 * a.kv_blocks)
@@ -407,15 +413,9 @@ def test_a_kv_bursts_queue_lasts_as_long_as_its_streams_context_makes_their_step
     # The same server: sixteen 4788-token streams decoding together take 10.5 ms a step where one
     # sequence's calibration (no context cost) said 7.3 ms. With the long-batch probe's cost (41 ns a
     # context token on that server) the queue ahead of fan_after lasts as long on paper as it did.
-    from fuzzer.execution import ExecutionResult, Outcome, RequestResult
     from fuzzer.oracle.policy import DEFAULT_POLICY
 
-    data = json.loads((Path(__file__).parent / "data" / "fp-kv-burst-batched-context.json").read_text())
-    trace = from_dict(data["trace"])
-    model, a = StepModel.from_dict(data["model"]), SchedulerAssumption.from_dict(data["assumption"])
-    result = ExecutionResult("h", "http://127.0.0.1:1", 0.0, 5.0, tuple(
-        RequestResult(rid, rid, sent, sent, Outcome.OK) for rid, sent in data["sent_s"].items()))
-    observed = max(data["observed_ttft_s"]["fan_after"])
+    trace, model, a, result, observed = _false_positive("fp-kv-burst-batched-context.json", "fan_after")
     assert model.context_token_s == 0.0
     assert DEFAULT_POLICY.factor * expect(trace, model, a, result)["fan_after"].ttft_s < observed  # the false positive
     measured = dataclasses.replace(model, context_token_s=4.1e-8)
