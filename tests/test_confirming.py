@@ -234,3 +234,49 @@ def test_the_confirmation_share_counts_confirmation_runs_against_all_server_time
     assert ServerTime.from_dict({"seed_s": 1.0, "total_s": 2.0}).confirm_s == 0.0  # a checkpoint from before
     t.record("confirm", 100.0)
     assert t.confirm_due(1.0)  # a share of 1: every candidate at once
+
+
+def test_a_candidate_confirmed_as_another_kind_leaves_its_own_kind_unfound():
+    # On the vLLM-like server written for issue 16 an itl-stall candidate was confirmed as a
+    # ttft-outlier; its pre-signature made every later itl-stall (127x) wait as a "found kind".
+    from fuzzer.oracle.judge import Candidate
+    from fuzzer.oracle.kinds import FindingKind, Metric
+
+    store = Store.memory()
+    t = _shapes(1)[0]
+    store.put_trace(t)
+    confirmer = _sharing_confirmer(store, PaperTarget(seed=1), lambda: False)
+    store.add_finding(kind="ttft-outlier", signature="ttft-outlier:aaaaaaaaaaaa", trace=t, verdict={}, slowdown=9.0,
+                      reproduced="3/3", campaign_id=1, target_id=None,
+                      details={"request_id": "v", "pre_signature": "itl-stall:bbbbbbbbbbbb"})
+    again = _sharing_confirmer(store, PaperTarget(seed=1), lambda: False)
+    assert again._new_kind(Candidate(FindingKind.ITL_STALL, "v", Metric.MAX_ITL, 127.0))
+    assert not again._new_kind(Candidate(FindingKind.TTFT_OUTLIER, "v", Metric.TTFT, 3.0))
+    assert confirmer.found_kinds == set()  # taken up from the store when built
+
+
+def test_waiting_candidates_are_ranked_by_how_far_their_traits_are_from_every_finding_of_their_kind():
+    from fuzzer.oracle.judge import Candidate
+    from fuzzer.oracle.kinds import FindingKind, Metric
+    from fuzzer.search.confirming import Waiting
+
+    store = Store.memory()
+    base = Trace(requests=(Request(id="o", at_ms=0, prompt_tokens=64, max_tokens=8),
+                           Request(id="v", at_ms=5, prompt_tokens=256, max_tokens=32)))
+    store.put_trace(base)
+    store.add_finding(kind="ttft-outlier", signature="ttft-outlier:cccccccccccc", trace=base, verdict={},
+                      slowdown=9.0, reproduced="3/3", campaign_id=1, target_id=None, details={"request_id": "v"})
+    confirmer = _sharing_confirmer(store, PaperTarget(seed=1), lambda: False)
+    seeded = Trace(requests=(*base.requests, Request(id="s", at_ms=9, prompt_tokens=8, max_tokens=4, seed=1)))
+    seeded_timeout = Trace(requests=(*seeded.requests,
+                                     Request(id="t", at_ms=9, prompt_tokens=8, max_tokens=64, disconnect_after_ms=5)))
+
+    def waiting(trace, ratio, kind=FindingKind.TTFT_OUTLIER):
+        return Waiting(trace, Candidate(kind, "v", Metric.TTFT, ratio), f"k{ratio}", None)
+
+    ranked = sorted([waiting(base, 50.0), waiting(seeded, 20.0), waiting(seeded_timeout, 3.0),
+                     waiting(base, 2.5, FindingKind.E2E_OUTLIER)], key=confirmer._rank)
+    # A kind never found first, then two traits away from the finding, one away, and its own family last.
+    assert [(w.candidate.kind, w.candidate.ratio) for w in ranked] == [
+        (FindingKind.E2E_OUTLIER, 2.5), (FindingKind.TTFT_OUTLIER, 3.0), (FindingKind.TTFT_OUTLIER, 20.0),
+        (FindingKind.TTFT_OUTLIER, 50.0)]

@@ -98,7 +98,7 @@ BUNDLED_CORPUS = Path(__file__).resolve().parents[2] / "corpus"
     default=CONFIRM_SHARE,
     show_default=True,
     help="Largest share of server time spent confirming before a candidate of a kind already found waits "
-    "(ranked: new families first, then the largest slowdowns); 1 confirms each at once.",
+    "(ranked: families least like any finding's first, then the largest slowdowns); 1 confirms each at once.",
 )
 @goodput_option
 @fleet_options

@@ -144,8 +144,21 @@ def family(kind: FindingKind, trace: Trace, request_id: str | None, kv_tokens: i
     API, streaming and own cancel left out.
     Other kinds keep their signature: a leak is one per way of leaving already, a failure is told
     apart by its outcome."""
-    if request_id is None or kind not in (FindingKind.TTFT_OUTLIER, FindingKind.ITL_STALL, FindingKind.E2E_OUTLIER):
+    if request_id is None or kind not in LATENCY_KINDS:
         return signature(kind, trace, request_id)
+    coarse: dict[str, Any] = {"version": 2, **family_traits(trace, request_id, kv_tokens)}
+    return _key(kind, {"kind": kind.value, "family": coarse}).replace(":", ":family-", 1)
+
+
+#: The kinds whose findings have a family of traits (the others' family is their signature).
+LATENCY_KINDS = (FindingKind.TTFT_OUTLIER, FindingKind.ITL_STALL, FindingKind.E2E_OUTLIER)
+#: The traits of a family, in the order of trait_vector.
+TRAITS = ("fanout", "seeded", "timeouts", "reuses_prefix", "over_kv")
+
+
+def family_traits(trace: Trace, request_id: str, kv_tokens: int | None = None) -> dict[str, bool]:
+    """What makes a latency finding's family (see :func:`family`): ``fanout`` always, the others
+    only where they hold."""
     shape = request_shape(trace, trace.request(request_id))
     # Whether the victim streams, its API or its own cancel do not tell a scheduler bug apart (one bug
     # met 9 families of those and of shared prefixes in a campaign on the held-out server); fan-out and
@@ -153,14 +166,18 @@ def family(kind: FindingKind, trace: Trace, request_id: str | None, kv_tokens: i
     # may the engine's prefix cache and KV pressure: admission that counts resident prefix blocks
     # (vLLM #37308's class) and preemption order (vLLM #41951) are other code than a step's
     # composition, and with one family their findings waited behind a compute bug's back-off.
-    coarse: dict[str, Any] = {"fanout": shape["fanout"], "version": 2}
-    coarse.update(_batch_traits(trace))
+    traits: dict[str, bool] = {"fanout": shape["fanout"], **_batch_traits(trace)}
     # Keys added after the first release only where they hold, so earlier families stay.
     if shape["before_same_prefix"]:
-        coarse["reuses_prefix"] = True
+        traits["reuses_prefix"] = True
     if kv_tokens and burst_kv(trace) > kv_tokens:
-        coarse["over_kv"] = True
-    return _key(kind, {"kind": kind.value, "family": coarse}).replace(":", ":family-", 1)
+        traits["over_kv"] = True
+    return traits
+
+
+def trait_vector(traits: dict[str, bool]) -> tuple[bool, ...]:
+    """The traits as one value each (absent: False), in TRAITS order: families' distances are counted on it."""
+    return tuple(bool(traits.get(t, False)) for t in TRAITS)
 
 
 def burst_kv(trace: Trace) -> int:

@@ -13,10 +13,10 @@ real one costs MIN_RUNS runs of its trace: on the held-out vLLM-like server with
 confirmations took 44% of a 30-minute campaign, 12 of its 21 findings one bug's. When the
 campaign gives a ``due`` test (its confirmation share of the server time, see
 :class:`fuzzer.search.pacing.ServerTime`), a latency candidate that would go over it *waits*
-in a bounded queue, ranked by novelty (a kind with no finding yet, then a family with none, then
-a found family's) and then by how far over its bound it was, and the best waiting one is
-confirmed once the share allows (AFL's favoured queue, applied to confirmation). A candidate of a
-kind with no finding yet never waits: it may be the campaign's only sight of a bug. Failures, leaks,
+in a bounded queue, ranked by novelty (how many of its family's traits differ from those of the
+nearest finding of its kind) and then by how far over its bound it was, and the best waiting one
+is confirmed once the share allows (AFL's favoured queue, applied to confirmation). A candidate of
+a kind with no finding yet (as confirmed) never waits: it may be the campaign's only sight of a bug. Failures, leaks,
 crashes and cold probes are confirmed at once as before.
 """
 
@@ -36,7 +36,15 @@ from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind, Metric
 from fuzzer.oracle.policy import OraclePolicy
-from fuzzer.oracle.signature import family, leak_signature, leaving_clients, signature
+from fuzzer.oracle.signature import (
+    LATENCY_KINDS,
+    family,
+    family_traits,
+    leak_signature,
+    leaving_clients,
+    signature,
+    trait_vector,
+)
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.mutators import without_cancellations
@@ -134,6 +142,13 @@ class Confirmer:
         self.found: set[str] = {f.signature for f in found}
         #: The families of the latency findings, and their back-off.
         self.families = Families(found, state.get("family_seen", {}))
+        #: The kinds found (as confirmed: a candidate may be confirmed as another kind).
+        self.found_kinds: set[str] = {f.kind for f in found}
+        #: Latency kind -> the trait vectors of its findings (fuzzer.oracle.signature.trait_vector).
+        self.found_traits: dict[str, set[tuple[bool, ...]]] = {}
+        for f in found:
+            if f.kind in LATENCY_KINDS and (victim := f.details.get("request_id")) is not None:
+                self._found_traits_of(f.kind, store.get_trace(f.trace_hash), victim)
         #: Pre-signatures whose confirmation came back SAME -> times seen since.
         self.rejected: dict[str, int] = dict(state.get("rejected", {}))
         #: Candidates whose confirmation the deadline cut short: (trace, candidate, key).
@@ -181,7 +196,7 @@ class Confirmer:
             if fam is not None and self.families.pass_over(fam, sighted):
                 continue
             self.candidates += 1
-            if self._due is None or cold or candidate.metric is None or self._novelty(candidate, key, fam) == 0:
+            if self._due is None or cold or candidate.metric is None or self._new_kind(candidate):
                 return await self._confirm_candidate(trace, candidate, key, calibration, fam)
             self._wait(Waiting(trace, candidate, key, fam))
             return await self.confirm_waiting(calibration) if self._due() else None
@@ -189,15 +204,25 @@ class Confirmer:
             return await self._check_slo(trace, result)
         return None  # one confirmation per execution keeps the fuzzing going
 
-    def _novelty(self, candidate: Candidate, key: str, fam: str | None) -> int:
-        """0: no finding of the candidate's kind yet; 1: none of its family (or signature); 2: a found family's."""
-        if not any(k.startswith(f"{candidate.kind}:") for k in self.found):
-            return 0
-        return 2 if fam is not None and fam in self.families.counts else 1
+    def _found_traits_of(self, kind: str, trace: Trace, victim: str) -> None:
+        self.found_traits.setdefault(kind, set()).add(trait_vector(family_traits(trace, victim, self._kv_tokens)))
 
-    def _rank(self, w: Waiting) -> tuple[int, float]:
-        """Lower is better: novelty first, then how far over its bound the candidate was seen."""
-        return self._novelty(w.candidate, w.key, w.family), -(w.candidate.ratio or 0.0)
+    def _new_kind(self, candidate: Candidate) -> bool:
+        """No finding of the candidate's kind yet: it may be the campaign's only sight of a bug."""
+        return str(candidate.kind) not in self.found_kinds
+
+    def _rank(self, w: Waiting) -> tuple[int, int, float]:
+        """Lower is better: a kind not found first; then the candidate whose family's traits differ most
+        from those of every finding of its kind (the number of traits that differ from the nearest: with
+        one bug met in many trace shapes, every other candidate is a family not yet found, so a family's
+        mere novelty ranks nothing); then how far over its bound it was seen."""
+        c = w.candidate
+        if self._new_kind(c):
+            return 0, 0, -(c.ratio or 0.0)
+        mine = trait_vector(family_traits(w.trace, c.request_id, self._kv_tokens)) if c.request_id else ()
+        found = self.found_traits.get(str(c.kind), set())
+        distance = min((sum(a != b for a, b in zip(mine, f)) for f in found), default=len(mine))
+        return 1, -distance, -(c.ratio or 0.0)
 
     def _wait(self, waiting: Waiting) -> None:
         """Queue a candidate for the confirmation share; beyond WAITING_MAX the lowest-ranked goes."""
@@ -305,6 +330,10 @@ class Confirmer:
         if fam is not None:
             details["family"] = fam
             self.families.record(fam)
+        if verdict.kind is not None:
+            self.found_kinds.add(str(verdict.kind))
+            if verdict.kind in LATENCY_KINDS and verdict.request_id is not None:
+                self._found_traits_of(str(verdict.kind), trace, verdict.request_id)
         finding_id, created = self._store.add_finding(
             kind=str(verdict.kind), signature=sig, trace=trace, verdict=verdict.to_dict(),
             slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=self._campaign_id,
