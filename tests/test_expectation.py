@@ -414,3 +414,28 @@ def test_the_fan_out_schedule_drifts_like_the_others():
     # The control: without its fan-out (n = 1), nothing made a step that long, and the bound stays short.
     single = trace.with_requests([r if r.n == 1 else Request(**{**r.__dict__, "n": 1}) for r in trace.requests])
     assert DEFAULT_POLICY.factor * expect(single, model, a, result)["b0_retry"].ttft_s < 0.099
+
+
+def test_a_request_whose_client_left_frees_its_seat_on_paper_where_the_engine_aborts_it():
+    from dataclasses import replace
+
+    from fuzzer.execute import adapters
+    from fuzzer.oracle.model import assumption_for
+
+    one_seat = SchedulerAssumption(max_num_seqs=1)
+    gone = Request(id="a", at_ms=0, prompt_tokens=64, max_tokens=2000, disconnect_after_ms=100)
+    trace = Trace(requests=(gone, Request(id="b", at_ms=10, prompt_tokens=64, max_tokens=4)))
+    bounds = expect(trace, MODEL, one_seat)
+    # a's client left at 100 ms: the engine drops it at the next step after 150 ms and b takes the seat.
+    assert bounds["b"].ttft_s < 0.25
+    served = expect(trace, MODEL, replace(one_seat, aborts_on_disconnect=False))
+    assert served["b"].ttft_s > 1000 * MODEL.overhead_s  # behind a's 2000 tokens
+    # A client that leaves after its request ended changes nothing.
+    late = trace.with_requests((replace(gone, max_tokens=8, disconnect_after_ms=60_000), trace.requests[1]))
+    assert expect(late, MODEL, one_seat)["b"].ttft_s == expect(late, MODEL, replace(one_seat, aborts_on_disconnect=False))["b"].ttft_s
+    # Which engines abort: vLLM's and SGLang's adapters say so; llama.cpp's and a calibration stored before do not.
+    assert assumption_for("vllm", adapters.adapter("vllm").scheduler_defaults).aborts_on_disconnect
+    assert not assumption_for("llamacpp", adapters.adapter("llamacpp").scheduler_defaults).aborts_on_disconnect
+    stored = one_seat.to_dict()
+    del stored["aborts_on_disconnect"]
+    assert not SchedulerAssumption.from_dict(stored).aborts_on_disconnect

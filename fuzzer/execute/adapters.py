@@ -216,6 +216,9 @@ _VLLM = Adapter(
         # v1/core/sched/scheduler.py: the newest running request is popped first and a preempted one
         # is prepended to the waiting queue; nothing waiting is admitted in a step that preempted.
         "preempted_first": True,
+        # entrypoints/utils.py (with_cancellation): the handler is cancelled when the client
+        # disconnects and the request aborted in the engine core, between steps.
+        "aborts_on_disconnect": True,
     },
     tokenize_path="/tokenize",
     tokenize_body=_openai_tokenize_body,
@@ -245,6 +248,8 @@ _SGLANG = Adapter(
         "scheduling_policy": "fcfs",
         "schedule_conservativeness": 1.0,
         "preemption": "retraction",
+        # srt/entrypoints/http_server.py: a disconnected client's request is aborted (abort_request).
+        "aborts_on_disconnect": True,
     },
     tokenize_path="/tokenize",
     tokenize_body=_openai_tokenize_body,

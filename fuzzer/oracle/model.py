@@ -147,6 +147,12 @@ class SchedulerAssumption:
     #: while an earlier one waits for its blocks again (fuzzer.oracle.evidence.passed_while_silent).
     #: False for engines that choose whom to retract otherwise (SGLang) or whose order is not assumed.
     preempted_first: bool = True
+    #: The engine aborts a request whose client disconnected (before its first token too), freeing its
+    #: seat and KV blocks at a step boundary soon after (vLLM v1: the API server cancels the request on
+    #: disconnect; PRs #29987 and #14326 fixed the paths that lost it), so the paper schedule drops it
+    #: then (fuzzer.oracle.paper, ABORT_AFTER_S). False where not assumed: a disconnected request is
+    #: served to its end on paper, and work a server keeps doing for a client gone shows only as a leak.
+    aborts_on_disconnect: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
@@ -188,12 +194,15 @@ class SchedulerAssumption:
             "frontend_fifo": self.frontend_fifo,
             "long_prefill_threshold": self.long_prefill_threshold,
             "preempted_first": self.preempted_first,
+            "aborts_on_disconnect": self.aborts_on_disconnect,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SchedulerAssumption:
-        # A calibration stored before preempted_first existed does not say: the rule it gates stays off.
-        return cls(**{"preempted_first": False, **{k: data[k] for k in cls.__dataclass_fields__ if k in data}})
+        # A calibration stored before preempted_first (or aborts_on_disconnect) existed does not say: the
+        # rule it gates stays off.
+        return cls(**{"preempted_first": False, "aborts_on_disconnect": False,
+                      **{k: data[k] for k in cls.__dataclass_fields__ if k in data}})
 
 
 #: Names under which engines document the per-step token budget (server adapters'
@@ -248,4 +257,5 @@ def assumption_for(
     arrival_order = defaults.get("scheduling_policy") == "fcfs"
     preempted_first = arrival_order and bool(defaults.get("preempted_first"))
     return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order, frontend_fifo=True,
-                               preempted_first=preempted_first)
+                               preempted_first=preempted_first,
+                               aborts_on_disconnect=bool(defaults.get("aborts_on_disconnect")))

@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 # A trace whose paper schedule needs more steps than this is not a fuzzing input
 # (a million steps is hours of decoding); stop rather than spin.
 MAX_MODEL_STEPS = 1_000_000
+#: A request whose client disconnects leaves the engine at the first step boundary this long after
+#: (``SchedulerAssumption.aborts_on_disconnect``): the API server hears of the disconnect and aborts
+#: the request, which the engine applies between steps (vLLM: ``with_cancellation``, then the engine
+#: core's abort). Generous, so a server that takes a little longer is not held to a faster abort.
+ABORT_AFTER_S = 0.05
 
 # A stretch of pure decode steps with no end in sight (nobody decoding, a request that can
 # never be admitted) is computed this many steps at a time, so memory stays small.
@@ -119,6 +124,8 @@ def serve(
             prefix=prefixes[r.prefix] if r.prefix else 0,
             out=r.cancel_after_tokens or r.max_tokens,
             n=r.n,
+            abort_s=(sent.get(r.id, r.at_ms / 1000.0) + r.disconnect_after_ms / 1000.0 + ABORT_AFTER_S
+                     if assumption.aborts_on_disconnect and r.disconnect_after_ms is not None else None),
         )
         for r in requests
     ]
@@ -140,6 +147,9 @@ class Job:
     n: int
     #: Cached tokens forced from outside (idle replay of a request that had hits); None = decide.
     forced_cached: int | None = None
+    #: When the engine drops it because its client disconnected (serve: ABORT_AFTER_S after the
+    #: client leaves); None: it is served to its end.
+    abort_s: float | None = None
     cached: int = 0
     computed: int = 0
     admitted: bool = False
@@ -167,12 +177,13 @@ class Job:
         return self.admitted and self.computed >= self.prompt + self.recompute
 
     def paper(self, model: StepModel) -> PaperRequest:
-        assert self.finish_s is not None and self.token_times
+        assert self.finish_s is not None and (self.token_times or self.abort_s is not None)
         shift = model.request_overhead_s - self.arrival_s
+        times = self.token_times or [self.finish_s]  # aborted before its first token: none came
         return PaperRequest(
             request_id=self.id,
             arrival_s=self.arrival_s,
-            token_times_s=tuple((np.array(self.token_times) + shift).tolist()),
+            token_times_s=tuple((np.array(times) + shift).tolist()),
             e2e_s=self.finish_s + shift,
             cached_tokens=self.cached,
             max_step_s=self.max_step,
@@ -266,7 +277,13 @@ def schedule(
     t = order[0].ready_s if order else 0.0
     steps = 0
     last_dt = 0.0
+    aborts = sorted(j.abort_s for j in queued if j.abort_s is not None)
     while pending or waiting or running:
+        if aborts and aborts[0] <= t:
+            _abort(t, pending, waiting, running, kv)
+            aborts = [x for x in aborts if x > t]
+            if not (pending or waiting or running):
+                break
         while busy and busy[0][1] <= t:
             busy.popleft()
         if busy and busy[0][0] <= t:
@@ -280,7 +297,7 @@ def schedule(
             waiting.append(job)
             t = max(t, job.ready_s)  # the step boundary falls after this arrival
         if not waiting and not running:
-            t = pending[0].ready_s
+            t = pending[0].ready_s if not aborts else min(pending[0].ready_s, max(t, aborts[0]))
             continue
         threshold = a.long_prefill_threshold
         limit = threshold if threshold and len(running) + len(waiting) > 1 else a.token_budget
@@ -302,7 +319,7 @@ def schedule(
             # Nothing to prefill and nobody admissible: only decode steps until something changes.
             t, last_dt, done = _decode_run(
                 t, last_dt, decoding, decode_seqs, context, waiting, running, pending, model,
-                lookahead=lookahead, max_steps=MAX_MODEL_STEPS - steps, kv=kv,
+                lookahead=lookahead, max_steps=MAX_MODEL_STEPS - steps, kv=kv, abort_at=aborts[0] if aborts else None,
             )
             steps += done
             _retire(running, t, kv)
@@ -391,7 +408,7 @@ def _waves(jobs: list[Job], max_num_seqs: int) -> dict[int, list[Job]]:
         while j.n > max_num_seqs:
             k = min(j.n - max_num_seqs, max_num_seqs)
             extra.append(Job(id=j.id, arrival_s=j.arrival_s, prompt=j.prompt, group=j.group, prefix=j.prefix,
-                             out=j.out, n=k, forced_cached=j.forced_cached))
+                             out=j.out, n=k, forced_cached=j.forced_cached, abort_s=j.abort_s))
             j.n -= k
         if extra:
             out[id(j)] = extra
@@ -421,13 +438,14 @@ def _decode_run(
     lookahead: bool,
     max_steps: int,
     kv: KVBlocks | None = None,
+    abort_at: float | None = None,
 ) -> tuple[float, float, int]:
     """Take the pure-decode steps from ``t`` on at once; returns (t, last_dt, steps taken).
 
     The run stops after the step in which the first decoding request gets its last
     token, or before the step at whose start the next arrival would be admitted to the
-    waiting queue, whichever comes first (at least one step is taken: the caller found
-    none admissible at ``t``). Step k has the context of step 0 plus k tokens of every
+    waiting queue, or before the step at whose start ``abort_at`` has come (a client's abort),
+    whichever comes first (at least one step is taken: the caller found none admissible at ``t``). Step k has the context of step 0 plus k tokens of every
     decoding sequence; the times are accumulated in order, exactly as step-by-step. With
     ``kv``, it also stops before the first step whose decodes need more blocks than are free.
     """
@@ -449,6 +467,11 @@ def _decode_run(
         late = np.flatnonzero(pending[0].ready_s <= due)
         if late.size:
             count = int(late[0]) + 1
+            dts, ends = dts[:count], ends[:count]
+    if abort_at is not None:
+        gone = np.flatnonzero(abort_at <= ends[:-1])  # the first step boundary at or after the abort
+        if gone.size:
+            count = int(gone[0]) + 1
             dts, ends = dts[:count], ends[:count]
     longest = float(dts.max())
     for j in (*waiting, *running):
@@ -474,6 +497,20 @@ def _decode_run(
         if kv is not None:
             kv.hold(j, j.prompt + j.tokens - 1)
     return times[-1], float(dts[-1]), count
+
+
+def _abort(t: float, pending: deque[Job], waiting: deque[Job], running: list[Job], kv: KVBlocks | None) -> None:
+    """Drop (at the step boundary ``t``) every request whose client's abort has come: its seat and
+    blocks are free from now on."""
+    for queue in (pending, waiting):
+        for j in [j for j in queue if j.abort_s is not None and j.abort_s <= t]:
+            queue.remove(j)
+            j.finish_s = t
+    for j in [j for j in running if j.abort_s is not None and j.abort_s <= t]:
+        running.remove(j)
+        j.finish_s = t
+        if kv is not None:
+            kv.release(j)
 
 
 def _admit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None) -> None:
