@@ -310,3 +310,20 @@ def test_the_long_batch_fits_the_servers_kv_cache_its_slots_and_its_context():
     assert long_batch_shape(SchedulerAssumption(max_num_seqs=4), 8192) == (4, 4096)  # llama.cpp's slots
     assert long_batch_shape(SchedulerAssumption(kv_blocks=100, block_size=16), 8192) is None  # no room
     assert long_batch_shape(SchedulerAssumption(max_num_seqs=1), 8192) is None
+
+
+async def test_a_token_budget_larger_than_the_assumed_one_is_measured():
+    # Issue 16's third held-out server ran vLLM with an 8192-token budget (its default on large GPUs)
+    # where the vLLM adapter assumed 2048: a stream's gaps beside a long prompt were 120 ms against
+    # 40 ms steps on paper, four confirmed itl-stall false positives in four minutes.
+    large = PaperTarget(assumption=SchedulerAssumption(token_budget=8192))
+    cal = await calibrate(large, rng=random.Random(1), clock=lambda: 0.0)
+    assert cal.assumption.token_budget == 8192 and "token budget measured" in cal.assumption.source
+    # Controls: a server at the assumed budget keeps it (and the probe costs it one run); a budget
+    # the user names stands.
+    default = PaperTarget()
+    cal = await calibrate(default, rng=random.Random(1), clock=lambda: 0.0)
+    assert cal.assumption.token_budget == 2048 and "measured" not in cal.assumption.source
+    named = await calibrate(PaperTarget(assumption=SchedulerAssumption(token_budget=8192)), rng=random.Random(1),
+                            assumption=SchedulerAssumption(token_budget=4096), measure_budget=False)
+    assert named.assumption.token_budget == 4096

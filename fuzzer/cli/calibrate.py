@@ -96,7 +96,8 @@ async def _calibrate(
         assumption = scheduler_assumption(info, **overrides)
         cal = await calibrate(http, assumption=assumption, rng=random.Random(seed), repeats=repeats,
                               max_model_len=info.max_model_len,
-                              measure_cap=overrides.get("long_prefill_threshold") is None)
+                              measure_cap=overrides.get("long_prefill_threshold") is None,
+                              measure_budget=overrides.get("token_budget") is None)
         return calibration_key(launch.identity if launch is not None else target, info.model), cal
 
 

@@ -32,7 +32,7 @@ from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
 from fuzzer.execution import Target
 from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration
-from fuzzer.oracle.chunkcap import chunk_cap
+from fuzzer.oracle.chunkcap import chunk_cap, token_budget
 from fuzzer.oracle.fitting import fit
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, assumption_for
@@ -157,11 +157,15 @@ async def calibrate(
     remeasure: bool = True,
     early_stop: bool = True,
     measure_cap: bool = True,
+    measure_budget: bool = True,
 ) -> Calibration:
     """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure.
 
-    With ``measure_cap`` and no cap in the assumption, the long-prefill cap is measured too
-    (:func:`fuzzer.oracle.chunkcap.chunk_cap`); a user who names the cap (0 included) passes False.
+    With ``measure_budget``, a token budget per step larger than the assumed one is measured
+    (:func:`fuzzer.oracle.chunkcap.token_budget`: vLLM's default differs by GPU, and deployments
+    choose their own); a user who names the budget passes False. With ``measure_cap`` and no cap in
+    the assumption, the long-prefill cap is measured too (:func:`fuzzer.oracle.chunkcap.chunk_cap`);
+    a user who names the cap (0 included) passes False.
 
     ``max_model_len`` (from the server's /v1/models) lets the decode probes use longer
     contexts; without it they stay at 4096 tokens, which every served model accepts.
@@ -245,6 +249,14 @@ async def calibrate(
         # A noisy round is often a burst of load on the host: measure once more, keep the quieter.
         again = await measured()
         cal = min((cal, again), key=lambda c: c.judged_noise()[1])
+    if measure_budget and "token budget" not in assumption.source and "token_budget" not in assumption.source:
+        # A user's budget (or an earlier measurement's) stands; else a larger one the server shows replaces the default.
+        kind = getattr(getattr(target, "info", None), "kind", None)
+        choices = adapters.ADAPTERS[kind].scheduler_defaults.get("max_num_batched_tokens", ()) if kind in adapters.ADAPTERS else ()
+        found = await token_budget(target, cal, longest, tuple(choices) if isinstance(choices, (tuple, list)) else ())
+        if found:
+            assumption = replace(assumption, token_budget=found, source=f"{assumption.source}; token budget measured")
+            cal = replace(cal, assumption=assumption)
     if measure_cap and not assumption.long_prefill_threshold:  # a user's (or an earlier measurement's) cap stands
         found = await chunk_cap(target, cal, longest)
         if found:
@@ -311,7 +323,9 @@ async def reuse_or_calibrate(
         return stale
     on_measure(stale)
     try:
-        fresh = await calibrate(target, assumption=stale.assumption if stale else None, rng=rng(), clock=clock)
+        # A stale calibration's budget stands (the user's, or one measured before), as its cap does.
+        fresh = await calibrate(target, assumption=stale.assumption if stale else None, rng=rng(), clock=clock,
+                                measure_budget=stale is None)
     except TargetError as e:
         if stale is None or on_refresh_failed is None:
             raise

@@ -1,4 +1,9 @@
-"""The long-prefill cap probe: how many prompt tokens a server computes for one request per step beside others.
+"""The step probes: a long prompt beside a decoding stream shows how many prompt tokens a step computes.
+
+Two limits set that. The token budget (vLLM's ``--max-num-batched-tokens``: 2048 on smaller GPUs,
+8192 on large ones, or what the deployment chose) is measured by :func:`token_budget`: the stream's
+longest gap while the prompt prefills is a step computing a full chunk, and a larger budget makes
+that step longer. The long-prefill cap, by :func:`chunk_cap`:
 
 vLLM's ``--long-prefill-token-threshold`` (off by default; the knob its maintainers answer
 head-of-line reports with) caps the prompt tokens one request computes in a step while other
@@ -37,6 +42,95 @@ CAP_EXTRA_STEPS = 3
 #: gives it, and the noise margin more: a cap that costs less than that makes no candidate either.
 #: Caps below this many tokens a step are not looked for (the stream would be long).
 MIN_CAP_TOKENS = 64
+#: The token budget probe: a prompt of at most this many tokens (and at least two assumed budgets;
+#: halved while the calibrated model says its prefill would take longer than BUDGET_PROBE_MAX_S)
+#: beside a decoding stream, BUDGET_REPEATS times ...
+BUDGET_PROBE_TOKENS = 16384
+BUDGET_PROBE_MAX_S = 3.0
+BUDGET_REPEATS = 2
+#: ... and a larger budget is measured only when the stream's longest gap during the prefill (the
+#: quicker run's) is this many times the longest step the assumed budget gives the prompt, and the
+#: noise margin more; it is then the smallest of BUDGET_CHOICES (and the documented ones) whose
+#: longest step explains that gap. On the vLLM-like server of issue 16's third held-out deployment
+#: (a budget of 8192 tokens where vLLM's smaller-GPU default of 2048 was assumed) the stream's gaps
+#: were 120 ms against 40 ms steps on paper: four confirmed itl-stall false positives in 4 minutes.
+BUDGET_EVIDENCE = 1.5
+BUDGET_CHOICES = (2048, 4096, 8192, 16384, 32768)
+#: A budget explains the gap when its longest step on paper, this much longer, reaches it (the
+#: bound's envelope scales the model as much).
+BUDGET_TOLERANCE = 0.15
+
+
+async def token_budget(target: Target, cal: Calibration, longest: int, documented: tuple[int, ...] = ()) -> int:
+    """The target's token budget per step where it is clearly larger than the assumed one, else 0.
+
+    A short stream decodes; a burst of long prompts (one of BUDGET_PROBE_TOKENS where the context
+    holds it, else up to four of the longest it holds: a budget counts a step's tokens, whoever's)
+    arrives beside it, BUDGET_REPEATS times. Each step gives the stream a token, so its longest gap
+    while the prompts prefill is the longest step, one computing a full budget of prompt tokens.
+    See BUDGET_EVIDENCE for when it is measured.
+    """
+    model, assumption = cal.model, cal.assumption
+    budget = assumption.token_budget
+    total = BUDGET_PROBE_TOKENS
+    while total >= 4 * budget and idle_expectation(total, 2, model, assumption).ttft_s > BUDGET_PROBE_MAX_S:
+        total //= 2
+    each = min(total, max(1, longest))
+    prompts = (each,) * max(1, min(4, total // each))
+    if sum(prompts) < 2 * budget:
+        return 0  # no burst of several assumed chunks fits (or none the probe can afford): nothing to tell
+    margin_s = NOISE_MARGINS * cal.noise_s.get(Metric.MAX_ITL, 0.0)
+    gaps = []
+    for run in range(BUDGET_REPEATS):
+        trace, sent, got = await _beside_a_stream(target, model, assumption, prompts, f"calibration-budget-{run}")
+        if got is None:
+            return 0
+        s, burst = got
+        arrived = min(p.sent_s for p in burst) + model.frontend_s(each)
+        first = max(p.sent_s + p.ttft_s for p in burst)
+        times = [s.sent_s + t for t in s.token_times_s]
+        during = [b - a for a, b in zip(times, times[1:]) if b > arrived and a < first]
+        if not during or max(during) < BUDGET_EVIDENCE * _longest_step(trace, sent, model, assumption, budget) + margin_s:
+            return 0  # the assumed budget explains this run (a server at its default costs one run)
+        gaps.append((max(during), sent, trace))
+    gap, sent, trace = min(gaps, key=lambda g: g[0])
+    # Budgets beyond the burst all compute it in one step: the smallest of them is all the probe can tell.
+    choices = sorted({c for c in (*BUDGET_CHOICES, *documented) if c > budget})
+    for choice in choices:
+        if (1 + BUDGET_TOLERANCE) * _longest_step(trace, sent, model, assumption, choice) >= gap - margin_s \
+                or choice > sum(prompts):
+            return choice
+    return choices[-1] if choices else 0
+
+
+async def _beside_a_stream(target: Target, model: StepModel, assumption: SchedulerAssumption,
+                           prompts: tuple[int, ...], name: str):
+    """Run a short stream ("cs") and, once it decodes, prompts of ``prompts`` tokens sent together ("cl",
+    "cl1", ...); returns the trace, the send times and (stream, [prompt results]), the latter None
+    when any failed or had no token."""
+    step = model.step_s(0, 1, 16)
+    lead_s = idle_expectation(16, 2, model, assumption).ttft_s + 8 * step
+    longs = [Request(id="cl" if i == 0 else f"cl{i}", at_ms=round(lead_s * 1000.0, 3), prompt_tokens=n, max_tokens=2)
+             for i, n in enumerate(prompts)]
+    trace = Trace(requests=(
+        Request(id="cs", at_ms=0.0, prompt_tokens=16, max_tokens=math.ceil(sum(prompts) / MIN_CAP_TOKENS) + 32),
+        *longs,
+    ), name=name)
+    result = await target.execute(trace)
+    got = {r.request_id: r for r in result.requests}
+    s, burst = got.get("cs"), [got.get(r.id) for r in longs]
+    if s is None or s.outcome.failed or not s.token_times_s or any(
+            p is None or p.outcome.failed or p.ttft_s is None for p in burst):
+        return trace, {}, None
+    return trace, {r.request_id: r.sent_s for r in result.requests}, (s, burst)
+
+
+def _longest_step(trace: Trace, sent: Mapping[str, float], model: StepModel, assumption: SchedulerAssumption,
+                  budget: int) -> float:
+    """The longest step computing the probe's prompts in the paper schedule under ``budget``."""
+    under = replace(assumption, token_budget=budget, long_prefill_threshold=0, kv_blocks=None)
+    paper = serve(trace.requests, {}, sent, model, under, False)
+    return max((d for r in trace.requests if r.id != "cs" for _, d in paper[r.id].chunk_steps), default=0.0)
 
 
 async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
@@ -59,27 +153,19 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
     if prompt < 2 * budget:
         return 0  # the model is too short for a prompt of several chunks
     uncapped = math.ceil(prompt / max(1, budget - 1))
-    stream_tokens = math.ceil(prompt / MIN_CAP_TOKENS) + 32
     step = model.step_s(0, 1, 16)
-    lead_s = idle_expectation(16, 2, model, assumption).ttft_s + 8 * step
     margin_s = NOISE_MARGINS * cal.noise_s.get(Metric.TTFT, 0.0)
     runs: list[tuple[float, int, dict[str, float], Trace]] = []
     for run in range(CAP_REPEATS):
-        trace = Trace(requests=(
-            Request(id="cs", at_ms=0.0, prompt_tokens=16, max_tokens=stream_tokens),
-            Request(id="cl", at_ms=round(lead_s * 1000.0, 3), prompt_tokens=prompt, max_tokens=2),
-        ), name=f"calibration-cap-{run}")
-        result = await target.execute(trace)
-        got = {r.request_id: r for r in result.requests}
-        s, p = got.get("cs"), got.get("cl")
-        if s is None or p is None or s.outcome.failed or p.outcome.failed or p.ttft_s is None or not s.token_times_s:
+        trace, sent, got = await _beside_a_stream(target, model, assumption, (prompt,), f"calibration-cap-{run}")
+        if got is None:
             return 0
+        s, (p,) = got
         arrived = p.sent_s + model.frontend_s(prompt)
         first = p.sent_s + p.ttft_s + step / 2.0
         steps = sum(1 for t in s.token_times_s if arrived < s.sent_s + t <= first)
         if s.sent_s + s.token_times_s[-1] < first or steps < max(CAP_EVIDENCE * uncapped, uncapped + CAP_EXTRA_STEPS):
             return 0  # the stream ended first (no count), or no more steps than an uncapped engine's
-        sent = {"cs": s.sent_s, "cl": p.sent_s}
         if p.ttft_s < CANDIDATE_FACTOR * _probe_ttft(trace, sent, model, assumption, 0) + margin_s:
             return 0  # no slower than an uncapped engine serves it
         runs.append((p.ttft_s, steps, sent, trace))
