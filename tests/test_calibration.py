@@ -327,3 +327,23 @@ async def test_a_token_budget_larger_than_the_assumed_one_is_measured():
     named = await calibrate(PaperTarget(assumption=SchedulerAssumption(token_budget=8192)), rng=random.Random(1),
                             assumption=SchedulerAssumption(token_budget=4096), measure_budget=False)
     assert named.assumption.token_budget == 4096
+
+
+async def test_a_steps_cost_for_computing_any_prompt_is_moved_from_the_request_overhead_into_the_steps():
+    # The third held-out server, a 30B mixture-of-experts model: a step computing a 128-token prompt
+    # reads every expert (26 ms) where a decode step reads a few (5.7 ms). Idle probes put those 20 ms
+    # in the request overhead, which delays nobody else, and a stream beside prompts was 2.5-7x its
+    # bound on a clean server (five confirmed false positives in nine minutes).
+    moe = replace(TRUE, prefill_step_s=0.02)
+    cal = await calibrate(PaperTarget(moe, noise=0.01), rng=random.Random(1), clock=lambda: 0.0)
+    assert cal.model.prefill_step_s == pytest.approx(0.02, rel=0.2)
+    assert cal.model.request_overhead_s == pytest.approx(TRUE.request_overhead_s, abs=0.004)
+    # An idle request's TTFT is what it was (the floor moved, not added), a stream's step beside a prompt is longer.
+    from fuzzer.oracle.expectation import idle_expectation
+
+    assert idle_expectation(512, 2, cal.model, cal.assumption).ttft_s == pytest.approx(
+        idle_expectation(512, 2, moe, cal.assumption).ttft_s, rel=0.1)
+    assert cal.model.step_s(128, 1, 100) - cal.model.step_s(0, 1, 100) > 0.015
+    # The control: a server whose steps cost what the model says keeps its request overhead.
+    plain = await calibrate(PaperTarget(noise=0.01), rng=random.Random(1), clock=lambda: 0.0)
+    assert plain.model.prefill_step_s == 0.0

@@ -133,6 +133,8 @@ def _show(cal: Calibration, key: str, calibration_id: int, db_path: str) -> None
     model.add_row("per prefill attention pair", f"{m.prefill_pair_s * 1e12:.2f} ps"
                   + (" (a long prompt's prefill grows faster than its length)" if m.prefill_pair_s > 0 else ""))
     model.add_row("frontend per prompt token", f"{m.frontend_token_s * 1e6:.3f} µs")
+    if m.prefill_step_s:
+        model.add_row("per step with a prompt", f"{m.prefill_step_s * 1e3:.3f} ms (steps that compute prompt tokens cost more)")
     model.add_row("request overhead", f"{m.request_overhead_s * 1e3:.3f} ms")
     out.print(model)
     noise = Table(title="noise (1.4826 x MAD of the residuals)")

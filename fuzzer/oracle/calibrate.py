@@ -32,7 +32,7 @@ from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
 from fuzzer.execution import Target
 from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration
-from fuzzer.oracle.chunkcap import chunk_cap, token_budget
+from fuzzer.oracle.chunkcap import chunk_cap, prefill_step_floor, token_budget
 from fuzzer.oracle.fitting import fit
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, assumption_for
@@ -158,12 +158,15 @@ async def calibrate(
     early_stop: bool = True,
     measure_cap: bool = True,
     measure_budget: bool = True,
+    measure_floor: bool = True,
 ) -> Calibration:
     """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure.
 
     With ``measure_budget``, a token budget per step larger than the assumed one is measured
     (:func:`fuzzer.oracle.chunkcap.token_budget`: vLLM's default differs by GPU, and deployments
-    choose their own); a user who names the budget passes False. With ``measure_cap`` and no cap in
+    choose their own); a user who names the budget passes False. With ``measure_floor``, what a step
+    that computes prompt tokens costs beyond the fitted model is measured and moved from the request
+    overhead into such steps (:func:`fuzzer.oracle.chunkcap.prefill_step_floor`). With ``measure_cap`` and no cap in
     the assumption, the long-prefill cap is measured too (:func:`fuzzer.oracle.chunkcap.chunk_cap`);
     a user who names the cap (0 included) passes False.
 
@@ -249,6 +252,10 @@ async def calibrate(
         # A noisy round is often a burst of load on the host: measure once more, keep the quieter.
         again = await measured()
         cal = min((cal, again), key=lambda c: c.judged_noise()[1])
+    floor = min(await prefill_step_floor(target, cal), cal.model.request_overhead_s) if measure_floor else 0.0
+    if floor > 0:  # engine time the idle probes had put in the request overhead: every TTFT stays as it was
+        cal = replace(cal, model=replace(cal.model, prefill_step_s=floor,
+                                         request_overhead_s=cal.model.request_overhead_s - floor))
     if measure_budget and "token budget" not in assumption.source and "token_budget" not in assumption.source:
         # A user's budget (or an earlier measurement's) stands; else a larger one the server shows replaces the default.
         kind = getattr(getattr(target, "info", None), "kind", None)

@@ -103,6 +103,60 @@ async def token_budget(target: Target, cal: Calibration, longest: int, documente
     return choices[-1] if choices else 0
 
 
+#: The prefill step probe: this many prompts of FLOOR_PROMPT_TOKENS, each sent while the stream
+#: decodes alone (FLOOR_SPACING_STEPS of its steps apart) ...
+FLOOR_PROMPTS = 5
+FLOOR_PROMPT_TOKENS = 128
+FLOOR_SPACING_STEPS = 12
+#: ... and a floor is kept only when the median excess of the stream's gap over the model's step is
+#: this many noise margins and this share of the step (a dense model's is within its noise).
+FLOOR_EVIDENCE = 0.5
+
+
+async def prefill_step_floor(target: Target, cal: Calibration) -> float:
+    """What a step that computes a few prompt tokens costs beyond the calibrated model's step, or 0.
+
+    A stream decodes; FLOOR_PROMPTS short prompts come one at a time beside it. The stream's gap
+    that ends with each prompt's first token is the step that computed it (and the stream's
+    token); its median excess over ``model.step_s`` of that step is the floor, kept only beyond
+    the noise and FLOOR_EVIDENCE of the step: calibration then moves it from the request overhead
+    (idle probes see both in every TTFT) into every step that computes a prompt.
+    """
+    model, assumption = cal.model, cal.assumption
+    step = model.step_s(0, 1, 16)
+    lead_s = idle_expectation(16, 2, model, assumption).ttft_s + 8 * step
+    spacing_s = FLOOR_SPACING_STEPS * max(step, model.step_s(FLOOR_PROMPT_TOKENS, 1, 16))
+    prompts = [Request(id=f"cp{i}", at_ms=round((lead_s + i * spacing_s) * 1000.0, 3),
+                       prompt_tokens=FLOOR_PROMPT_TOKENS, max_tokens=2) for i in range(FLOOR_PROMPTS)]
+    stream_tokens = math.ceil((lead_s + FLOOR_PROMPTS * spacing_s) / step) + 32
+    trace = Trace(requests=(Request(id="cs", at_ms=0.0, prompt_tokens=16, max_tokens=stream_tokens), *prompts),
+                  name="calibration-prefill-step")
+    result = await target.execute(trace)
+    got = {r.request_id: r for r in result.requests}
+    s = got.get("cs")
+    if s is None or s.outcome.failed or len(s.token_times_s) < 2:
+        return 0.0
+    times = [s.sent_s + t for t in s.token_times_s]
+    excess = []
+    for p in prompts:
+        r = got.get(p.id)
+        if r is None or r.outcome.failed or r.ttft_s is None:
+            continue
+        first = r.sent_s + r.ttft_s
+        # The stream's gap whose end is nearest the prompt's first token: the step that computed the prompt.
+        k = min(range(1, len(times)), key=lambda i: abs(times[i] - first))
+        context = 16 + k
+        excess.append(times[k] - times[k - 1] - model.step_s(FLOOR_PROMPT_TOKENS, 1, context,
+                                                             FLOOR_PROMPT_TOKENS * FLOOR_PROMPT_TOKENS / 2))
+    if len(excess) < (FLOOR_PROMPTS + 1) // 2:
+        return 0.0
+    floor = float(sorted(excess)[len(excess) // 2])
+    margin_s = NOISE_MARGINS * cal.noise_s.get(Metric.MAX_ITL, 0.0)
+    if floor < margin_s or floor < FLOOR_EVIDENCE * model.step_s(FLOOR_PROMPT_TOKENS, 1, 16):
+        return 0.0
+    return floor
+
+
 async def _beside_a_stream(target: Target, model: StepModel, assumption: SchedulerAssumption,
                            prompts: tuple[int, ...], name: str):
     """Run a short stream ("cs") and, once it decodes, prompts of ``prompts`` tokens sent together ("cl",
@@ -172,8 +226,10 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
     ttft, _, sent, trace = min(runs, key=lambda run: run[0])  # the quicker run (tuples of dicts do not compare)
     # Counted steps are at most the prefill's (one may precede its arrival): the cap is at least prompt / fewest.
     lo, hi = max(MIN_CAP_TOKENS, prompt // min(r[1] for r in runs)), budget - 1
-    if _probe_ttft(trace, sent, model, assumption, lo) < ttft - margin_s:
-        return 0  # even the smallest cap the steps allow does not explain it: not a cap
+    if (1 + BUDGET_TOLERANCE) * _probe_ttft(trace, sent, model, assumption, lo) < ttft - margin_s:
+        # Even the smallest cap the steps allow does not explain it, by more than the envelope's drift: not
+        # a cap (without the drift a cap of 64 tokens, the smallest looked for, was measured or not by the noise).
+        return 0
     while hi - lo > 1:  # the schedule's TTFT falls as the cap grows
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if _probe_ttft(trace, sent, model, assumption, mid) >= ttft - margin_s else (lo, mid)

@@ -54,6 +54,12 @@ class StepModel:
     #: however it is chunked. Measured on vLLM (CPU, a small model): 2048 tokens 124 ms,
     #: 4096 tokens 420 ms, 8000 tokens 1452 ms; a per-token cost alone put 8000 at ~500 ms.
     prefill_pair_s: float = 0.0
+    #: What a step costs more when it computes any prompt tokens, however few: on a mixture-of-experts
+    #: model a prompt's tokens route to nearly every expert, so its step reads all the experts' weights
+    #: where a decode step reads a few (the third held-out server, a 30B MoE: a 128-token prefill's step
+    #: 26 ms, a decode's 5.7 ms). Idle probes cannot tell it from the request overhead (both are in
+    #: every TTFT); the step probe beside a stream can (fuzzer.oracle.chunkcap.prefill_step_floor).
+    prefill_step_s: float = 0.0
 
     def frontend_s(self, prompt_tokens: int) -> float:
         """Frontend time (tokenization) before the engine sees a request of ``prompt_tokens``."""
@@ -66,6 +72,7 @@ class StepModel:
             + self.decode_seq_s * decode_seqs
             + self.context_token_s * context_tokens
             + self.prefill_pair_s * prefill_pairs
+            + (self.prefill_step_s if prefill_tokens > 0 else 0.0)
         )
 
     def scaled(self, factor: float) -> StepModel:
@@ -84,6 +91,7 @@ class StepModel:
             context_token_s=self.context_token_s * factor,
             frontend_token_s=self.frontend_token_s * factor,
             prefill_pair_s=self.prefill_pair_s * factor,
+            prefill_step_s=self.prefill_step_s * factor,
         )
 
     def with_frontend_slack(self) -> StepModel:
@@ -102,6 +110,7 @@ class StepModel:
             "request_overhead_s": self.request_overhead_s,
             "frontend_token_s": self.frontend_token_s,
             "prefill_pair_s": self.prefill_pair_s,
+            "prefill_step_s": self.prefill_step_s,
         }
 
     @classmethod
