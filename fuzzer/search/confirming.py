@@ -16,8 +16,8 @@ campaign gives a ``due`` test (its confirmation share of the server time, see
 in a bounded queue, ranked by novelty (how many of its family's traits differ from those of the
 nearest finding of its kind) and then by how far over its bound it was, and the best waiting one
 is confirmed once the share allows (AFL's favoured queue, applied to confirmation). A candidate of
-a kind with no finding yet (as confirmed) never waits: it may be the campaign's only sight of a bug. Failures, leaks,
-crashes and cold probes are confirmed at once as before.
+a kind with no finding yet (as confirmed) never waits: it may be the campaign's only sight of a
+bug. Failures, leaks, crashes and cold probes are confirmed at once as before.
 """
 
 from __future__ import annotations
@@ -160,8 +160,6 @@ class Confirmer:
             Waiting(store.get_trace(w["trace_hash"]), candidate_from_dict(w), w["key"], w.get("family"))
             for w in state.get("waiting", [])
         ]
-        #: Waiting candidates dropped for a better-ranked one (WAITING_MAX).
-        self.dropped = 0
         self.candidates = 0
         self.confirmations = 0
         #: Findings recorded by this run (id, kind).
@@ -229,7 +227,6 @@ class Confirmer:
         self.waiting = [w for w in self.waiting if w.key != waiting.key] + [waiting]
         if len(self.waiting) > WAITING_MAX:
             self.waiting.remove(max(self.waiting, key=self._rank))
-            self.dropped += 1
 
     def waiting_due(self) -> bool:
         """Whether a waiting candidate should be confirmed now (the share allows one)."""
