@@ -347,3 +347,15 @@ async def test_a_steps_cost_for_computing_any_prompt_is_moved_from_the_request_o
     # The control: a server whose steps cost what the model says keeps its request overhead.
     plain = await calibrate(PaperTarget(noise=0.01), rng=random.Random(1), clock=lambda: 0.0)
     assert plain.model.prefill_step_s == 0.0
+
+
+async def test_a_fit_with_no_decode_step_skips_the_prefill_step_probe():
+    # CI, stop 32: the simulator at speed 20 on a loaded machine fitted a decode step of 0 and the
+    # probe divided by it (a traceback from `fuzz replay`). No step: no stream gaps to measure, no floor.
+    from fuzzer.oracle.chunkcap import prefill_step_floor
+
+    cal = await calibrate(PaperTarget(noise=0.01), rng=random.Random(1), clock=lambda: 0.0)
+    flat = replace(cal, model=replace(cal.model, overhead_s=0.0, decode_seq_s=0.0, context_token_s=0.0))
+    target = PaperTarget()
+    assert await prefill_step_floor(target, flat) == 0.0
+    assert target.executions == 0
