@@ -117,6 +117,30 @@ def test_a_reproducible_stall_is_confirmed_as_ttft_outlier():
     assert finding.signature.startswith("ttft-outlier:")
 
 
+QUEUE = _trace(*[_req(f"big{i}", i, 2048, out=64) for i in range(12)], _req("small", 20, 128, out=16))
+
+
+def test_a_request_passed_over_for_far_longer_than_its_own_work_is_a_candidate_below_2x():
+    # Issue 16's third held-out server: a planted bug passed requests over for 4.5 s where the FCFS
+    # bound was 8 s (1.57x): under the 2x factor, never a candidate. Its small victim here waits
+    # about 1 s behind twelve prompts by design and 0.8 s more by decision: 1.6x its bound.
+    exam = asyncio.run(examine(_warm(delay_s={"small": 0.8}, seed=2), QUEUE, _calibration(), runs=3, rng=_rng()))
+    (finding,) = exam.findings
+    assert finding.kind is FindingKind.TTFT_OUTLIER and finding.request_id == "small"
+    assert finding.threshold == pytest.approx(1.5) and 1.5 <= finding.effect < 2.0
+    assert finding.min_excess_s == pytest.approx(finding.idle_s + OraclePolicy().long_excess_s(_calibration()), rel=0.2)
+    assert "candidate factor 1.5x" in finding.detail
+    # Controls. The same ratio from a small excess (0.2 s behind the same queue) is not a candidate ...
+    assert candidates(QUEUE, _warm(delay_s={"small": 0.2}).run(QUEUE), _calibration()) == []
+    # ... nor a long prompt alone at 1.9x: its own work (0.3 s) keeps the full factor's room, as a
+    # model error on it (a tokenizer the calibration did not see) would show just so.
+    alone = _trace(_req("alone", 0, 8192, out=16))
+    result = _warm(delay_s={"alone": 0.3}).run(alone)
+    (obs,) = [r.observations[Metric.TTFT] for r in observe(alone, result, _calibration())]
+    assert obs.ratio > 1.7 and obs.excess_s > OraclePolicy().long_excess_s(_calibration())
+    assert not obs.candidate and obs.factor == 2.0
+
+
 def test_a_mid_stream_stall_is_an_itl_stall():
     target = _warm(stall_s={"small": 0.4})
     exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng()))

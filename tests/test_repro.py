@@ -317,3 +317,15 @@ def test_data_json_reads_back(small_trace):
     text = script_source(data)
     start = text.index("r'''\n") + 5
     assert json.loads(text[start:text.index("\n'''", start)]) == json.loads(json.dumps(data))
+
+
+def test_a_long_excess_verdicts_script_holds_runs_to_its_factor_and_its_excess():
+    # A verdict at the long-excess factor (1.5x) needed 0.6 s above the bound in every run as well:
+    # the script's threshold is the larger of the two, not 1.5x alone.
+    verdict = {"request_id": "v", "metric": "ttft", "threshold": 1.5, "expected_s": 1.0, "min_excess_s": 0.6}
+    crit = criterion_from_verdict("ttft-outlier", verdict)
+    assert crit.factor == 1.5 and crit.threshold_s == pytest.approx(1.6)
+    # A verdict of the usual factor, or one stored before the field: the margin as before.
+    assert criterion_from_verdict("ttft-outlier", {**verdict, "threshold": 2.0, "min_excess_s": None}).threshold_s == 2.0
+    assert criterion_from_verdict("ttft-outlier", {k: v for k, v in verdict.items() if k != "min_excess_s"}).threshold_s \
+        == pytest.approx(1.5)

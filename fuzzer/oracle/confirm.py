@@ -172,8 +172,8 @@ def out_of_reach(reports: Sequence[RequestReport], cold: Sequence[bool], calibra
     of its metric's sample to reach the factor (times the baseline's median), so at least half
     of the final sample must; the order check needs ``order_min_runs`` inversions and
     ``order_quorum`` of the runs. When the runs left cannot supply either for any metric, running
-    them cannot change the outcome. The factor is the policy's (a KV-pressure factor is larger),
-    so this errs towards running on.
+    them cannot change the outcome. The factor is the policy's smallest (its long-excess share;
+    a KV-pressure factor is larger), so this errs towards running on.
     """
     left = policy.max_runs - len(reports)
     if left <= 0:
@@ -185,7 +185,7 @@ def out_of_reach(reports: Sequence[RequestReport], cold: Sequence[bool], calibra
         obs = [o for rep in warm if (o := rep.observations.get(metric)) is not None]
         if not baseline or not obs:
             continue
-        need = policy.factor * float(np.median(baseline))
+        need = policy.factor * policy.long_excess_share * float(np.median(baseline))
         over = sum(o.ratio >= need for o in obs)
         if 2 * (over + left) >= len(obs) + left:
             return None  # half of the final sample can still reach the factor
@@ -194,7 +194,7 @@ def out_of_reach(reports: Sequence[RequestReport], cold: Sequence[bool], calibra
     overtaken = sum(o.order is not None for o in ttft)
     if overtaken + left >= policy.order_min_runs and (overtaken + left) >= policy.order_quorum * (len(ttft) + left):
         return None
-    return (f"out of reach within {policy.max_runs} runs: at or above {policy.factor:g}x its bound in "
+    return (f"out of reach within {policy.max_runs} runs: at or above {policy.factor * policy.long_excess_share:g}x its bound in "
             f"{', '.join(counts) or 'no'} run(s), overtaken in {overtaken}/{len(ttft)}; "
             "sequential confirmation stopped there")
 

@@ -7,7 +7,8 @@ Read top-down, as one execution goes through it. The thresholds are the policy's
 - :func:`observe` holds every request of one execution against its expectations
   (:mod:`fuzzer.oracle.expectation`): slowdown versus idle, excess over the FCFS bound, and
   whether it is a *candidate*: a TTFT, max ITL or E2E above ``factor x bound`` and
-  more than a margin above the measured noise. Queueing that FCFS explains is not a
+  more than a margin above the measured noise (three quarters of the factor for one far
+  above its bound in absolute terms: ``OraclePolicy.long_excess_s``). Queueing that FCFS explains is not a
   candidate, however slow. Failed requests, a server that never returned to idle
   (leak) and a server that went away (crash) are candidates of their own kinds
   (:func:`shows_failure`); :func:`candidates` lists them, worst first.
@@ -72,6 +73,8 @@ class Observation:
     order: Inversion | None = None
     #: What this bound waits for as the execution observed it (``Expectation.behind``), if anything.
     behind: str | None = None
+    #: When ``factor`` is the long-excess one (far above the bound): the excess it needs, seconds.
+    min_excess_s: float | None = None
 
     @property
     def flagged(self) -> bool:
@@ -121,6 +124,7 @@ def observe(
     expectations, factor = bounds(trace, result, calibration, thrashed, policy)
     overtaken = inversions(trace, result, calibration, preemptions(result) > 0, policy)
     planned = {q.id: q for q in trace.requests}
+    long_s = policy.long_excess_s(calibration)
     reports = []
     for r in result.requests:
         e = expectations[r.request_id]
@@ -131,11 +135,13 @@ def observe(
                 if value is None or bound is None or idle is None:
                     continue
                 margin = policy.margin_s(calibration, metric, result.client_lag_s)
-                slow = value >= factor * bound and value - bound >= margin
+                far = max(margin, idle + long_s)  # its own work keeps the full factor's room
+                f = policy.factor_for(factor, value - bound, far)
+                slow = value >= f * bound and value - bound >= margin
                 inverted = overtaken.get(r.request_id) if metric is Metric.TTFT else None
                 behind = e.behind if metric is not Metric.MAX_ITL else None
-                observations[metric] = Observation(metric, value, bound, idle, slow, factor, thrashed, load, inverted,
-                                                   behind)
+                observations[metric] = Observation(metric, value, bound, idle, slow, f, thrashed, load, inverted,
+                                                   behind, far if f < factor else None)
         streamed = r.request_id not in planned or planned[r.request_id].stream
         failure = None if queued_out(r, e, result, factor, streamed) else failure_kind(r.outcome)
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))
@@ -400,10 +406,14 @@ def _model_verdict(
     notes = [] if warm else ["every run came after an idle period; a cold start cannot be ruled out"]
     notes += unreliable
     threshold = max((o.factor for o in sample), default=policy.factor)
+    far = _min_excess(sample)
+    if far is not None:
+        notes.append(f"{far:.2f} s or more above its bound in every run: candidate factor {threshold:g}x, "
+                     f"{policy.long_excess_share:g} of the usual one")
     if any(o.thrashed for o in sample):
         notes.append("the server preempted far more often than a KV-aware FCFS scheduler would (thrash): "
                      "judged against the bound that never runs out of KV")
-    if threshold > policy.factor:
+    if threshold > policy.factor * (policy.long_excess_share if far is not None else 1.0):
         notes.append(f"the server reported preemptions (KV cache full): candidate factor {threshold:g}x, "
                      "not the KV-unaware FCFS bound's usual one")
     detail = "; ".join(notes)
@@ -536,7 +546,14 @@ def _make_verdict(
         signature=sig,
         detail=detail,
         evidence=_evidence(sample),
+        min_excess_s=_min_excess(sample),
     )
+
+
+def _min_excess(sample: Sequence[Observation]) -> float | None:
+    """The excess the sample's long-excess factor needs, when every observation was held to it."""
+    needs = [o.min_excess_s for o in sample]
+    return max(n for n in needs if n is not None) if needs and None not in needs else None
 
 
 def _evidence(sample: Sequence[Observation]) -> str:

@@ -62,6 +62,9 @@ class Verdict:
     #: For a verdict decided by the order of first tokens: the requests that overtook the
     #: victim in the runs that showed it (fuzzer.oracle.order).
     overtakers: tuple[str, ...] = ()
+    #: When ``threshold`` is the long-excess factor (fuzzer.oracle.policy.LONG_EXCESS_SHARE): the
+    #: excess over the bound, in seconds, every run needed as well.
+    min_excess_s: float | None = None
 
     @property
     def is_finding(self) -> bool:
@@ -117,6 +120,7 @@ class Verdict:
             "detail": self.detail,
             "evidence": self.evidence,
             "overtakers": list(self.overtakers),
+            "min_excess_s": self.min_excess_s,
         }
 
     @classmethod
@@ -146,6 +150,7 @@ class Verdict:
             detail=data.get("detail", ""),
             evidence=data.get("evidence", ""),
             overtakers=tuple(data.get("overtakers") or ()),
+            min_excess_s=data.get("min_excess_s"),
         )
 
 

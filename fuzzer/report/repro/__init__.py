@@ -111,6 +111,7 @@ def criterion_from_verdict(kind: str, verdict: Mapping[str, Any], *, note: str =
             metric=metric,
             factor=float(verdict.get("threshold") or CANDIDATE_FACTOR),
             expected_s=verdict.get("expected_s"),
+            margin_s=max(MIN_MARGIN_S, verdict.get("min_excess_s") or 0.0),
             idle_before_s=COLD_IDLE_S if kind == "cold-start" else 0.0,
             note=note,
             overtakers=tuple(verdict.get("overtakers") or ()),
