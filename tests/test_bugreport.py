@@ -40,3 +40,11 @@ def test_latency_finding_title_and_numbers():
                    "p-value: 0.0004", "95% CI 10.00-14.00", "10/10", ">= 200.0 ms",
                    "git bisect run python3 repro.py --base-url http://gpu:8000"):
         assert needle in text, needle
+    assert "a finding needs 2.0x." in text
+
+
+def test_a_long_excess_finding_says_the_excess_it_needed():
+    verdict = {"kind": "ttft-outlier", "request_id": "short", "metric": "ttft", "observed_s": 12.4, "expected_s": 7.9,
+               "idle_s": 1.1, "threshold": 1.5, "min_excess_s": 1.35, "reproduced": "3/3"}
+    text = markdown(Exhibit(finding_id=2, kind="ttft-outlier", signature="s", trace=TRACE, verdict=verdict))
+    assert "**1.6x**; a finding needs 1.5x and 1350.0 ms above it (far beyond its own work)." in text

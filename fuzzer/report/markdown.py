@@ -158,7 +158,9 @@ def _expected(x: Exhibit) -> list[str]:
         out.append(f"Slowdown versus idle (what a user feels): **{v['slowdown']:.1f}x**. ")
     if v.get("observed_s") is not None and v.get("expected_s"):
         out.append(f"Observed over the FCFS bound (what queueing by design does not explain): "
-                   f"**{v['observed_s'] / v['expected_s']:.1f}x**; a finding needs {v.get('threshold') or '?'}x.")
+                   f"**{v['observed_s'] / v['expected_s']:.1f}x**; a finding needs {v.get('threshold') or '?'}x"
+                   + (f" and {_ms(v['min_excess_s'])} ms above it (far beyond its own work)." if v.get("min_excess_s")
+                      else "."))
     return out + _notes(v, "Scheduler assumption of the bound", "Evidence that set the bound")
 
 
