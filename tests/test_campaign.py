@@ -212,3 +212,61 @@ async def test_executions_whose_client_starved_are_counted_and_the_summary_says_
     stats = (await Campaign(quiet, Store.memory(), Settings(seed=5, max_execs=6, idle_share=0.0), seeds=[seed_trace],
                             target_key="sim:test", clock=lambda: quiet.now).run()).stats
     assert stats.client_stalls == 0 and stats.worst_client_stall_s == 0.0
+
+
+class _Dies(_Clocked):
+    """As _Clocked, but after ``alive`` executions every request is refused (a server that exited)."""
+
+    def __init__(self, inner, alive):
+        super().__init__(inner)
+        self.alive = alive
+        self.runs = 0
+
+    async def execute(self, trace):
+        self.runs += 1
+        if self.runs > self.alive:
+            self.now += 0.001
+            from fuzzer.errors import TargetError
+
+            raise TargetError("cannot connect to http://127.0.0.1:1: connection refused")
+        return await super().execute(trace)
+
+
+async def test_a_server_that_stays_down_stops_the_campaign_after_its_patience_with_everything_saved(seed_trace):
+    # vLLM's CPU build, stop 33: its engine died mid-campaign and the API server exited; a 12-minute
+    # campaign waited 724 s for it and searched nothing. Now it waits recover_patience_s and stops.
+    store = Store.memory()
+    target = _Dies(VirtualTarget(seed=3), alive=20)
+    slept = []
+
+    async def sleep(s):
+        slept.append(s)
+        target.now += s
+
+    settings = Settings(seed=7, duration_s=3600.0, idle_share=0.0, recover_patience_s=120.0)
+    campaign = Campaign(target, store, settings, seeds=[seed_trace], target_key="sim:test",
+                        clock=lambda: target.now, sleep=sleep)
+    summary = await campaign.run()
+    assert summary.reason is ExitReason.SERVER_DOWN and "connection refused" in summary.server_error
+    assert 120.0 <= summary.stats.time_s["recover"] < 120.0 + 61  # one backoff past the patience at most
+    assert summary.stats.elapsed_s < 3600.0 and summary.stats.server == "down"
+    assert store.latest_campaign()["status"] == "stopped"
+    ran = summary.stats.executions
+    assert ran > 0
+    # The same command resumes; a server back up is searched again.
+    target.alive = 10**6
+    again = await Campaign(target, store, replace(settings, max_execs=ran + 3), seeds=[seed_trace],
+                           target_key="sim:test", clock=lambda: target.now, sleep=sleep).run()
+    assert again.reason is ExitReason.MAX_EXECS and again.stats.executions >= ran + 3
+
+
+def test_the_server_down_stop_reason():
+    from fuzzer.search.settings import RECOVER_PATIENCE_S, stop_reason
+
+    s = Settings()
+    assert stop_reason(s, stopped=False, executions=1, elapsed_s=5.0, down_s=RECOVER_PATIENCE_S) is ExitReason.SERVER_DOWN
+    assert stop_reason(s, stopped=False, executions=1, elapsed_s=5.0, down_s=RECOVER_PATIENCE_S - 1) is None
+    assert stop_reason(s, stopped=False, executions=1, elapsed_s=5.0) is None  # up
+    assert stop_reason(replace(s, recover_patience_s=None), stopped=False, executions=1, elapsed_s=5.0,
+                       down_s=1e9) is None  # waits for ever
+    assert stop_reason(s, stopped=True, executions=1, elapsed_s=5.0, down_s=1e9) is ExitReason.INTERRUPTED

@@ -109,3 +109,21 @@ def test_campaign_seeds_come_from_the_corpus_folder_wherever_fuzz_runs(tmp_path,
     (tmp_path / "corpus").rmdir()
     monkeypatch.setattr(campaign_cli, "BUNDLED_CORPUS", tmp_path / "nowhere")
     assert campaign_cli._seed_folder(None) is None and campaign_cli._load_seeds(None) == []
+
+
+def test_a_campaign_whose_server_stayed_down_prints_its_summary_then_one_error_line(monkeypatch, tmp_path):
+    from fuzzer.search.settings import ExitReason, Stats, Summary
+
+    stats = Stats(campaign_id=1, phase="done", executions=8, execs_per_min=0.6, corpus=5, favoured=4, features=187,
+                  stability=0.5, findings=0, candidates=1, confirmations=1, elapsed_s=751.0, since_last_find_s=None,
+                  server="down", time_s={"recover": 724.0, "fuzz": 15.0})
+
+    async def stopped(*args, **kwargs):
+        return Summary(1, ExitReason.SERVER_DOWN, stats, (), False, "cannot connect to 127.0.0.1:8101")
+
+    monkeypatch.setattr(campaign_cli, "_run", stopped)
+    result = CliRunner().invoke(cli, ["campaign", "--target", "http://127.0.0.1:8101", "--db", str(tmp_path / "c.db")])
+    assert result.exit_code == 2, result.output
+    assert "the server stopped answering; everything is saved" in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot connect to 127.0.0.1:8101" in errors[0] and "resume" in errors[0]

@@ -28,13 +28,13 @@ from fuzzer.cli._target import (
     parse_duration,
     sim_key,
 )
-from fuzzer.errors import ConfigError
+from fuzzer.errors import ConfigError, TargetError
 from fuzzer.execute import clientlag
 from fuzzer.oracle.calibration import Calibration, calibration_keys
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.campaign import Campaign
 from fuzzer.search.pacing import CONFIRM_SHARE, IDLE_SHARE
-from fuzzer.search.settings import ExitReason, Settings, Stats, Summary
+from fuzzer.search.settings import RECOVER_PATIENCE_S, ExitReason, Settings, Stats, Summary
 from fuzzer.store import CampaignLock, Store
 
 # AFL: stability "harmless when it stays over 90% or so".
@@ -164,6 +164,11 @@ def command(
         _console.err.print("interrupted before the campaign started; nothing was stored")
         raise SystemExit(130) from None
     _print_summary(summary, db_path)
+    if summary.reason is ExitReason.SERVER_DOWN:
+        raise TargetError(
+            f"the server answered nothing for {RECOVER_PATIENCE_S:.0f} s ({summary.server_error or 'no answer'}); "
+            "the campaign stopped with its state saved (a candidate under confirmation stays pending): restart the "
+            "server, or run with --launch so the fuzzer restarts it, and run the same command to resume")
 
 
 def _seed_folder(corpus_dir: str | None) -> Path | None:
@@ -327,7 +332,8 @@ def _print_summary(summary: Summary, db_path: str) -> None:
     out = _console.out
     s = summary.stats
     why = {ExitReason.DURATION: "duration reached", ExitReason.MAX_EXECS: "--max-execs reached",
-           ExitReason.INTERRUPTED: "interrupted; everything is saved"}[summary.reason]
+           ExitReason.INTERRUPTED: "interrupted; everything is saved",
+           ExitReason.SERVER_DOWN: "the server stopped answering; everything is saved"}[summary.reason]
     verb = "resumed" if summary.resumed else "ran"
     out.print(f"campaign {summary.campaign_id} {verb} {s.elapsed_s:.0f}s: {why}")
     out.print(f"  executions {s.executions} ({s.execs_per_min:.1f}/min), corpus {s.corpus}, features {s.features}, "

@@ -125,8 +125,8 @@ class Campaign:
         self._new_features: dict[str, int] = {}
         self._since_checkpoint = 0
         self._seeded = 0
-        self._server_errors = 0
         self._last_server_error: str | None = None
+        self._down_since: float | None = None  # when the server was found down; None: up
         self._recalibrate_at: float | None = None
         self.probes = ColdProbes()
         self.server_time = ServerTime()
@@ -217,11 +217,12 @@ class Campaign:
         stats = self.stats()
         self._on_stats(stats)
         return Summary(self.campaign_id, reason or ExitReason.INTERRUPTED, stats, tuple(self.confirmer.new_findings),
-                       resumed)
+                       resumed, self._last_server_error if reason is ExitReason.SERVER_DOWN else None)
 
     def _should_stop(self) -> ExitReason | None:
+        down_s = None if self._down_since is None else self._clock() - self._down_since
         return stop_reason(self.settings, stopped=self._stop.is_set(), executions=self.executions,
-                           elapsed_s=self._clock() - self._started)
+                           elapsed_s=self._clock() - self._started, down_s=down_s)
 
     @property
     def executions(self) -> int:
@@ -258,7 +259,6 @@ class Campaign:
                 self.time_spent.add("calibrate", self._clock() - measured_from[0])
 
     def _refresh_failed(self, error: TargetError) -> None:
-        self._server_errors += 1
         self._last_server_error = f"recalibration failed, the previous calibration stays: {error}"
         self._recalibrate_at = self._clock() + RECALIBRATE_RETRY_S
 
@@ -307,11 +307,10 @@ class Campaign:
             try:
                 return await self.target.execute(trace)
             except TargetError as e:
-                self._server_errors += 1
                 self._last_server_error = str(e)
                 await self._wait_for_server()
-                if self._should_stop() is not None:
-                    raise _Stopped from None
+                if (stop := self._should_stop()) is not None:  # down too long: a confirmation keeps its candidate
+                    raise (OutOfTime if stop is ExitReason.SERVER_DOWN else _Stopped) from None
 
     async def _confirmation_run(self, trace: Trace) -> ExecutionResult:
         """One run of a confirmation: refused past the deadline, else stored as a campaign execution."""
@@ -477,16 +476,17 @@ class Campaign:
 
     def _out_of_time(self) -> bool:
         """Past ``--duration``, or asked to stop (a cap on executions lets a confirmation finish)."""
-        return self._should_stop() in (ExitReason.DURATION, ExitReason.INTERRUPTED)
+        return self._should_stop() in (ExitReason.DURATION, ExitReason.INTERRUPTED, ExitReason.SERVER_DOWN)
 
     def _check_time(self) -> None:
         if self._out_of_time():
             raise OutOfTime
 
     async def _wait_for_server(self) -> None:
-        """After a crash: wait with backoff until a one-token request is answered again."""
+        """After a crash: wait with backoff until a one-token request is answered, or the campaign stops."""
         previous, start = self._phase, self._clock()
         self._phase, self._server = Phase.RECOVER, "down"
+        self._down_since = start if self._down_since is None else self._down_since
         self._emit()
         probe = Trace(requests=(Request(id="health", at_ms=0, prompt_tokens=8, max_tokens=1),), name="health-probe")
         waits = backoff()
@@ -494,13 +494,14 @@ class Campaign:
             try:
                 result = await self.target.execute(probe)
                 if not result.failures:
+                    self._down_since, self._server = None, "up"
                     break
             except CrashLoop:
                 raise  # a launched server that keeps dying stops the campaign (one clear message)
-            except FuzzError:
-                pass
+            except FuzzError as e:
+                self._last_server_error = str(e)
             await self._sleep(next(waits))
-        self._phase, self._server = previous, "up"
+        self._phase = previous
         self.time_spent.add("recover", self._clock() - start)
 
     # --- state -------------------------------------------------------------------------

@@ -19,6 +19,11 @@ from fuzzer.search.pacing import CONFIRM_SHARE, IDLE_SHARE, SEED_SHARE, fuzz_sha
 # AFL calibrates a new queue entry with 3-7 runs (CAL_CYCLES); our runs cost seconds, so at
 # most 3 (the first run and up to 2 re-runs, fewer when they agree), done when it is first fuzzed.
 STABILITY_RUNS = 3
+#: A campaign stops (state saved, non-zero exit) once its server has answered nothing for this
+#: long: a supervised server restarts within minutes, one that exited does not come back, and an
+#: overnight campaign that waits on it all night has searched nothing (vLLM's CPU build, stop 33:
+#: its engine died on a seeded request's chunked prefill and a 12-minute campaign waited 724 s).
+RECOVER_PATIENCE_S = 600.0
 
 
 class Phase(enum.StrEnum):
@@ -36,6 +41,8 @@ class ExitReason(enum.StrEnum):
     DURATION = "duration"
     MAX_EXECS = "max-execs"
     INTERRUPTED = "interrupted"
+    #: The server answered nothing for ``Settings.recover_patience_s``.
+    SERVER_DOWN = "server-down"
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class Settings:
     #: Sequential confirmation with a futility stop: one re-run first, SAME at once when it
     #: does not show the candidate again (fuzzer.oracle.confirm); False: MIN_RUNS first.
     futility: bool = True
+    #: How long the campaign waits for a server that went down before it stops (None: for ever).
+    recover_patience_s: float | None = RECOVER_PATIENCE_S
 
     def to_dict(self) -> dict[str, Any]:
         """Stored with the campaign: the thresholds that confirmed its findings (the oracle
@@ -74,6 +83,7 @@ class Settings:
             "idle_share": self.idle_share, "seed_share": self.seed_share, "confirm_share": self.confirm_share,
             "limits": self.limits.to_dict(), "policy": asdict(self.policy),
             "slo_ms": dict(self.slo_ms) if self.slo_ms else None, "futility": self.futility,
+            "recover_patience_s": self.recover_patience_s,
         }
 
     @classmethod
@@ -90,10 +100,14 @@ class Settings:
         return cls(**values)
 
 
-def stop_reason(settings: Settings, *, stopped: bool, executions: int, elapsed_s: float) -> ExitReason | None:
-    """Why a campaign should stop now (asked to, --max-execs, --duration), or None to go on."""
+def stop_reason(settings: Settings, *, stopped: bool, executions: int, elapsed_s: float,
+                down_s: float | None = None) -> ExitReason | None:
+    """Why a campaign should stop now (asked to, its server down too long, --max-execs, --duration),
+    or None to go on; ``down_s`` is how long the server has answered nothing (None: it is up)."""
     if stopped:
         return ExitReason.INTERRUPTED
+    if down_s is not None and settings.recover_patience_s is not None and down_s >= settings.recover_patience_s:
+        return ExitReason.SERVER_DOWN
     if settings.max_execs is not None and executions >= settings.max_execs:
         return ExitReason.MAX_EXECS
     if settings.duration_s is not None and elapsed_s >= settings.duration_s:
@@ -147,3 +161,5 @@ class Summary:
     #: Findings recorded in this run (id, kind).
     new_findings: tuple[tuple[int, str], ...]
     resumed: bool
+    #: Why the server could not be reached, last time (SERVER_DOWN).
+    server_error: str | None = None
