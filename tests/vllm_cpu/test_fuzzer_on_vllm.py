@@ -187,8 +187,9 @@ def test_a_corpus_trace_replays_end_to_end(vllm_server, calibrated):
 def test_the_oracle_finds_a_planted_ordering_bug_with_its_victim_and_nothing_on_stock_vllm(
         cls, schedule, victim, vllm_server, vllm_server_factory, vllm_speed, calibrated, tmp_path):
     """The planted-bug schedules (schedules.py, as benchmarks/vllm's planted-*.json traces, timed for
-    this machine): the victim is found by the order of first tokens on the planted scheduler (the
-    step model puts both victims under 2x their FCFS bounds), and stock vLLM serving the same trace
+    this machine): the victim is found on the planted scheduler by the order of first tokens (the
+    step model puts both victims under 2x their FCFS bounds) or by its bound at the long-excess
+    factor, and stock vLLM serving the same trace
     in FCFS order gives no finding. Both are judged by the stock server's calibration: the planted
     class changes which request a step serves, not what a step costs."""
     db, _ = calibrated
@@ -207,4 +208,8 @@ def test_the_oracle_finds_a_planted_ordering_bug_with_its_victim_and_nothing_on_
     out = _replay(planted.base_url, mine, trace_path)
     findings = out["findings"]
     assert [(f["request_id"], f["kind"]) for f in findings] == [(victim, "ttft-outlier")], (findings, _timeline(out))
-    assert findings[0]["overtakers"] and "order of first tokens" in findings[0]["evidence"], findings[0]
+    # Decided by the order of first tokens, or, where the victim was also far above its bound (1.5x,
+    # and its own work and 40 steps over: the long-excess factor; HolLongestFirst's S in CI, stop 33),
+    # by the bound at that factor.
+    by_order = bool(findings[0]["overtakers"]) and "order of first tokens" in findings[0]["evidence"]
+    assert by_order or (findings[0]["threshold"] == 1.5 and findings[0]["min_excess_s"]), findings[0]
