@@ -37,6 +37,9 @@ class _FakeServer:
     def tail(self, n: int = 20) -> list[str]:
         return ["loading", FATAL][-n:]
 
+    def last_error(self) -> str | None:
+        return FATAL
+
     async def restart(self) -> str:
         self.restarts += 1
         self.alive, self.died_with = True, None
@@ -54,6 +57,26 @@ class _KillingTarget:
         self.server.die()
         return ExecutionResult(trace_hash=trace.content_hash(), target=self.name, started_at=0.0, duration_s=0.1,
                                requests=())
+
+
+def test_a_deaths_error_line_is_quoted_when_exit_noise_buried_it():
+    from fuzzer.execute.launch import last_error_line
+
+    # vLLM's CPU build, stop 33: the engine's RuntimeError, then ~40 lines of nanobind's leak report at exit.
+    log = "\n".join(["INFO ready", "(Worker pid=1) ERROR [x.py:1]     gen.set_offset(gen.get_offset() - 4)",
+                     "(Worker pid=1) ERROR [x.py:1] RuntimeError: CPU Generator does not use offset",
+                     *[f' - leaked function "f{i}"' for i in range(40)], "nanobind: leaked 514 functions!"])
+    assert last_error_line(log) == "(Worker pid=1) ERROR [x.py:1] RuntimeError: CPU Generator does not use offset"
+    assert last_error_line("INFO ready\nINFO serving") is None
+    assert last_error_line("FATAL: EngineCore died") == "FATAL: EngineCore died"
+    server = _FakeServer()
+    server.tail = lambda n=20: [' - leaked function "f"', "nanobind: leaked 514 functions!"][-n:]
+    server.last_error = lambda: "RuntimeError: CPU Generator does not use offset"
+    server.die()
+    note = ManagedTarget(_KillingTarget(server), server, sleep=asyncio.sleep).death_note()
+    assert note.endswith("its last error line, above them: RuntimeError: CPU Generator does not use offset")
+    # An error already among the last lines is not quoted twice.
+    assert "above them" not in ManagedTarget(_KillingTarget(_FakeServer()), _FakeServer(), sleep=asyncio.sleep).death_note()
 
 
 def test_a_death_is_noted_with_the_log_then_restarted_with_backoff_until_a_crash_loop():

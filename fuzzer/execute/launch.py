@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import re
 import shlex
 import signal
 import socket
@@ -117,6 +118,18 @@ _LIVE: dict[int, "ManagedServer"] = {}
 def _kill_leftovers() -> None:  # the last net: whatever is still running when we exit
     for server in list(_LIVE.values()):
         server.stop(timeout_s=1.0)
+
+
+#: A log line that names what killed a server: a Python exception (``RuntimeError: ...``) or a
+#: fatal error line. A dying engine's last lines are often exit noise (vLLM's CPU build: nanobind's
+#: leak report), its error some lines above them.
+_ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): |\bFATAL\b|\bpanicked\b")
+
+
+def last_error_line(text: str) -> str | None:
+    """The last line of ``text`` naming an exception or a fatal error, stripped; None when none does."""
+    found = [ln.strip() for ln in text.splitlines() if _ERROR_LINE.search(ln)]
+    return found[-1] if found else None
 
 
 class ManagedServer:
@@ -244,15 +257,22 @@ class ManagedServer:
 
     def tail(self, n: int = 20) -> list[str]:
         """The last ``n`` non-empty lines of the server's log."""
+        return list(deque((ln.rstrip() for ln in self._log_text().splitlines() if ln.strip()), maxlen=n))
+
+    def last_error(self) -> str | None:
+        """The log's last line naming an exception or a fatal error, if any (:func:`last_error_line`)."""
+        return last_error_line(self._log_text())
+
+    def _log_text(self) -> str:
+        """This life's log, its last 64 KiB at most."""
         if self._log_path is None:
-            return []
+            return ""
         try:
             with open(self._log_path, "rb") as f:
                 f.seek(max(self._log_from, os.fstat(f.fileno()).st_size - 64 * 1024))
-                text = f.read().decode(errors="replace")
+                return f.read().decode(errors="replace")
         except OSError:
-            return []
-        return list(deque((ln.rstrip() for ln in text.splitlines() if ln.strip()), maxlen=n))
+            return ""
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop the server's whole process group: SIGTERM, then SIGKILL after ``timeout_s``."""

@@ -86,9 +86,12 @@ class ManagedTarget:
     def death_note(self) -> str:
         status = self.server.died_with
         how = "was killed by signal %d" % -status if status is not None and status < 0 else f"exited with status {status}"
-        lines = "\n".join(self.server.tail(LOG_LINES))
+        tail = self.server.tail(LOG_LINES)
+        error = self.server.last_error()
+        lines = "\n".join(tail)
+        above = f"\nits last error line, above them: {error}" if error and not any(error in ln for ln in tail) else ""
         return f"{SERVER_DIED}: the launched server {how} during this execution; the last lines of its log " \
-               f"({self.server.log_path}):\n{lines}"
+               f"({self.server.log_path}):\n{lines}{above}"
 
     async def ensure_up(self) -> None:
         """Start the server again when it died (backoff); raise CrashLoop when it keeps dying."""
