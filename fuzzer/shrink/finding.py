@@ -57,8 +57,8 @@ def _shows_latency(kind: FindingKind, metric: Metric | None, victim: str | None,
     evidence that made the finding is the one the shrunk trace must keep.
     Keeping the victim keeps the finding the same finding: its repro script judges that
     request. Also returns a failure of another kind seen on the way, if any, as a candidate,
-    and the victim's effect (observed / FCFS bound, scaled to the policy's factor where the
-    observation's was smaller; the largest when it has no victim; None when judged by the order).
+    and the victim's effect (observed / FCFS bound, over the long-excess share where that factor
+    held it; the largest when it has no victim; None when judged by the order).
     """
     found = False
     other = None
@@ -69,8 +69,8 @@ def _shows_latency(kind: FindingKind, metric: Metric | None, victim: str | None,
         if observed is not None and by_order:
             found = found or observed.order is not None
         elif observed is not None:
-            # In the policy factor's units: a long-excess observation's smaller factor counts as it.
-            ratio = observed.ratio * policy.factor / observed.factor
+            # A long-excess observation's smaller factor counts as the policy's.
+            ratio = observed.ratio / policy.long_excess_share if observed.min_excess_s is not None else observed.ratio
             effect = ratio if effect is None else max(effect, ratio)
             found = found or observed.candidate
         if other is None and rep.failure is not None and rep.failure is not kind:
