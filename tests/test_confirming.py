@@ -280,3 +280,24 @@ def test_waiting_candidates_are_ranked_by_how_far_their_traits_are_from_every_fi
     assert [(w.candidate.kind, w.candidate.ratio) for w in ranked] == [
         (FindingKind.E2E_OUTLIER, 2.5), (FindingKind.TTFT_OUTLIER, 3.0), (FindingKind.TTFT_OUTLIER, 20.0),
         (FindingKind.TTFT_OUTLIER, 50.0)]
+
+
+async def test_another_victim_of_a_found_trace_and_kind_is_not_confirmed_again():
+    # A 3-minute campaign confirmed the simulator's logprobs batch cost twice on one trace, for two
+    # of the streams it delayed: the same report to a maintainer, 3 runs of 8.5 s each.
+    store = Store.memory()
+    t = Trace(requests=(Request(id="v", at_ms=0, prompt_tokens=256, max_tokens=32),
+                        Request(id="w", at_ms=5, prompt_tokens=64, max_tokens=32, n=2)))
+    kind = _stall_kind()
+    assert family(kind, t, "v") != family(kind, t, "w")  # the family back-off alone would confirm both
+    target = PaperTarget(stall_s={"v": 0.5, "w": 0.4}, seed=1)
+    target._idle_s = 0.5
+    confirmer = _confirmer(store, target)
+    await confirmer.examine(t, await target.execute(t), await _calibration())
+    (found,) = store.list_findings()
+    before = target.executions
+    for cold in (False, True):
+        await confirmer.examine(t, await target.execute(t), await _calibration(), cold=cold)
+    assert target.executions - before == 2 and len(store.list_findings()) == 1  # no confirmation run
+    # A resumed campaign's confirmer knows it from the store.
+    assert (found.trace_hash, found.kind) in _confirmer(store, target).found_on

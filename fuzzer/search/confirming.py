@@ -64,6 +64,10 @@ RECONFIRM_AFTER = 5
 # confirmed under 26 signatures (47% of the campaign's time), while a second bug of the same
 # family is still confirmed, later.
 FAMILY_EVERY = 5
+# A latency candidate of a trace that already has a finding of its kind is passed over:
+# the other victims of one execution are the same report to a maintainer. A 3-minute campaign
+# confirmed the simulator's logprobs batch cost twice on one trace, for two of the streams it
+# delayed (3 runs of 8.5 s each, a sixth of the campaign).
 #: Latency candidates waiting for the confirmation share, at most this many: the lowest-ranked is
 #: dropped (it is seen again if its trace is fuzzed again, as AFL forgets non-favoured paths).
 WAITING_MAX = 16
@@ -144,6 +148,8 @@ class Confirmer:
         self.families = Families(found, state.get("family_seen", {}))
         #: The kinds found (as confirmed: a candidate may be confirmed as another kind).
         self.found_kinds: set[str] = {f.kind for f in found}
+        #: (trace hash, latency kind) of the findings: one finding per trace and kind.
+        self.found_on: set[tuple[str, str]] = {(f.trace_hash, f.kind) for f in found if f.kind in LATENCY_KINDS}
         #: Latency kind -> the trait vectors of its findings (fuzzer.oracle.signature.trait_vector).
         self.found_traits: dict[str, set[tuple[bool, ...]]] = {}
         for f in found:
@@ -174,7 +180,10 @@ class Confirmer:
         the cold-start they may be (a warm rejection of the same request does not count).
         """
         sighted: set[str] = set()  # a found family is sighted once per execution, however many victims show it
+        digest = trace.content_hash()
         for candidate in judge.candidates(trace, result, calibration, self._policy):
+            if (digest, str(candidate.kind)) in self.found_on:
+                continue  # another victim of a finding of this trace, warm or after idle (see WAITING_MAX)
             warm_key = signature(candidate.kind, trace, candidate.request_id)
             if cold and candidate.metric is not None and candidate.after_idle:
                 key = signature(FindingKind.COLD_START, trace)
@@ -234,7 +243,8 @@ class Confirmer:
 
     async def confirm_waiting(self, calibration: Calibration) -> Verdict | None:
         """Confirm the best-ranked waiting candidate not found meanwhile (None when none is left)."""
-        self.waiting = [w for w in self.waiting if w.key not in self.found]
+        self.waiting = [w for w in self.waiting if w.key not in self.found
+                        and (w.trace.content_hash(), str(w.candidate.kind)) not in self.found_on]
         if not self.waiting:
             return None
         best = min(self.waiting, key=self._rank)
@@ -329,6 +339,8 @@ class Confirmer:
             self.families.record(fam)
         if verdict.kind is not None:
             self.found_kinds.add(str(verdict.kind))
+            if verdict.kind in LATENCY_KINDS:
+                self.found_on.add((trace.content_hash(), str(verdict.kind)))
             if verdict.kind in LATENCY_KINDS and verdict.request_id is not None:
                 self._found_traits_of(str(verdict.kind), trace, verdict.request_id)
         finding_id, created = self._store.add_finding(
