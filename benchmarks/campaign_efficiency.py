@@ -68,9 +68,9 @@ class _Recording:
         self.delayed: dict[str, dict[str, set[str]]] = {}
         self.execute_s = 0.0
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
         start = time.perf_counter()
-        result = await self._target.execute(trace)
+        result = await self._target.execute(trace, cut_s=cut_s)
         self.execute_s += time.perf_counter() - start
         seen = self.delayed.setdefault(trace.content_hash(), {})
         for rid, names in result.ground_truth.items():

@@ -40,6 +40,9 @@ class Outcome(enum.StrEnum):
     MISSING_DONE = "missing-done"
     #: The number of generated tokens contradicts ``max_tokens`` with ``ignore_eos``.
     TOKEN_MISMATCH = "token-mismatch"
+    #: Still running when the execution reached its time cap (``Target.execute``'s ``cut_s``), and
+    #: closed by the client (or never sent, when scheduled after it): its latencies are lower bounds.
+    CUT = "cut"
 
     @property
     def failed(self) -> bool:
@@ -168,8 +171,12 @@ class Target(Protocol):
     #: A short description for reports: the base URL, or the simulator's configuration.
     name: str
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        """Run the trace once and measure every request. Never raises for a request's failure."""
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        """Run the trace once and measure every request. Never raises for a request's failure.
+
+        ``cut_s``: the execution's time cap. Requests still running that long after its start
+        are closed (outcome CUT) and requests scheduled later are not sent; None: no cap.
+        """
         ...
 
     async def aclose(self) -> None:

@@ -22,8 +22,8 @@ class GroundTruth:
         self.kv_cache = target.kv_cache  # the capacity the oracle's KV-aware bound models
         self.delayed: dict[str, set[str]] = {}
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        result = await self._target.execute(trace)
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        result = await self._target.execute(trace, cut_s=cut_s)
         hit = {rid for rid, names in result.ground_truth.items() if self._pathology in names}
         self.delayed.setdefault(trace.content_hash(), set()).update(hit)
         return result

@@ -110,8 +110,8 @@ class PaperTarget:
             idle_after=not self.leak,
         )
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        return self.run(trace)
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        return self.run(trace)  # on paper: no time to cap
 
     async def aclose(self) -> None:
         pass

@@ -35,8 +35,8 @@ class _LoadedHost:
         self.executions = 0
         self._rng = random.Random(seed)
 
-    async def execute(self, trace):
-        result = await self.inner.execute(trace)
+    async def execute(self, trace, *, cut_s=None):
+        result = await self.inner.execute(trace, cut_s=cut_s)
         self.executions += 1
         if self.executions > self.loaded:
             return result

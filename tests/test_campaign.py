@@ -122,8 +122,8 @@ class _Clocked:
         self.now = 0.0
         self.name = inner.name
 
-    async def execute(self, trace):
-        result = await self._inner.execute(trace)
+    async def execute(self, trace, *, cut_s=None):
+        result = await self._inner.execute(trace, cut_s=cut_s)
         self.now += result.duration_s
         return result
 
@@ -159,8 +159,29 @@ async def test_every_second_is_attributed_to_a_phase_and_survives_a_resume(seed_
     assert sum(s2.time_s.values()) == pytest.approx(sum(s1.time_s.values()) + s2.elapsed_s, abs=0.02)
 
 
+async def test_no_execution_runs_far_past_the_campaigns_end(seed_trace):
+    # The planted logprobs batch cost makes each run of this seed 8.5 s against an FCFS bound of
+    # 0.4 s: without the time cap the campaign's last runs went on past its end (stop 33: a
+    # 3-minute HTTP campaign overran by 113 s). With it, the last runs are cut at the budget past
+    # the end, and what they measured is kept (the finding is still confirmed).
+    from fuzzer.execution import Outcome
+
+    store = Store.memory()
+    target = _Clocked(VirtualTarget(pathologies=("logprobs-batch-cost",), seed=2))
+    duration = 60.0
+    campaign = Campaign(target, store, Settings(seed=5, duration_s=duration, idle_share=0.0),
+                        seeds=[tf.load(CORPUS / "n-logprobs.json")], target_key="sim:test", clock=lambda: target.now)
+    stats = (await campaign.run()).stats
+    budget = campaign.execution_budget_s()
+    assert stats.elapsed_s <= duration + budget + 0.5
+    rows = store.execution_rows(campaign_id=stats.campaign_id)
+    cut = [r for r in rows if any(q.outcome is Outcome.CUT for q in store.get_execution(r["id"]).requests)]
+    assert cut and all(r["duration_s"] <= budget + 0.5 for r in cut)
+    assert [f.kind for f in store.list_findings()] == ["e2e-outlier"]
+
+
 async def test_with_a_duration_mutants_longer_than_their_share_of_it_are_passed_over(seed_trace):
-    from fuzzer.search.campaign import AFFORD_TRIES, EXECUTION_SHARE
+    from fuzzer.search.pacing import AFFORD_TRIES, EXECUTION_SHARE
 
     store = Store.memory()
     target = _Clocked(VirtualTarget(seed=3))
@@ -188,8 +209,8 @@ class _Stalling(_Clocked):
         self.stall_s = stall_s
         self.runs = 0
 
-    async def execute(self, trace):
-        result = await super().execute(trace)
+    async def execute(self, trace, *, cut_s=None):
+        result = await super().execute(trace, cut_s=cut_s)
         self.runs += 1
         return replace(result, client_lag_s=self.stall_s if self.runs % 3 == 0 else 0.004)
 
@@ -222,7 +243,7 @@ class _Dies(_Clocked):
         self.alive = alive
         self.runs = 0
 
-    async def execute(self, trace):
+    async def execute(self, trace, *, cut_s=None):
         self.runs += 1
         if self.runs > self.alive:
             self.now += 0.001

@@ -50,8 +50,8 @@ class _Sim:
         self.slept += seconds
         self._target.idle(seconds)  # the simulated server sits idle meanwhile
 
-    async def execute(self, trace):
-        result = await self._target.execute(trace)
+    async def execute(self, trace, *, cut_s=None):
+        result = await self._target.execute(trace, cut_s=cut_s)
         self.now += self.exec_cost_s
         seen = self.delayed.setdefault(trace.content_hash(), {})
         for rid, names in result.ground_truth.items():
@@ -255,3 +255,15 @@ async def test_confirmation_keeps_to_its_share_of_the_server_time_and_the_rest_w
     assert uncapped[0] > 0.3 and uncapped[1] == 0  # without a cap confirmation takes far more, nothing waits
     assert capped[0] < uncapped[0] and capped[0] <= 0.2 + 0.1 and capped[2] >= 1
     assert capped[1] >= 1  # what the share held back waits for the next run
+
+
+def test_an_executions_time_cap():
+    from fuzzer.search.pacing import CUT_FACTOR, execution_budget_s, execution_cut_s
+
+    assert execution_cut_s(None, 10.0, 5.0, 2.0) is None  # no --duration: no cap
+    budget = execution_budget_s(1800.0)
+    assert budget == 90.0
+    assert execution_cut_s(1800.0, 100.0, 5.0, 2.0) == CUT_FACTOR * budget  # mid-campaign
+    assert execution_cut_s(1800.0, 100.0, 300.0, 2.0) == 600.0  # a run within its bound's room is never cut ...
+    assert execution_cut_s(1800.0, 1700.0, 300.0, 2.0) == 100.0  # ... unless the campaign ends first
+    assert execution_cut_s(1800.0, 1799.0, 5.0, 2.0) == budget  # at most the budget past the end

@@ -187,10 +187,10 @@ def test_an_interrupted_replay_keeps_the_executions_made_so_far(server, trace_fi
     real = HttpTarget.execute
     made = []
 
-    async def execute(self, trace):
+    async def execute(self, trace, *, cut_s=None):
         if len(made) == 2:
             raise KeyboardInterrupt  # what Ctrl-C raises out of asyncio.run
-        made.append(await real(self, trace))
+        made.append(await real(self, trace, cut_s=cut_s))
         return made[-1]
 
     monkeypatch.setattr(HttpTarget, "execute", execute)

@@ -187,6 +187,32 @@ async def test_a_client_that_leaves_after_a_time_leaves_before_its_first_token(s
     assert result.idle_after is True
 
 
+@pytest.mark.parametrize("client", ["fast", "aiohttp"])
+async def test_the_executions_time_cap_cuts_what_still_runs_and_sends_nothing_after_it(server, monkeypatch, client):
+    # A campaign caps each execution (fuzzer.search.pacing.execution_cut_s): a stream still going
+    # at the cap, and a plain response not answered by then, are closed (CUT: the server sees an
+    # abort, the client keeps what it measured, e2e runs to the cap); a request due after the cap
+    # is never sent; a short one finished before it is measured as usual.
+    monkeypatch.setenv("FUZZ_HTTP_CLIENT", client)
+    url, state = server
+    state.token_delay_s = 0.02
+    t = trace(req("ok_long", max_tokens=400), req("ok_short", max_tokens=3), req("ok_late", at_ms=5_000))
+    async with HttpTarget(url, rng=random.Random(0), timeout_s=2.0, idle_timeout_s=1.0, idle_after_timeout_s=1.0) as target:
+        result = await target.execute(t, cut_s=0.4)
+        state.ttft_s = 0.6  # a plain response not answered by the cap
+        plain = (await target.execute(trace(req("ok_body", stream=False)), cut_s=0.2)).request("ok_body")
+    assert result.duration_s < 1.5
+    long = result.request("ok_long")
+    assert long.outcome is Outcome.CUT and 0.35 <= long.e2e_s < 0.8 and len(long.token_times_s) >= 3
+    assert plain.outcome is Outcome.CUT and 0.15 <= plain.e2e_s < 0.5 and plain.token_times_s == ()
+    assert await _all_aborted(state, ["ok_long", "ok_body"])
+    assert result.request("ok_short").outcome is Outcome.OK
+    late = result.request("ok_late")
+    assert late.outcome is Outcome.CUT and late.e2e_s is None and "not sent" in late.detail
+    assert not any(xid.startswith("ok_late-") for xid in state.log)
+    assert any("time cap" in w for w in result.warnings)
+
+
 def _executor_tasks() -> list[str]:
     """Live tasks running the fuzzer's own code (the loopback server's tasks run the test's)."""
     package = str(Path(fuzzer.__file__).parent)

@@ -53,7 +53,7 @@ class _KillingTarget:
     def __init__(self, server: _FakeServer):
         self.server = server
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
         self.server.die()
         return ExecutionResult(trace_hash=trace.content_hash(), target=self.name, started_at=0.0, duration_s=0.1,
                                requests=())

@@ -26,8 +26,8 @@ class _Restartable:
     def idle(self, seconds: float) -> None:
         self.sim.idle(seconds)
 
-    async def execute(self, trace):
-        return await self.sim.execute(trace)
+    async def execute(self, trace, *, cut_s=None):
+        return await self.sim.execute(trace, cut_s=cut_s)
 
     async def fresh_start(self) -> None:
         self.sim = VirtualTarget(pathologies=self._fresh_pathologies, seed=4 + self.fresh_starts)

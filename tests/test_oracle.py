@@ -80,6 +80,31 @@ def test_a_stalled_request_is_a_candidate_with_its_excess():
     assert small.excess_s == pytest.approx(0.5, abs=0.05)
 
 
+def test_a_request_cut_at_the_time_cap_counts_only_when_its_lower_bound_is_already_slow():
+    import dataclasses
+
+    result = _warm(delay_s={"small": 0.5}).run(BURST)
+    small = result.request("small")
+
+    def cut_at(e2e_s):  # still waiting for its first token when the execution's time cap closed it
+        cut = dataclasses.replace(small, outcome=Outcome.CUT, ttft_s=None, first_event_s=None, token_times_s=(),
+                                  e2e_s=e2e_s, finish_reason=None, completion_tokens=None)
+        return dataclasses.replace(result, requests=tuple(cut if r is small else r for r in result.requests))
+
+    late = cut_at(small.ttft_s)  # cut after the stall: it waited at least this long for its first token
+    (cand,) = candidates(BURST, late, _calibration())
+    assert cand.request_id == "small" and cand.kind is FindingKind.TTFT_OUTLIER and cand.ratio > 2
+    rep = {r.request_id: r for r in observe(BURST, late, _calibration())}["small"]
+    assert rep.observations[Metric.TTFT].censored and rep.failure is None
+    (verdict,) = [v for v in judge(BURST, [late] * 3, _calibration(), rng=_rng()) if v.request_id == "small"]
+    assert verdict.is_finding and "lower bounds" in verdict.detail
+    # Cut before its bound had passed: a lower bound within the bound says nothing either way.
+    early = cut_at(0.5 * {r.request_id: r for r in observe(BURST, late, _calibration())}["small"]
+                   .observations[Metric.TTFT].expected_s)
+    assert candidates(BURST, early, _calibration()) == []
+    assert {r.request_id: r for r in observe(BURST, early, _calibration())}["small"].observations == {}
+
+
 def test_a_stall_the_client_may_have_caused_itself_is_not_blamed_on_the_server():
     import dataclasses
 

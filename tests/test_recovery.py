@@ -23,7 +23,7 @@ class _Down:
         self.down = down
         self.calls = 0
 
-    async def execute(self, trace):
+    async def execute(self, trace, *, cut_s=None):
         self.calls += 1
         if self.calls <= self.down:
             raise TargetError("connection refused")

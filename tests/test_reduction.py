@@ -62,11 +62,11 @@ def _fail_calls(target, failing, error):
     calls = {"n": 0}
     real = target.execute
 
-    async def execute(t):
+    async def execute(t, *, cut_s=None):
         calls["n"] += 1
         if failing(calls["n"]):
             raise error
-        return await real(t)
+        return await real(t, cut_s=cut_s)
 
     target.execute = execute
     return real

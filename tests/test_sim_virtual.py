@@ -93,6 +93,26 @@ def test_idle_clock_between_executions(seed_trace):
     assert all(r.idle_after for r in (first, second, third))
 
 
+def test_the_time_cap_closes_what_still_runs_on_virtual_time():
+    trace = _trace([
+        {"id": "long", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 4000},
+        {"id": "short", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 4},
+        {"id": "late", "at_ms": 60_000, "prompt_tokens": 64, "max_tokens": 4},
+    ])
+    whole = VirtualTarget(seed=1).run(trace)
+    target = VirtualTarget(seed=1)
+    cut = target.run(trace, cut_s=2.0)
+    assert whole.duration_s > 60 and cut.duration_s == pytest.approx(2.0, abs=0.1)
+    long = cut.request("long")
+    assert long.outcome is Outcome.CUT and long.e2e_s == pytest.approx(2.0)
+    assert long.token_times_s == whole.request("long").token_times_s[: len(long.token_times_s)]
+    assert all(t <= 2.0 for t in long.token_times_s) and len(long.token_times_s) > 10
+    assert cut.request("short") == whole.request("short")
+    late = cut.request("late")
+    assert late.outcome is Outcome.CUT and late.e2e_s is None and "not sent" in late.detail
+    assert cut.idle_after and target.run(trace).request("long").outcome is Outcome.OK  # nothing left behind
+
+
 def test_what_the_client_sees():
     trace = _trace(
         [

@@ -189,8 +189,8 @@ class _Recorder:
         if hasattr(target, "fresh_start"):  # a launched server: a cold start is checked on fresh ones too
             self.fresh_start = target.fresh_start
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        result = await self._target.execute(trace)
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        result = await self._target.execute(trace, cut_s=cut_s)
         self.results.append(result)
         if self._store is not None:
             self._store.record_execution(result, trace, target_id=self._target_id)

@@ -38,7 +38,7 @@ from fuzzer.errors import TargetError
 from fuzzer.execute import adapters, clientlag, detection, fastpath, gcquiet, scope
 from fuzzer.execute import prompts as prompt_builder
 from fuzzer.execute.adapters import Adapter, ServerInfo
-from fuzzer.execute.harness import LATENESS_WARN_S, result_warnings  # noqa: F401 (LATENESS_WARN_S: public)
+from fuzzer.execute.harness import LATENESS_WARN_S, request_result, result_warnings, status_outcome  # noqa: F401 (LATENESS_WARN_S: public)
 from fuzzer.execute.metrics import (
     DEFAULT_INTERVAL_S,
     Sampler,
@@ -295,8 +295,8 @@ class HttpTarget:
 
     # --- one execution ------------------------------------------------------------------
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        """Run the trace once. Never raises for a request's failure."""
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        """Run the trace once (``cut_s``: its time cap, see ``Target.execute``). Never raises for a request's failure."""
         info = await self._reread_kv(await self.start())
         assert self._session is not None and self._counter is not None
         self._executions += 1
@@ -330,12 +330,16 @@ class HttpTarget:
             lag = clientlag.LagMonitor(clock=self._clock, sleep=self._sleep)
             lag.start(tasks)
             sends: list[asyncio.Task[RequestResult]] = []
+            cut_at = None if cut_s is None else t0 + cut_s
             for plan in plans:
+                if cut_at is not None and plan.scheduled_s >= cut_s:
+                    sends.append(tasks.create_task(self._unsent(plan, t0)))
+                    continue
                 await self._sleep_until(t0 + plan.scheduled_s)
                 # The hot path writes the request at once; its task only reads the answer.
                 post = self._fast.start(plan.wire, StreamAccount() if plan.request.stream else None,
                                         plan.request.cancel_after_tokens) if self._fast and plan.wire else None
-                sends.append(task := tasks.create_task(self._send(plan, t0, post)))
+                sends.append(task := tasks.create_task(self._send(plan, t0, post, cut_at)))
                 if post is not None:
                     task.add_done_callback(post.abandon)
             if sends:  # asyncio.wait refuses an empty set
@@ -348,6 +352,9 @@ class HttpTarget:
             if sampler is not None:
                 samples, failed_scrapes = await sampler.stop()
         results = [send.result() for send in sends]
+        if cut_s is not None and (cut := sum(r.outcome is Outcome.CUT for r in results)):
+            warnings.append(f"{cut} request(s) still running at the execution's time cap ({cut_s:.0f} s) were cut: "
+                            "their latencies are lower bounds")
         if failed_scrapes:
             warnings.append(f"{failed_scrapes} /metrics scrapes failed during the execution")
         warnings.extend(result_warnings(trace, results))
@@ -449,8 +456,16 @@ class HttpTarget:
                 return
             await self._sleep(remaining - _SPIN_S if remaining > _SPIN_S else 0)
 
-    async def _send(self, plan: _Planned, t0: float, post: Any = None) -> RequestResult:
-        """Send one request (``post``: already written on the hot path) and read its answer; every failure becomes an outcome."""
+    async def _unsent(self, plan: _Planned, t0: float) -> RequestResult:
+        """A request scheduled after the execution's time cap: never sent."""
+        return self._result(plan, t0, t0 + plan.scheduled_s, None, None, Outcome.CUT,
+                            "scheduled after the execution's time cap: not sent", None, None)
+
+    async def _send(self, plan: _Planned, t0: float, post: Any = None, cut_at: float | None = None) -> RequestResult:
+        """Send one request (``post``: already written on the hot path) and read its answer; every failure becomes an outcome.
+
+        ``cut_at``: when the execution's time cap closes the request if it is still running (outcome CUT).
+        """
         assert self._session is not None
         r = plan.request
         clock = self._clock
@@ -463,8 +478,11 @@ class HttpTarget:
         detail: str | None = None
         # A client that goes away after a time (the trace's disconnect_after_ms), whatever it got. Most
         # stay: they share one null context (an asyncio.timeout(None) per request costs ~5 us, this ~0.6).
-        leave = _STAYS if r.disconnect_after_ms is None else asyncio.timeout(
-            max(0.0, sent + r.disconnect_after_ms / 1000.0 - clock()))
+        leave_at = None if r.disconnect_after_ms is None else sent + r.disconnect_after_ms / 1000.0
+        cut = cut_at is not None and (leave_at is None or cut_at < leave_at)
+        if cut:
+            leave_at = cut_at
+        leave = _STAYS if leave_at is None else asyncio.timeout(max(0.0, leave_at - clock()))
         try:
             if post is None and self._fast is not None and plan.wire is not None:
                 post = self._fast.post(plan.wire, account, r.cancel_after_tokens)
@@ -475,7 +493,7 @@ class HttpTarget:
                 if status >= 400:
                     raw = await resp.read()
                     end = clock()
-                    outcome = self._status_outcome(status, r)
+                    outcome = status_outcome(status, r, self.info)
                     detail = short(raw) or f"HTTP {status}"
                 elif account is not None:
                     outcome, end = await self._read_stream(resp, account, r)
@@ -489,7 +507,8 @@ class HttpTarget:
         except asyncio.TimeoutError:
             if leave is not _STAYS and leave.expired():
                 end = clock()  # leaving `async with post` unread dropped the connection: the server sees an abort
-                outcome, detail = Outcome.CANCELLED, None
+                outcome, detail = (Outcome.CUT, "still running at the execution's time cap") if cut else (
+                    Outcome.CANCELLED, None)
             else:
                 outcome, detail = Outcome.TIMEOUT, "no answer within the client timeout"
         except aiohttp.ClientPayloadError as e:
@@ -521,78 +540,7 @@ class HttpTarget:
                     return account.fault, now
                 return Outcome.OK, account.done_t or now
 
-    def _status_outcome(self, status: int, r: Request) -> Outcome:
-        if status >= 500:
-            return Outcome.HTTP_ERROR
-        info = self.info
-        if info is not None and status != 429:
-            uses = {
-                "chat": r.api == "chat",
-                "logprobs": r.logprobs is not None,
-                "ignore_eos": r.ignore_eos,
-            }
-            if any(used and not info.accepts(feature) for feature, used in uses.items()):
-                return Outcome.UNSUPPORTED
-            if info.max_n is not None and r.n > info.max_n:
-                return Outcome.UNSUPPORTED  # more choices than the probe saw accepted (1: n refused)
-        return Outcome.REJECTED
-
-    def _result(
-        self,
-        plan: _Planned,
-        t0: float,
-        sent: float,
-        status: int | None,
-        end: float | None,
-        outcome: Outcome,
-        detail: str | None,
-        account: StreamAccount | None,
-        body: Any,
-    ) -> RequestResult:
-        r = plan.request
-        ttft = first_event = finish = None
-        token_times: tuple[float, ...] = ()
-        usage = None
-        if account is not None:
-            ttft = None if account.first_token_t is None else account.first_token_t - sent
-            first_event = None if account.first_event_t is None else account.first_event_t - sent
-            token_times = tuple(t - sent for t in account.token_times)
-            finish = account.finish_reason
-            usage = account.usage
-            if account.fault is not None and detail is None:
-                detail = account.detail
-        elif isinstance(body, dict):
-            usage = body.get("usage")
-            choices = body.get("choices")
-            if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-                finish = choices[0].get("finish_reason")
-        prompt_tokens, completion_tokens, cached = usage_counts(usage)
-        if (
-            outcome is Outcome.OK
-            and r.ignore_eos
-            and self.info is not None
-            and self.info.accepts("ignore_eos")
-            and completion_tokens is not None
-            and completion_tokens not in (r.max_tokens * r.n, r.max_tokens)
-        ):
-            # usage counts every choice (OpenAI, vLLM) or, with n > 1, one choice (llama-server 11434
-            # streams n choices of max_tokens each but reports max_tokens): either is the whole output.
-            outcome = Outcome.TOKEN_MISMATCH
-            detail = f"{completion_tokens} completion tokens with ignore_eos, expected {r.max_tokens * r.n}"
-        return RequestResult(
-            request_id=r.id,
-            x_request_id=plan.x_request_id,
-            scheduled_s=plan.scheduled_s,
-            sent_s=sent - t0,
-            outcome=outcome,
-            ttft_s=ttft,
-            first_event_s=first_event,
-            token_times_s=token_times,
-            e2e_s=None if end is None or outcome is Outcome.TIMEOUT else end - sent,
-            finish_reason=finish if isinstance(finish, str) else None,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            cached_tokens=cached,
-            http_status=status,
-            detail=detail,
-        )
+    def _result(self, plan: _Planned, t0: float, sent: float, status: int | None, end: float | None, outcome: Outcome,
+                detail: str | None, account: StreamAccount | None, body: Any) -> RequestResult:
+        return request_result(plan.request, plan.x_request_id, plan.scheduled_s, t0, sent, status, end, outcome, detail,
+                              account, body, self.info)

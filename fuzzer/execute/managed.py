@@ -66,17 +66,17 @@ class ManagedTarget:
     def __getattr__(self, name: str):  # info, kv_cache, ...: the HTTP target's
         return getattr(self._target, name)
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
         await self.ensure_up()
         try:
-            result = await self._target.execute(trace)
+            result = await self._target.execute(trace, cut_s=cut_s)
         except TargetError:
             # Nothing was measured (the server could not even be asked): when it died just
             # before, start it again and run the trace once more.
             if not await self._died():
                 raise
             await self.ensure_up()
-            result = await self._target.execute(trace)
+            result = await self._target.execute(trace, cut_s=cut_s)
         if not self.server.alive:
             result = replace(result, warnings=result.warnings + (self.death_note(),))
         else:

@@ -55,12 +55,12 @@ class PatientTarget:
         #: How many times the server was found down.
         self.outages = 0
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
         waited = 0.0
         waits = backoff()
         while True:
             try:
-                return await self._target.execute(trace)
+                return await self._target.execute(trace, cut_s=cut_s)
             except TargetError as e:
                 if waited == 0.0:
                     self.outages += 1

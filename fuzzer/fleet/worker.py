@@ -173,8 +173,8 @@ class _Recording:
         if fresh_start is not None:
             self.fresh_start = fresh_start
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        result = await self._target.execute(trace)
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        result = await self._target.execute(trace, cut_s=cut_s)
         self._runs.append(result)
         return result
 

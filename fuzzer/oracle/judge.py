@@ -75,6 +75,8 @@ class Observation:
     behind: str | None = None
     #: When ``factor`` is the long-excess one (far above the bound): the excess it needs, seconds.
     min_excess_s: float | None = None
+    #: A lower bound: the request was still running at its execution's time cap (Outcome.CUT).
+    censored: bool = False
 
     @property
     def flagged(self) -> bool:
@@ -129,8 +131,10 @@ def observe(
     for r in result.requests:
         e = expectations[r.request_id]
         observations: dict[Metric, Observation] = {}
-        if r.outcome is Outcome.OK:
-            for metric, value in _measured(r).items():
+        cut = r.outcome is Outcome.CUT
+        streamed = r.request_id not in planned or planned[r.request_id].stream
+        if r.outcome is Outcome.OK or cut:
+            for metric, value in (_at_least(r, streamed) if cut else _measured(r)).items():
                 bound, idle = e.bound(metric), e.idle(metric)
                 if value is None or bound is None or idle is None:
                     continue
@@ -138,11 +142,12 @@ def observe(
                 far = max(margin, idle + long_s)  # its own work keeps the full factor's room
                 f = policy.factor_for(factor, value - bound, far)
                 slow = value >= f * bound and value - bound >= margin
+                if cut and not slow:
+                    continue  # a lower bound within the bound's room says nothing either way
                 inverted = overtaken.get(r.request_id) if metric is Metric.TTFT else None
                 behind = e.behind if metric is not Metric.MAX_ITL else None
                 observations[metric] = Observation(metric, value, bound, idle, slow, f, thrashed, load, inverted,
-                                                   behind, far if f < factor else None)
-        streamed = r.request_id not in planned or planned[r.request_id].stream
+                                                   behind, far if f < factor else None, cut)
         failure = None if queued_out(r, e, result, factor, streamed) else failure_kind(r.outcome)
         reports.append(RequestReport(r.request_id, r.outcome, e, observations, failure))
     return tuple(reports)
@@ -188,6 +193,18 @@ def slower_engine(result: ExecutionResult, calibration: Calibration, policy: Ora
 
 def _measured(r: RequestResult) -> dict[Metric, float | None]:
     return {Metric.TTFT: r.ttft_s, Metric.MAX_ITL: r.max_itl_s, Metric.E2E: r.e2e_s}
+
+
+def _at_least(r: RequestResult, streamed: bool) -> dict[Metric, float | None]:
+    """What a request cut at its execution's time cap took at least: its e2e ran to the cut (``e2e_s``);
+    a stream without a first token waited that long for it; the gap since its last token was still open."""
+    if r.e2e_s is None:  # never sent
+        return {}
+    gaps = r.itl_s + ((r.e2e_s - r.token_times_s[-1],) if r.token_times_s else ())
+    if not streamed:
+        return {Metric.E2E: r.e2e_s}
+    return {Metric.TTFT: r.e2e_s if r.ttft_s is None else r.ttft_s,
+            Metric.MAX_ITL: max(gaps) if r.token_times_s else None, Metric.E2E: r.e2e_s}
 
 
 def failure_kind(outcome: Outcome) -> FindingKind | None:
@@ -410,6 +427,9 @@ def _model_verdict(
     if far is not None:
         notes.append(f"{far:.2f} s or more above its bound in every run: candidate factor {threshold:g}x, "
                      f"{policy.long_excess_share:g} of the usual one")
+    if cut := sum(o.censored for o in sample):
+        notes.append(f"still running when {cut} of {len(sample)} run(s) reached the execution's time cap: "
+                     "those runs' latencies are lower bounds")
     if any(o.thrashed for o in sample):
         notes.append("the server preempted far more often than a KV-aware FCFS scheduler would (thrash): "
                      "judged against the bound that never runs out of KV")

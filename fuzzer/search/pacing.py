@@ -18,6 +18,10 @@ the trace warm and after idle periods, as for any cold-start candidate).
   of confirmation) may take at most ``idle_share`` of the campaign's wall time, counted
   against its planned duration when it has one.
 
+Execution budget and time cap. With a --duration, a mutant whose FCFS bound would keep the
+server busy past its share of the campaign is mutated again, and every execution has a time
+cap past which what still runs is closed (``execution_cut_s``).
+
 Confirmation share. Confirmation runs may take at most ``confirm_share`` of the server time;
 a latency candidate that would go over it waits, ranked (fuzzer.search.confirming).
 
@@ -48,6 +52,39 @@ SEED_SHARE = 0.5
 #: ~5%) it leaves 60% of a campaign to fuzz executions. On the held-out vLLM-like server with every
 #: bug on, uncapped confirmation took 31-44% of 30-minute campaigns, most of it one bug's findings.
 CONFIRM_SHARE = 0.2
+
+#: A child the FCFS bound says would keep the server busy longer than its share of the
+#: campaign (EXECUTION_SHARE of --duration, at most MAX_EXECUTION_S) is mutated again, up to
+#: AFFORD_TRIES times (then the shortest is run): on a slow engine one mutant of 8 long prompts with 1024
+#: output tokens each took 55 s per run on vLLM's CPU build, and its confirmation most of an
+#: 8-minute campaign. Campaigns without a duration have no such budget.
+EXECUTION_SHARE = 0.05
+MAX_EXECUTION_S = 120.0
+AFFORD_TRIES = 4
+#: The bound is a forecast; a pathology can make a run far longer (a 3-minute campaign's mutant
+#: bounded at 7 s ran 130 s on the simulator's planted logprobs batch cost, and the campaign
+#: overran its duration by 113 s). So every execution of a campaign with a duration has a time
+#: cap: CUT_FACTOR times the budget, or the candidate factor times its own FCFS bound when that
+#: is longer (a run within its bound's candidate room is never cut), and no later than the
+#: budget past the campaign's end. What still runs then is closed: its latencies are lower
+#: bounds, which the oracle counts only when they already exceed the bound's factor.
+CUT_FACTOR = 4.0
+
+
+def execution_budget_s(duration_s: float | None) -> float | None:
+    """The longest one execution should keep the server busy, by its FCFS bound; None: no limit."""
+    return None if duration_s is None else min(MAX_EXECUTION_S, EXECUTION_SHARE * duration_s)
+
+
+def execution_cut_s(duration_s: float | None, elapsed_s: float, expected_s: float | None, factor: float) -> float | None:
+    """The time cap of one execution whose FCFS bound ends at ``expected_s`` (None: unknown), ``elapsed_s``
+    into a campaign of ``duration_s`` (None: no cap), its candidate factor ``factor`` (see CUT_FACTOR)."""
+    budget = execution_budget_s(duration_s)
+    if budget is None:
+        return None
+    assert duration_s is not None
+    cut = max(CUT_FACTOR * budget, factor * (expected_s or 0.0))
+    return min(cut, max(budget, duration_s - elapsed_s))
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+from dataclasses import replace
 
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
@@ -83,14 +84,14 @@ class VirtualTarget:
             raise ConfigError(f"idle time must be >= 0 seconds, got {seconds!r}")
         self._clock_s += seconds
 
-    async def execute(self, trace: Trace) -> ExecutionResult:
-        return self.run(trace)
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        return self.run(trace, cut_s=cut_s)
 
     async def aclose(self) -> None:
         return None
 
-    def run(self, trace: Trace) -> ExecutionResult:
-        """Execute a trace once on virtual time."""
+    def run(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        """Execute a trace once on virtual time (``cut_s``: its time cap, see ``Target.execute``)."""
         if self._executions:
             self._clock_s += self.idle_gap_s
         index = self._executions
@@ -102,16 +103,21 @@ class VirtualTarget:
 
         arrivals: list[tuple[float, Request, list[int]]] = []
         rejected: dict[str, str] = {}
+        cut_at = math.inf if cut_s is None else t0 + cut_s
         for r in trace.requests:
             problem = self._check(r)
             if problem:
                 rejected[r.id] = problem
                 continue
+            if t0 + r.at_ms / 1000.0 >= cut_at:
+                continue  # scheduled after the time cap: never sent
             arrivals.append((t0 + r.at_ms / 1000.0, r, self._prompt(trace, r, index)))
 
         handles: dict[str, SimRequest] = {}
         cancel_after: dict[int, int] = {}
         cancelled_at: dict[str, float] = {}
+        #: Requests the time cap closed (a subset of cancelled_at).
+        cut: set[str] = set()
         #: Clients that go away at a time (disconnect_after_ms): (when, their request), soonest first.
         leaving: list[tuple[float, SimRequest]] = []
         samples: list[MetricSample] = []
@@ -148,8 +154,15 @@ class VirtualTarget:
                 samples.append(self._sample(next_sample - t0))
                 next_sample += self.sample_interval_s
             leave(t)
+            if t >= cut_at:
+                for handle in handles.values():  # the client closes whatever still runs
+                    if not handle.finished and handle.request_id not in cancelled_at:
+                        engine.abort(handle, t)
+                        cancelled_at[handle.request_id] = cut_at
+                        cut.add(handle.request_id)
+                cut_at = math.inf  # once
             horizon = min(arrivals[i][0] if i < len(arrivals) else math.inf, next_sample,
-                          leaving[0][0] if leaving else math.inf)
+                          leaving[0][0] if leaving else math.inf, cut_at)
             ready = engine.next_ready_s()
             if ready is not None:
                 horizon = min(horizon, ready)
@@ -182,7 +195,16 @@ class VirtualTarget:
 
         results = []
         for r in trace.requests:
-            results.append(self._result(r, t0, handles.get(r.id), rejected.get(r.id), cancelled_at, index))
+            h = handles.get(r.id)
+            if h is None and r.id not in rejected:  # scheduled after the time cap
+                results.append(RequestResult(request_id=r.id, x_request_id=f"{r.id}-{index}", scheduled_s=r.at_ms / 1000.0,
+                                             sent_s=r.at_ms / 1000.0, outcome=Outcome.CUT,
+                                             detail="scheduled after the execution's time cap: not sent"))
+                continue
+            result = self._result(r, t0, h, rejected.get(r.id), cancelled_at, index)
+            if h is not None and h.request_id in cut:
+                result = replace(result, outcome=Outcome.CUT, detail="still running at the execution's time cap")
+            results.append(result)
         ground_truth = {rid: tuple(sorted(h.delayed_by, key=_registry_order)) for rid, h in handles.items()}
         return ExecutionResult(
             trace_hash=trace.content_hash(),
