@@ -162,8 +162,9 @@ async def test_every_second_is_attributed_to_a_phase_and_survives_a_resume(seed_
 async def test_no_execution_runs_far_past_the_campaigns_end(seed_trace):
     # The planted logprobs batch cost makes each run of this seed 8.5 s against an FCFS bound of
     # 0.4 s: without the time cap the campaign's last runs went on past its end (stop 33: a
-    # 3-minute HTTP campaign overran by 113 s). With it, the last runs are cut at the budget past
-    # the end, and what they measured is kept (the finding is still confirmed).
+    # 3-minute HTTP campaign overran by 113 s). With it, a run stops at twice the execution
+    # budget (3 s here), the last ones at the budget past the end, and what they measured is kept
+    # (the finding is still confirmed, on lower bounds).
     from fuzzer.execution import Outcome
 
     store = Store.memory()
@@ -176,7 +177,7 @@ async def test_no_execution_runs_far_past_the_campaigns_end(seed_trace):
     assert stats.elapsed_s <= duration + budget + 0.5
     rows = store.execution_rows(campaign_id=stats.campaign_id)
     cut = [r for r in rows if any(q.outcome is Outcome.CUT for q in store.get_execution(r["id"]).requests)]
-    assert cut and all(r["duration_s"] <= budget + 0.5 for r in cut)
+    assert cut and all(r["duration_s"] <= 2 * budget + 0.5 for r in rows)  # (the step under way ends)
     assert [f.kind for f in store.list_findings()] == ["e2e-outlier"]
 
 

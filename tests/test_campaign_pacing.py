@@ -6,6 +6,7 @@ All on the simulator's virtual time; where the wall clock matters (idling over H
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
@@ -258,12 +259,32 @@ async def test_confirmation_keeps_to_its_share_of_the_server_time_and_the_rest_w
 
 
 def test_an_executions_time_cap():
-    from fuzzer.search.pacing import CUT_FACTOR, execution_budget_s, execution_cut_s
+    from fuzzer.search.pacing import execution_budget_s, execution_cut_s
 
     assert execution_cut_s(None, 10.0, 5.0, 2.0) is None  # no --duration: no cap
     budget = execution_budget_s(1800.0)
     assert budget == 90.0
-    assert execution_cut_s(1800.0, 100.0, 5.0, 2.0) == CUT_FACTOR * budget  # mid-campaign
-    assert execution_cut_s(1800.0, 100.0, 300.0, 2.0) == 600.0  # a run within its bound's room is never cut ...
-    assert execution_cut_s(1800.0, 1700.0, 300.0, 2.0) == 100.0  # ... unless the campaign ends first
+    assert execution_cut_s(1800.0, 100.0, 5.0, 2.0) == 2.0 * budget  # mid-campaign: the factor times the budget
+    assert execution_cut_s(1800.0, 100.0, 300.0, 2.0) == 600.0  # ... or its own schedule, when longer
+    assert execution_cut_s(1800.0, 1700.0, 300.0, 2.0) == 100.0  # unless the campaign ends first
     assert execution_cut_s(1800.0, 1799.0, 5.0, 2.0) == budget  # at most the budget past the end
+
+
+def test_every_request_the_time_cap_closes_is_already_a_candidate():
+    # The cap's promise: a request still running at it has waited at least the factor times its bound.
+    import random as _random
+
+    from fuzzer.oracle.expectation import expect
+    from fuzzer.search.pacing import execution_cut_s
+
+    rng = _random.Random(3)
+    calibration = asyncio.run(calibrate(VirtualTarget(seed=99), rng=_random.Random(0), clock=lambda: 0.0))
+    for _ in range(30):
+        trace = tf.from_dict({"requests": [
+            {"id": f"r{i}", "at_ms": rng.uniform(0, 3000), "prompt_tokens": rng.choice([16, 256, 2048, 4096]),
+             "max_tokens": rng.choice([8, 64, 512])} for i in range(rng.randint(1, 12))]})
+        bounds = expect(trace, calibration.model, calibration.assumption)
+        end = max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+        cut = execution_cut_s(600.0, 0.0, end, 2.0)
+        for r in trace.requests:
+            assert cut - r.at_ms / 1000.0 >= 2.0 * bounds[r.id].e2e_s - 1e-9

@@ -366,7 +366,7 @@ class Campaign:
         return execution_budget_s(self.settings.duration_s)
 
     def execution_cut_s(self, trace: Trace) -> float | None:
-        """The time cap of one execution of ``trace`` (fuzzer.search.pacing.CUT_FACTOR); None: no --duration."""
+        """The time cap of one execution of ``trace`` (fuzzer.search.pacing.execution_cut_s); None: no --duration."""
         return execution_cut_s(self.settings.duration_s, self._clock() - self._started,
                                self.expected_duration_s(trace), self.settings.policy.factor)
 

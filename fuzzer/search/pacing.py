@@ -64,11 +64,11 @@ AFFORD_TRIES = 4
 #: The bound is a forecast; a pathology can make a run far longer (a 3-minute campaign's mutant
 #: bounded at 7 s ran 130 s on the simulator's planted logprobs batch cost, and the campaign
 #: overran its duration by 113 s). So every execution of a campaign with a duration has a time
-#: cap: CUT_FACTOR times the budget, or the candidate factor times its own FCFS bound when that
-#: is longer (a run within its bound's candidate room is never cut), and no later than the
-#: budget past the campaign's end. What still runs then is closed: its latencies are lower
-#: bounds, which the oracle counts only when they already exceed the bound's factor.
-CUT_FACTOR = 4.0
+#: cap (``execution_cut_s``): the candidate factor times the later of the budget and the end of
+#: its own FCFS schedule, and no later than the budget past the campaign's end. What still runs
+#: then is closed. A request that arrived at ``a`` with bound ``b`` (a + b within that end) has
+#: by then waited at least factor x (a + b) - a >= factor x b: every request the cap closes is
+#: already a candidate, so waiting longer could only measure by how much.
 
 
 def execution_budget_s(duration_s: float | None) -> float | None:
@@ -78,13 +78,12 @@ def execution_budget_s(duration_s: float | None) -> float | None:
 
 def execution_cut_s(duration_s: float | None, elapsed_s: float, expected_s: float | None, factor: float) -> float | None:
     """The time cap of one execution whose FCFS bound ends at ``expected_s`` (None: unknown), ``elapsed_s``
-    into a campaign of ``duration_s`` (None: no cap), its candidate factor ``factor`` (see CUT_FACTOR)."""
+    into a campaign of ``duration_s`` (None: no cap), its candidate factor ``factor`` (see above)."""
     budget = execution_budget_s(duration_s)
     if budget is None:
         return None
     assert duration_s is not None
-    cut = max(CUT_FACTOR * budget, factor * (expected_s or 0.0))
-    return min(cut, max(budget, duration_s - elapsed_s))
+    return min(factor * max(budget, expected_s or 0.0), max(budget, duration_s - elapsed_s))
 
 
 @dataclass
