@@ -476,8 +476,9 @@ class HttpTarget:
         body: Any = None
         outcome = Outcome.OK
         detail: str | None = None
-        # A client that goes away after a time (the trace's disconnect_after_ms), whatever it got. Most
-        # stay: they share one null context (an asyncio.timeout(None) per request costs ~5 us, this ~0.6).
+        # A client that goes away after a time (the trace's disconnect_after_ms, or the execution's time
+        # cap), whatever it got. Without either it stays: one shared null context (an asyncio.timeout(None)
+        # per request costs ~5 us, this ~0.6); a campaign with --duration pays the 5 us for its cap.
         leave_at = None if r.disconnect_after_ms is None else sent + r.disconnect_after_ms / 1000.0
         cut = cut_at is not None and (leave_at is None or cut_at < leave_at)
         if cut:

@@ -200,11 +200,11 @@ def _at_least(r: RequestResult, streamed: bool) -> dict[Metric, float | None]:
     a stream without a first token waited that long for it; the gap since its last token was still open."""
     if r.e2e_s is None:  # never sent
         return {}
-    gaps = r.itl_s + ((r.e2e_s - r.token_times_s[-1],) if r.token_times_s else ())
     if not streamed:
         return {Metric.E2E: r.e2e_s}
+    open_gap = r.e2e_s - r.token_times_s[-1] if r.token_times_s else None
     return {Metric.TTFT: r.e2e_s if r.ttft_s is None else r.ttft_s,
-            Metric.MAX_ITL: max(gaps) if r.token_times_s else None, Metric.E2E: r.e2e_s}
+            Metric.MAX_ITL: None if open_gap is None else max(open_gap, r.max_itl_s or 0.0), Metric.E2E: r.e2e_s}
 
 
 def failure_kind(outcome: Outcome) -> FindingKind | None:

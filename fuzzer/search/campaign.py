@@ -124,9 +124,8 @@ class Campaign:
         self.server_time = ServerTime()
         self.time_spent = TimeSpent()
         #: Mutants passed over for the execution budget, and mutants run over it when no try fitted (AFFORD_TRIES).
-        self.too_long = 0
-        self.over_budget = 0
-        self._costs, self._costs_of = {}, self.calibration  # entry id -> expected_duration_s under that calibration
+        self.too_long = self.over_budget = 0
+        self._expected, self._expected_of = {}, self.calibration  # trace hash -> expected_duration_s under that calibration
         self._ran_s: dict[str, float] = {}  # trace hash -> its longest execution in this run of the campaign
         #: Executions whose client stalled past clientlag.STARVED_S, and the worst stall seen.
         self.client_stalls = 0
@@ -348,18 +347,16 @@ class Campaign:
         budget = self.execution_budget_s()
         if budget is None:  # no --duration: no paper schedule of every mutant to compute
             return self.mutator.mutate(parent, self.rng, other)
-        best: tuple[float, Child] | None = None
+        tried: list[tuple[float, Child]] = []
         for _ in range(AFFORD_TRIES):
             child = self.mutator.mutate(parent, self.rng, other)
             cost = self.expected_duration_s(child.trace)
             if cost is None or cost <= budget:
                 return child
             self.too_long += 1
-            if best is None or cost < best[0]:
-                best = (cost, child)
-        assert best is not None
+            tried.append((cost, child))
         self.over_budget += 1
-        return best[1]
+        return min(tried, key=lambda t: t[0])[1]
 
     def execution_budget_s(self) -> float | None:
         """The longest an execution should keep the server busy, by the FCFS bound; None: no limit."""
@@ -367,24 +364,28 @@ class Campaign:
 
     def execution_cut_s(self, trace: Trace) -> float | None:
         """The time cap of one execution of ``trace`` (fuzzer.search.pacing.execution_cut_s); None: no --duration."""
+        if self.settings.duration_s is None:  # no cap: no paper schedule to compute
+            return None
         return execution_cut_s(self.settings.duration_s, self._clock() - self._started,
                                self.expected_duration_s(trace), self.settings.policy.factor)
 
     def _entry_cost(self, entry: Entry) -> float:
-        """An entry's expected server time, kept per entry and calibration (0: unknown, or no --duration)."""
-        if self._costs_of is not self.calibration:
-            self._costs, self._costs_of = {}, self.calibration
-        if entry.id not in self._costs:
-            self._costs[entry.id] = (self.expected_duration_s(entry.trace) or 0.0) if self.settings.duration_s else 0.0
-        # The bound does not know a pathology: a seed bounded at 0.4 s ran 8.5 s on the planted logprobs cost.
-        return max(self._costs[entry.id], self._ran_s.get(entry.hash, 0.0)) if self.settings.duration_s else 0.0
+        """An entry's server time: the longer of its bound and its longest run (the bound does not know a
+        pathology: a seed bounded at 0.4 s ran 8.5 s on the planted logprobs cost); 0 without --duration."""
+        if not self.settings.duration_s:
+            return 0.0
+        return max(self.expected_duration_s(entry.trace, entry.hash) or 0.0, self._ran_s.get(entry.hash, 0.0))
 
-    def expected_duration_s(self, trace: Trace) -> float | None:
-        """When ``trace`` would end on the calibrated server by its FCFS bounds (None before calibration)."""
+    def expected_duration_s(self, trace: Trace, digest: str | None = None) -> float | None:
+        """When ``trace`` (hash ``digest``) would end by its FCFS bounds (None before calibration), kept per calibration."""
         if self.calibration is None or not trace.requests:
             return None
-        bounds = expect(trace, self.calibration.model, self.calibration.assumption)
-        return max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+        if self._expected_of is not self.calibration:
+            self._expected, self._expected_of = {}, self.calibration
+        if (digest := digest or trace.content_hash()) not in self._expected:
+            bounds = expect(trace, self.calibration.model, self.calibration.assumption)
+            self._expected[digest] = max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+        return self._expected[digest]
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""
@@ -431,10 +432,9 @@ class Campaign:
 
     async def _cold_probe(self) -> None:
         """Leave the server idle until it may be cold, run a corpus trace, and examine that run."""
-        ids = sorted(self.corpus.entries)
+        entries = [self.corpus.entries[i] for i in sorted(self.corpus.entries)]
         # Any trace shows a cold start in its first requests: cheap ones are preferred (with --duration).
-        costs = [self._entry_cost(self.corpus.entries[i]) for i in ids]
-        entry = self.corpus.entries[self.rng.choices(ids, weights=[1.0 / (1.0 + c) for c in costs])[0]]
+        entry = self.rng.choices(entries, weights=[1.0 / (1.0 + self._entry_cost(e)) for e in entries])[0]
         idle_s = self.settings.policy.cold_idle_s
         with self._in_phase(Phase.IDLE):
             await let_idle(self.target, idle_s, self._idle_sleep)

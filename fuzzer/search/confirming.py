@@ -180,9 +180,8 @@ class Confirmer:
         the cold-start they may be (a warm rejection of the same request does not count).
         """
         sighted: set[str] = set()  # a found family is sighted once per execution, however many victims show it
-        digest = trace.content_hash()
         for candidate in judge.candidates(trace, result, calibration, self._policy):
-            if (digest, str(candidate.kind)) in self.found_on:
+            if (result.trace_hash, str(candidate.kind)) in self.found_on:
                 continue  # another victim of a finding of this trace, warm or after idle (see WAITING_MAX)
             warm_key = signature(candidate.kind, trace, candidate.request_id)
             if cold and candidate.metric is not None and candidate.after_idle:

@@ -17,6 +17,7 @@ anything ("stale") get less.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, field
@@ -56,8 +57,9 @@ class Entry:
     finds: int = 0
     since_find: int = 0
 
-    @property
+    @functools.cached_property
     def hash(self) -> str:
+        """The trace's content hash, computed once (an entry's trace never changes)."""
         return self.trace.content_hash()
 
     @property
