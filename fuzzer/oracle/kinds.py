@@ -32,6 +32,9 @@ class FindingKind(enum.StrEnum):
     ITL_STALL = "itl-stall"
     E2E_OUTLIER = "e2e-outlier"
     COLD_START = "cold-start"
+    #: One request's sampling option (seed, logprobs) slows the other requests of its trace:
+    #: tested against the same trace without the option (fuzzer.oracle.ablation).
+    OPTION_SLOWDOWN = "option-slowdown"
     LEAK = "leak"
     ERROR = "error"
     HANG = "hang"

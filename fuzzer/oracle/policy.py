@@ -94,6 +94,19 @@ ORDER_MIN_RUNS = 3
 #: Confirm at most this many distinct candidates per examined trace: each costs up to
 #: MAX_RUNS executions, twice for cold-start.
 MAX_CONFIRMATIONS = 4
+#: An option-slowdown (fuzzer.oracle.ablation): one request's sampling option (a seed, logprobs)
+#: changes no token work, so FCFS with the engine's real costs charges it to that request's own
+#: sampler row. The other requests of the trace taking this many times longer with it than in the
+#: same trace without it is a decision about everyone's batch (vllm-omni#6178: one seeded request
+#: kept the whole batch on the per-row sampling path, ~2x TTFP). The baseline is the server itself,
+#: not the model, so the factor is below the FCFS candidate factor's 2x.
+OPTION_FACTOR = 1.5
+#: ... and a trace is tested so when its other requests' median e2e was at least this many times
+#: their FCFS bounds in the execution that showed it (a cheap first sight; the test decides) ...
+OPTION_SUSPECT = 1.4
+#: ... at most this many times per option in a campaign that has no finding of it (each test runs
+#: the trace and its ablation MIN_RUNS to MAX_RUNS times in all).
+OPTION_TESTS = 3
 
 @dataclass(frozen=True)
 class OraclePolicy:
@@ -122,6 +135,9 @@ class OraclePolicy:
     long_excess_share: float = LONG_EXCESS_SHARE
     long_excess_steps: float = LONG_EXCESS_STEPS
     long_excess_min_s: float = LONG_EXCESS_MIN_S
+    option_factor: float = OPTION_FACTOR
+    option_suspect: float = OPTION_SUSPECT
+    option_tests: int = OPTION_TESTS
 
     def margin_s(self, calibration: Calibration, metric: Metric, client_lag_s: float | None = None) -> float:
         """How far above its bound a latency must be, in seconds, to be a candidate."""

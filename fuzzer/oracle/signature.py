@@ -117,6 +117,12 @@ def leak_signature(ways: frozenset[str] | set[str] = frozenset()) -> str:
     return _key(FindingKind.LEAK, {"kind": FindingKind.LEAK.value, "trace": shape})
 
 
+def option_signature(option: str) -> str:
+    """The signature of an option-slowdown (fuzzer.oracle.ablation): one per option, whatever the
+    trace, as a maintainer counts "a seeded request slows the batch" once."""
+    return _key(FindingKind.OPTION_SLOWDOWN, {"kind": FindingKind.OPTION_SLOWDOWN.value, "option": option})
+
+
 def _key(kind: FindingKind, shape: dict[str, Any]) -> str:
     return f"{kind.value}:{hashlib.sha256(canonical_json(shape).encode()).hexdigest()[:12]}"
 

@@ -65,6 +65,9 @@ class Verdict:
     #: When ``threshold`` is the long-excess factor (fuzzer.oracle.policy.LONG_EXCESS_SHARE): the
     #: excess over the bound, in seconds, every run needed as well.
     min_excess_s: float | None = None
+    #: For an option-slowdown: the sampling option (seed, logprobs) whose removal from the trace
+    #: gave the baseline (fuzzer.oracle.ablation).
+    ablated: str | None = None
 
     @property
     def is_finding(self) -> bool:
@@ -121,6 +124,7 @@ class Verdict:
             "evidence": self.evidence,
             "overtakers": list(self.overtakers),
             "min_excess_s": self.min_excess_s,
+            "ablated": self.ablated,
         }
 
     @classmethod
@@ -151,6 +155,7 @@ class Verdict:
             evidence=data.get("evidence", ""),
             overtakers=tuple(data.get("overtakers") or ()),
             min_excess_s=data.get("min_excess_s"),
+            ablated=data.get("ablated"),
         )
 
 

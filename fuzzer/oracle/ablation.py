@@ -1,0 +1,185 @@
+"""Option-slowdowns: one request's sampling option slows everyone, against the same trace without it.
+
+The FCFS bound judges a request against a model of the engine's costs, with room (the 2x
+candidate factor) for what the model does not know. A sampling option of one request (a
+``seed``, ``logprobs``) changes no token work: FCFS with the engine's real costs charges it
+to that request's own sampler row. When the *other* requests of the trace take 1.5-2x longer
+because one of them carries it (vllm-omni#6178: one seeded request kept the whole batch on the
+per-row sampling path, ~2x time per token), no request is 2x over its bound, yet the engine
+decided something about everyone's batch. The baseline that shows it is the server itself: the
+same trace with the option removed from every request, run alternately with the original.
+
+The test (:func:`confirm_option`) runs pairs (original, ablated; the order alternates, so a
+drifting server favours neither) and takes, per run, the median e2e of the requests without the
+option. Per pair it has the ratio of the two; on the log ratios a one-sided t interval at the
+policy's alpha decides: DIFFERENT when the slowdown is significant and the geometric mean ratio
+reaches ``policy.option_factor``, SAME when the interval lies below that factor, and one pair
+far below it stops at once (sequential futility). A campaign tests a trace when its first run
+showed the other requests' median e2e ``policy.option_suspect`` times their FCFS bounds
+(:func:`suspects`), a few times per option (fuzzer.search.confirming).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+
+from scipy import stats
+
+from fuzzer.execution import ExecutionResult, Outcome, Target
+from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.judge import observe
+from fuzzer.oracle.kinds import Decision, FindingKind, Metric
+from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
+from fuzzer.oracle.signature import option_signature
+from fuzzer.oracle.verdict import Verdict
+from fuzzer.trace import Trace
+
+#: The options whose removal changes no token work (request fields of fuzzer.trace.Request).
+OPTIONS = ("seed", "logprobs")
+#: Fewer requests without the option than this say nothing about "everyone".
+MIN_OTHERS = 3
+#: One pair whose ratio is below this share of the factor stops the test (sequential futility).
+FUTILITY_SHARE = 0.8
+
+METHOD = ("paired runs of the trace with and without the option, alternating; one-sided t interval "
+          "of the log ratios of the other requests' median e2e")
+EVIDENCE = "the same trace with the option removed from every request, run alternately with it"
+
+
+def options_of(trace: Trace) -> tuple[str, ...]:
+    """The options of :data:`OPTIONS` some request of ``trace`` sets and some other does not."""
+    return tuple(o for o in OPTIONS
+                 if any(getattr(r, o) is not None for r in trace.requests)
+                 and sum(getattr(r, o) is None for r in trace.requests) >= MIN_OTHERS)
+
+
+def carriers(trace: Trace, option: str) -> tuple[str, ...]:
+    """Ids of the requests of ``trace`` that set ``option``."""
+    return tuple(r.id for r in trace.requests if getattr(r, option) is not None)
+
+
+def without_option(trace: Trace, option: str) -> Trace:
+    """``trace`` with ``option`` removed from every request (the test's baseline)."""
+    if option not in OPTIONS:
+        raise ValueError(f"not an ablatable option: {option!r}")
+    return trace.with_requests([replace(r, **{option: None}) for r in trace.requests])
+
+
+def others_e2e(trace: Trace, result: ExecutionResult, option: str) -> float | None:
+    """The median e2e of the requests of ``trace`` that do not set ``option`` and completed;
+    None with fewer than MIN_OTHERS of them."""
+    mine = set(carriers(trace, option))
+    values = [r.e2e_s for r in result.requests
+              if r.request_id not in mine and r.outcome is Outcome.OK and r.e2e_s is not None]
+    return statistics.median(values) if len(values) >= MIN_OTHERS else None
+
+
+def suspects(trace: Trace, result: ExecutionResult, calibration: Calibration,
+             policy: OraclePolicy = DEFAULT_POLICY) -> tuple[str, ...]:
+    """The options of ``trace`` whose other requests' median e2e was ``policy.option_suspect``
+    times their FCFS bounds or more in ``result``."""
+    options = options_of(trace)
+    if not options:
+        return ()
+    ratios = {}
+    for rep in observe(trace, result, calibration, policy):
+        o = rep.observations.get(Metric.E2E)
+        if o is not None and o.expected_s > 0:
+            ratios[rep.request_id] = o.observed_s / o.expected_s
+    out = []
+    for option in options:
+        mine = set(carriers(trace, option))
+        others = [v for k, v in ratios.items() if k not in mine]
+        if len(others) >= MIN_OTHERS and statistics.median(others) >= policy.option_suspect:
+            out.append(option)
+    return tuple(out)
+
+
+def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY) -> tuple[Decision, float | None, float]:
+    """(decision, one-sided p of no slowdown, geometric mean ratio) of the pairs' ratios so far."""
+    if not ratios:
+        return Decision.INSUFFICIENT_DATA, None, math.nan
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    effect = math.exp(mean)
+    limit = math.log(policy.option_factor)
+    if len(logs) == 1:
+        return (Decision.SAME if effect < FUTILITY_SHARE * policy.option_factor else Decision.UNKNOWN), None, effect
+    sd = statistics.stdev(logs)
+    if sd == 0.0:
+        p = 0.0 if mean > 0 else 1.0
+        low = high = mean
+    else:
+        se = sd / math.sqrt(len(logs))
+        p = float(stats.t.sf(mean / se, len(logs) - 1))
+        q = float(stats.t.ppf(1.0 - policy.alpha, len(logs) - 1))
+        low, high = mean - q * se, mean + q * se
+    if len(logs) >= policy.min_runs and low > 0.0 and mean >= limit:
+        return Decision.DIFFERENT, p, effect
+    if len(logs) >= policy.min_runs and high < limit:
+        return Decision.SAME, p, effect
+    return Decision.UNKNOWN, p, effect
+
+
+async def confirm_option(
+    target: Target,
+    trace: Trace,
+    option: str,
+    *,
+    policy: OraclePolicy = DEFAULT_POLICY,
+    futility: bool = True,
+    on_run: Callable[[Trace, ExecutionResult], Awaitable[None] | None] | None = None,
+) -> Verdict:
+    """Run ``trace`` and its ablation of ``option`` in alternating pairs until decided (see the module doc)."""
+    ablated = without_option(trace, option)
+    pairs: list[tuple[float, float]] = []
+    runs = 0
+    decision, p, effect = Decision.INSUFFICIENT_DATA, None, math.nan
+    while runs < policy.max_runs:
+        first = trace if runs % 4 == 0 else ablated  # the order alternates pair by pair
+        second = ablated if first is trace else trace
+        results = {}
+        for t in (first, second):
+            result = await target.execute(t)
+            runs += 1
+            if on_run is not None and (pending := on_run(t, result)) is not None:
+                await pending
+            results[t is trace] = others_e2e(trace, result, option)  # the carriers' ids are the original's
+        if results[True] is not None and results[False] is not None and results[False] > 0:
+            pairs.append((results[True], results[False]))
+        decision, p, effect = decide([a / b for a, b in pairs], policy)
+        if decision is Decision.DIFFERENT or (decision is Decision.SAME and (futility or len(pairs) >= policy.min_runs)):
+            break
+        if decision is Decision.SAME:
+            decision = Decision.UNKNOWN  # one pair says little without futility: go on
+    if len(pairs) < 2 and decision is not Decision.SAME:
+        decision = Decision.INSUFFICIENT_DATA
+    return _verdict(trace, option, pairs, decision, p, effect, runs, policy)
+
+
+def _verdict(trace: Trace, option: str, pairs: list[tuple[float, float]], decision: Decision, p: float | None,
+             effect: float, runs: int, policy: OraclePolicy) -> Verdict:
+    mine = carriers(trace, option)
+    others = len(trace.requests) - len(mine)
+    with_s = statistics.median(a for a, _ in pairs) if pairs else None
+    without_s = statistics.median(b for _, b in pairs) if pairs else None
+    reproduced = sum(a >= policy.option_factor * b for a, b in pairs)
+    if with_s is not None and without_s is not None:
+        detail = (f"with {option} on {', '.join(mine)}, the other {others} requests' median e2e was "
+                  f"{effect:.2f}x that of the same trace without it ({with_s * 1000:.0f} ms vs "
+                  f"{without_s * 1000:.0f} ms; {len(pairs)} alternating pair(s), {reproduced} at least "
+                  f"{policy.option_factor:g}x); the option changes no token work")
+    else:
+        detail = f"no pair of runs had {MIN_OTHERS} or more completed requests without {option}"
+    return Verdict(
+        kind=FindingKind.OPTION_SLOWDOWN if decision is not Decision.SAME else None,
+        decision=decision, method=METHOD, request_id=mine[0] if mine else None, metric=Metric.E2E,
+        p_value=p, effect=None if math.isnan(effect) else effect, threshold=policy.option_factor,
+        n_sample=len(pairs), n_baseline=len(pairs), reproduced=reproduced, runs=len(pairs),
+        observed_s=with_s, expected_s=without_s, idle_s=without_s,
+        assumption=f"{option} changes no token work: the baseline is the server without it",
+        signature=option_signature(option), detail=detail, evidence=EVIDENCE, ablated=option,
+    )
