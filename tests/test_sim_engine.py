@@ -244,3 +244,33 @@ def test_decode_starvation_never_deadlocks_when_the_prefill_finds_no_kv():
     engine = Engine(SMALL, (DECODE_STARVATION,), seed=4)
     handles = _drive(engine, specs)
     assert all(h.finished for h in handles) and engine.idle
+
+
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_seeded_sampling_path_charges_every_sampled_row_of_a_step_with_a_seed(fast_path):
+    # Three plain streams and one seeded (temperature 1, n=2): each decode step samples 5 rows.
+    from fuzzer.sim.pathologies import SEEDED_SAMPLING_PATH
+
+    cfg = SimConfig(noise_sigma=0.0)
+
+    def decode_gaps(pathologies, seed):
+        engine = Engine(cfg, pathologies)
+        handles = [engine.add_request(f"s{i}", [100 * i + k for k in range(32)], 6, now_s=0.0) for i in range(3)]
+        handles.append(engine.add_request("x", list(range(5000, 5032)), 6, now_s=0.0, n=2, seed=seed, temperature=1.0))
+        t = engine.next_ready_s()
+        engine.complete(prefill := engine.step(t))
+        t = prefill.end_s
+        if fast_path:
+            t, _ = engine.decode_run(t, 10.0, 5)
+        else:
+            _run_until_idle(engine, t)
+        return [b - a for a, b in zip(handles[0].token_times_s, handles[0].token_times_s[1:])], handles
+
+    plain, _ = decode_gaps((SEEDED_SAMPLING_PATH,), None)
+    seeded, handles = decode_gaps((SEEDED_SAMPLING_PATH,), 42)
+    off, off_handles = decode_gaps((), 42)
+    assert len(plain) == len(seeded) == 5
+    for p, s in zip(plain, seeded):
+        assert s - p == pytest.approx(5 * cfg.seeded_row_sample_s)
+    assert off == plain and not any(h.delayed_by for h in off_handles)
+    assert all(h.delayed_by == {SEEDED_SAMPLING_PATH} for h in handles)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import statistics
+
+import aiohttp
 import pytest
 
 from fuzzer.errors import ConfigError
@@ -24,6 +28,7 @@ CONTRACT_NAMES = (
     "decode-starvation",
     "early-abort-leak",
     "resident-prefix-refusal",
+    "seeded-sampling-path",
 )
 
 
@@ -61,7 +66,7 @@ def test_every_pathology_is_described_with_its_report_and_trigger():
     for info in infos:
         assert info.summary and info.trigger and info.effect
         assert any(ch.isdigit() for ch in info.models), f"{info.name} must name the public report it models"
-        assert info.kind in {"ttft-outlier", "itl-stall", "e2e-outlier", "cold-start", "leak"}
+        assert info.kind in {"ttft-outlier", "itl-stall", "e2e-outlier", "cold-start", "leak", "option-slowdown"}
     for cls in pathologies._REGISTRY:  # noqa: SLF001 - each mechanism is documented where it is named
         assert "Models " in cls.__doc__ and "Trigger: " in cls.__doc__, cls.__name__
 
@@ -196,3 +201,72 @@ def test_disconnect_leak_short_leak_is_idle_soon_enough():
     ]})
     on = _warm_run(("disconnect-leak",), trace)
     assert on.idle_after and on.ground_truth["Z"] == ("disconnect-leak",)
+
+
+def _streams_and_a_seeded_one(streams, *, seed=1234, temperature=1.0):
+    """``streams`` short streams and X, all arriving together; X asks for ``seed`` (None: no seed)."""
+    x = {"id": "X", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 128, "temperature": temperature}
+    if seed is not None:
+        x["seed"] = seed
+    return from_dict({"requests": [
+        {"id": f"S{i:02d}", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 128} for i in range(streams)
+    ] + [x]})
+
+
+def _median_stream_e2e(result, streams):
+    return statistics.median(result.request(f"S{i:02d}").e2e_s for i in range(streams))
+
+
+@pytest.mark.parametrize("streams", [16, 24])
+def test_seeded_sampling_path_slows_every_other_stream_of_the_trace(streams):
+    seeded, plain = _streams_and_a_seeded_one(streams), _streams_and_a_seeded_one(streams, seed=None)
+    on = ("seeded-sampling-path",)
+    on_ratio = _median_stream_e2e(_warm_run(on, seeded), streams) / _median_stream_e2e(_warm_run(on, plain), streams)
+    off_ratio = _median_stream_e2e(_warm_run((), seeded), streams) / _median_stream_e2e(_warm_run((), plain), streams)
+    assert on_ratio >= 1.6, on_ratio
+    assert off_ratio < 1.1, off_ratio
+    # Ground truth: every stream the seed slowed (and X itself) names the pathology; nothing without the seed.
+    truth = _warm_run(on, seeded).ground_truth
+    assert all("seeded-sampling-path" in truth[f"S{i:02d}"] for i in range(streams))
+    assert "seeded-sampling-path" in truth["X"]
+    assert not any(_warm_run(on, plain).ground_truth.values())
+    assert not any(_warm_run((), seeded).ground_truth.values())
+
+
+def test_a_seed_at_temperature_zero_or_a_lone_seeded_stream_costs_its_row_only():
+    on = ("seeded-sampling-path",)
+    greedy = _streams_and_a_seeded_one(16, temperature=0.0)
+    assert not any(_warm_run(on, greedy).ground_truth.values())
+    assert _warm_run(on, greedy).request("S00").e2e_s == _warm_run((), greedy).request("S00").e2e_s
+    # After X finishes, the streams go back to the batched sampler: X ends at 8 tokens of 128.
+    short = from_dict({"requests": [
+        {"id": f"S{i:02d}", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 128} for i in range(16)
+    ] + [{"id": "X", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 8, "temperature": 1.0, "seed": 7}]})
+    plain = from_dict({**short.to_dict(), "requests": [
+        {k: v for k, v in r.items() if k != "seed"} for r in short.to_dict()["requests"]]})
+    ratio = _warm_run(on, short).request("S00").e2e_s / _warm_run(on, plain).request("S00").e2e_s
+    assert 1.0 < ratio < 1.2, ratio
+
+
+async def test_seeded_sampling_path_reads_seed_and_temperature_from_the_http_body():
+    from fuzzer.sim import SimConfig
+    from fuzzer.sim.server import SimServer
+
+    sim = SimServer(SimConfig(speed=10.0), pathologies=("seeded-sampling-path",), seed=1)
+    url = await sim.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(base_url=url) as session:
+            async def post(rid, **extra):
+                body = {"prompt": "one two three " * 4, "max_tokens": 16, "ignore_eos": True, **extra}
+                async with session.post("/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
+                    assert r.status == 200, await r.text()
+
+            await asyncio.gather(post("seeded", seed=5, temperature=1.0), post("plain", temperature=1.0))
+            await asyncio.gather(post("greedy-seeded", seed=5, temperature=0.0), post("greedy", temperature=0.0))
+            async with session.post("/v1/completions", json={"prompt": "a", "seed": "x"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "seed"
+    finally:
+        await sim.stop()
+    truth = {g.request_id: g.pathologies for g in sim.engine.records}
+    assert truth["seeded"] == ("seeded-sampling-path",) and truth["plain"] == ("seeded-sampling-path",)
+    assert truth["greedy-seeded"] == () and truth["greedy"] == ()

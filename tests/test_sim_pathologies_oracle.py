@@ -1,5 +1,5 @@
 """The oracle on the pathologies added for issue 16 (kv-reserve-admission, disconnect-leak,
-lifo-admission, decode-starvation, early-abort-leak, resident-prefix-refusal).
+lifo-admission, decode-starvation, early-abort-leak, resident-prefix-refusal, seeded-sampling-path).
 
 Each trigger (``fuzzer.sim.triggers``) is confirmed on virtual time with the kind its
 pathology declares and only on requests the pathology really delayed (ground truth, read
@@ -16,7 +16,7 @@ from fuzzer.sim import pathologies as P
 from fuzzer.sim.triggers import TRIGGERS
 
 NEW = (P.KV_RESERVE_ADMISSION, P.DISCONNECT_LEAK, P.LIFO_ADMISSION, P.DECODE_STARVATION, P.EARLY_ABORT_LEAK,
-       P.RESIDENT_PREFIX_REFUSAL)
+       P.RESIDENT_PREFIX_REFUSAL, P.SEEDED_SAMPLING_PATH)
 
 
 @pytest.mark.parametrize("name", NEW)

@@ -85,6 +85,12 @@ class SimConfig:
     serial_tokenize_token_s: float = 40e-6
     #: lifo-admission: this many waiting requests (never preempted) make admission newest-first.
     lifo_min_waiting: int = 2
+    #: seeded-sampling-path: per sampled sequence of a step that has a seeded request (temperature > 0)
+    #: in it: every row is sampled on its own (a per-row torch.multinomial with its own generator: a
+    #: launch and a host sync per row) instead of one batched kernel. 200 µs is ten times
+    #: ``decode_seq_s``: 17 short streams' ~3.9 ms decode step becomes ~7.3 ms (~1.9x), near
+    #: vllm-omni #6178's ~40% throughput loss and ~2x time to first packet at concurrency >= 16.
+    seeded_row_sample_s: float = 200e-6
 
     def __post_init__(self) -> None:
         positive_ints = (

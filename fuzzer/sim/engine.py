@@ -164,6 +164,8 @@ class Engine(Mechanisms):
         logprobs: int | None = None,
         ignore_eos: bool = True,
         min_tokens: int = 0,
+        seed: int | None = None,
+        temperature: float = 0.0,
     ) -> SimRequest:
         """A request arrives at ``now_s``; it reaches the scheduler after tokenization."""
         cfg = self.config
@@ -191,6 +193,8 @@ class Engine(Mechanisms):
             ready_s=now_s,
             hashes=hashes,
             group_key=hashes[0] if hashes else None,
+            seed=seed,
+            temperature=temperature,
         )
         if P.SERIAL_TOKENIZER in self.pathologies:
             start = max(now_s, self._tokenizer_free_s)
@@ -244,7 +248,7 @@ class Engine(Mechanisms):
                 if req.n > 1:
                     costly_logprobs += req.n * req.logprobs
         load = StepLoad(prefill, decode_seqs, context, logprob_units)
-        duration = self._timer.time_s(load) + extra_s
+        duration = self._timer.time_s(load) + extra_s + self._seeded_sampling_extra(scheduled)
         if costly_logprobs and P.LOGPROBS_BATCH_COST in self.pathologies:
             batch_seqs = decode_seqs + sum(1 for req, _ in scheduled if not req.decoding)
             duration += cfg.logprobs_batch_cost_s * batch_seqs * costly_logprobs
@@ -318,6 +322,7 @@ class Engine(Mechanisms):
         logprob_units = sum(r.n * r.logprobs for r in running if r.logprobs)
         costly = sum(r.n * r.logprobs for r in running if r.logprobs and r.n > 1)
         extra = cfg.logprobs_batch_cost_s * seqs * costly if P.LOGPROBS_BATCH_COST in self.pathologies else 0.0
+        seeded = self._seeded_sampling_extra((r, 1) for r in running)  # every decode samples
         context = sum(r.num_computed * r.n for r in running)
         fixed = cfg.step_overhead_s + seqs * cfg.decode_seq_s + logprob_units * cfg.logprob_s
         t = now_s
@@ -325,7 +330,7 @@ class Engine(Mechanisms):
         done = 0
         while done < steps and t < until_s:
             load_s = fixed + (context + done * seqs) * cfg.context_token_s
-            t += (load_s * self._timer.noise() + extra) / cfg.speed
+            t += (load_s * self._timer.noise() + extra + seeded) / cfg.speed
             times.append(t)
             done += 1
         for req in running:

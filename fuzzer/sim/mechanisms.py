@@ -94,6 +94,24 @@ class Mechanisms:
             self._tag(name, batch, self._waiting)
 
 
+    def _seeded_sampling_extra(self, batch: Iterable[tuple[SimRequest, int]]) -> float:
+        """seeded-sampling-path: the extra time of a step with a seeded request (temperature > 0) in it.
+
+        Every sequence the step samples (a decode, or a prompt whose prefill completes) is sampled
+        on its own: ``seeded_row_sample_s`` each. The batch and the waiting queue (which waits for
+        the slower step) are tagged. 0 with the pathology off: a seed then costs nothing.
+        """
+        if P.SEEDED_SAMPLING_PATH not in self.pathologies:
+            return 0.0
+        batch = list(batch)
+        if not any(r.seed is not None and r.temperature > 0 for r, _ in batch):
+            return 0.0
+        rows = sum(r.n for r, tokens in batch if r.num_computed + tokens >= r.num_tokens)
+        if not rows:
+            return 0.0
+        self._tag(P.SEEDED_SAMPLING_PATH, (r for r, _ in batch), self._waiting)
+        return rows * self.config.seeded_row_sample_s
+
     def _sticky_blocks(self) -> bool:
         if P.STICKY_BATCH_FULL not in self.pathologies or not self._batch_full:
             return False

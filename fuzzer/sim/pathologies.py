@@ -31,6 +31,7 @@ LIFO_ADMISSION = "lifo-admission"
 DECODE_STARVATION = "decode-starvation"
 EARLY_ABORT_LEAK = "early-abort-leak"
 RESIDENT_PREFIX_REFUSAL = "resident-prefix-refusal"
+SEEDED_SAMPLING_PATH = "seeded-sampling-path"
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,27 @@ class DecodeStarvation(_Pathology):
     kind = "itl-stall"
 
 
+class SeededSamplingPath(_Pathology):
+    """One request's sampling seed puts every sequence of its steps on a slow per-row sampler.
+
+    Models vllm-project/vllm-omni issues 6178 and 4970 (a default ``seed`` keeps every request
+    on the per-row sampling path: a per-row ``torch.multinomial`` with its own generator cost
+    ~40% throughput and ~2x time to first packet at concurrency >= 16). While a request with a
+    ``seed`` and temperature > 0 is in a step, every sequence the step samples (decodes, and
+    prompts whose prefill completes) pays ``seeded_row_sample_s`` instead of its share of one
+    batched kernel. Without the pathology a seed costs nothing. Ground truth names the step's
+    batch and the requests waiting for it.
+
+    Trigger: a seeded request (temperature 1.0) decoding next to 16 short streams.
+    """
+
+    name = SEEDED_SAMPLING_PATH
+    models = "vllm-omni #6178, #4970 (a seed forces per-row sampling: ~40% throughput, ~2x TTFP)"
+    trigger = "one request with a seed and temperature > 0 decoding next to 16 or more other streams"
+    effect = "every co-scheduled stream's inter-token latency and e2e roughly double while it runs"
+    kind = "option-slowdown"
+
+
 _REGISTRY: tuple[type[_Pathology], ...] = (
     HolPrefixBurst,
     UnchunkedPrefill,
@@ -336,6 +358,7 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     DecodeStarvation,
     EarlyAbortLeak,
     ResidentPrefixRefusal,
+    SeededSamplingPath,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

@@ -20,6 +20,8 @@ from fuzzer.sim.tokenizer import Tokenizer, output_text
 MAX_LOGPROBS = 20
 #: A bound on n that keeps one request's KV inside the simulated cache (vLLM has none of its own).
 MAX_N = 16
+#: The seeds vLLM takes (a signed 64-bit integer).
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
 
 
 class BadRequest(Exception):
@@ -51,6 +53,10 @@ class Generation:
     ignore_eos: bool
     min_tokens: int
     stop: tuple[str, ...]
+    #: Sampling temperature (OpenAI's default 1.0 when absent; 0: greedy).
+    temperature: float = 1.0
+    #: The per-request sampling seed, None when not asked.
+    seed: int | None = None
 
 
 def parse_generation(api: str, body: Any, config: SimConfig, tokenizer: Tokenizer) -> Generation:
@@ -104,6 +110,9 @@ def parse_generation(api: str, body: Any, config: SimConfig, tokenizer: Tokenize
     temperature = body.get("temperature", 1.0)
     if temperature is not None and (not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0):
         raise BadRequest(f"temperature must be non-negative, got {temperature}.", param="temperature")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not MIN_SEED <= seed <= MAX_SEED):
+        raise BadRequest(f"seed must be an integer between {MIN_SEED} and {MAX_SEED}, got {seed}.", param="seed")
     min_tokens = body.get("min_tokens", 0) or 0
     if not _is_int(min_tokens) or min_tokens < 0 or min_tokens > max_tokens:
         raise BadRequest(f"min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}.", param="min_tokens")
@@ -128,6 +137,8 @@ def parse_generation(api: str, body: Any, config: SimConfig, tokenizer: Tokenize
         ignore_eos=_bool(body, "ignore_eos", False),
         min_tokens=min_tokens,
         stop=stops,
+        temperature=1.0 if temperature is None else float(temperature),
+        seed=seed,
     )
 
 

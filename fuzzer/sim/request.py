@@ -63,6 +63,9 @@ class SimRequest:
     #: The pathology (disconnect-leak, early-abort-leak) that lost the abort of a client gone away;
     #: empty while the engine heard of every disconnect.
     leaked: str = ""
+    #: The sampling seed the client sent (None: none) and its temperature (0: greedy, no sampling).
+    seed: int | None = None
+    temperature: float = 0.0
 
     @property
     def prompt_len(self) -> int:

@@ -263,6 +263,8 @@ class SimServer:
             logprobs=gen.logprobs,
             ignore_eos=gen.ignore_eos,
             min_tokens=gen.min_tokens,
+            seed=gen.seed,
+            temperature=gen.temperature,
         )
         waiter = asyncio.Event()
         self._waiters[req] = waiter

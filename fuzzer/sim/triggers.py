@@ -186,6 +186,17 @@ def _build() -> dict[str, Trigger]:
             "V",
             "ttft",
         ),
+        # X asks for a seed at temperature 1.0 among 16 short streams: every decode step samples 17 rows one by one.
+        P.SEEDED_SAMPLING_PATH: Trigger(
+            _trace(
+                "trigger-seeded-sampling-path",
+                [{"id": f"S{i:02d}", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 128} for i in range(16)]
+                + [{"id": "X", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 128, "temperature": 1.0,
+                    "seed": 1234}],
+            ),
+            "X",  # the carrier: an option-slowdown names the request whose option slows everyone (itself too)
+            "e2e",
+        ),
     }
 
 

@@ -131,7 +131,7 @@ class VirtualTarget:
                 at, r, prompt = arrivals[i]
                 handle = engine.add_request(
                     f"{r.id}-{index}", prompt, r.max_tokens, now_s=at, n=r.n, logprobs=r.logprobs,
-                    ignore_eos=r.ignore_eos,
+                    ignore_eos=r.ignore_eos, seed=r.seed, temperature=r.temperature,
                 )
                 handles[r.id] = handle
                 if r.cancel_after_tokens is not None:
