@@ -30,7 +30,9 @@ class PaperTarget:
     - ``stall_s``: request id -> seconds added to one inter-token gap in mid-stream;
     - ``cold_penalty_s``: added to every request's first token when the server had been
       idle at least ``cold_after_s`` (a cold start);
-    - ``fail``: request id -> Outcome it ends with; ``leak``: idle_after is False.
+    - ``fail``: request id -> Outcome it ends with; ``leak``: idle_after is False;
+    - ``seeded_slowdown``: every token gap of every request is this many times longer in a trace
+      where some request has a sampling seed (one seeded row slows the batch, vllm-omni#6178).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class PaperTarget:
         fail_every_run: bool = True,
         leak: bool = False,
         assumption: SchedulerAssumption | None = None,
+        seeded_slowdown: float = 1.0,
     ):
         self.name = "paper://known-model"
         self.model = model
@@ -62,6 +65,7 @@ class PaperTarget:
         self.fail_every_run = fail_every_run
         self.leak = leak
         self.assumption = assumption or SchedulerAssumption()
+        self.seeded_slowdown = seeded_slowdown
         self.executions = 0
         #: A freshly started server has been idle "for ever".
         self._idle_s = 3600.0
@@ -76,11 +80,12 @@ class PaperTarget:
         idle_before = self._idle_s
         cold = idle_before >= self.cold_after_s
         paper = paper_schedule(trace, self.model, self.assumption)
+        slowdown = self.seeded_slowdown if any(r.seed is not None for r in trace.requests) else 1.0
         results = []
         for r in trace.requests:
             p = paper[r.id]
             gaps = np.diff(np.concatenate([[0.0], p.token_times_s]))
-            gaps = gaps * np.exp(self.rng.normal(0.0, self.noise, len(gaps)))
+            gaps = gaps * slowdown * np.exp(self.rng.normal(0.0, self.noise, len(gaps)))
             gaps[0] += self.delay_s.get(r.id, 0.0) + (self.cold_penalty_s if cold else 0.0)
             if r.id in self.stall_s and len(gaps) > 2:
                 gaps[len(gaps) // 2] += self.stall_s[r.id]

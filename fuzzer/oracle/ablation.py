@@ -14,9 +14,9 @@ drifting server favours neither) and takes, per run, the median e2e of the reque
 option. Per pair it has the ratio of the two; on the log ratios a one-sided t interval at the
 policy's alpha decides: DIFFERENT when the slowdown is significant and the geometric mean ratio
 reaches ``policy.option_factor``, SAME when the interval lies below that factor, and one pair
-far below it stops at once (sequential futility). A campaign tests a trace when its first run
-showed the other requests' median e2e ``policy.option_suspect`` times their FCFS bounds
-(:func:`suspects`), a few times per option (fuzzer.search.confirming).
+far below it stops at once (sequential futility). No model is involved: a campaign tests a trace
+when enough requests ran beside a carrier (:func:`suspects`), a few times per option, each test
+on a larger batch than the last (fuzzer.search.confirming).
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from dataclasses import replace
 from scipy import stats
 
 from fuzzer.execution import ExecutionResult, Outcome, Target
-from fuzzer.oracle.calibration import Calibration
-from fuzzer.oracle.judge import observe
 from fuzzer.oracle.kinds import Decision, FindingKind, Metric
 from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
 from fuzzer.oracle.signature import option_signature
@@ -41,8 +39,9 @@ from fuzzer.trace import Trace
 OPTIONS = ("seed", "logprobs")
 #: Fewer requests without the option than this say nothing about "everyone".
 MIN_OTHERS = 3
-#: One pair whose ratio is below this share of the factor stops the test (sequential futility).
-FUTILITY_SHARE = 0.8
+#: One pair whose ratio is below 1 plus this share of the factor's excess stops the test (sequential
+#: futility: 1.125x for a 1.25x factor; the clean servers' pairs were 1.00-1.06x).
+FUTILITY_SHARE = 0.5
 
 METHOD = ("paired runs of the trace with and without the option, alternating; one-sided t interval "
           "of the log ratios of the other requests' median e2e")
@@ -77,25 +76,26 @@ def others_e2e(trace: Trace, result: ExecutionResult, option: str) -> float | No
     return statistics.median(values) if len(values) >= MIN_OTHERS else None
 
 
-def suspects(trace: Trace, result: ExecutionResult, calibration: Calibration,
-             policy: OraclePolicy = DEFAULT_POLICY) -> tuple[str, ...]:
-    """The options of ``trace`` whose other requests' median e2e was ``policy.option_suspect``
-    times their FCFS bounds or more in ``result``."""
-    options = options_of(trace)
-    if not options:
-        return ()
-    ratios = {}
-    for rep in observe(trace, result, calibration, policy):
-        o = rep.observations.get(Metric.E2E)
-        if o is not None and o.expected_s > 0:
-            ratios[rep.request_id] = o.observed_s / o.expected_s
-    out = []
-    for option in options:
-        mine = set(carriers(trace, option))
-        others = [v for k, v in ratios.items() if k not in mine]
-        if len(others) >= MIN_OTHERS and statistics.median(others) >= policy.option_suspect:
-            out.append(option)
-    return tuple(out)
+def overlapping(trace: Trace, result: ExecutionResult, option: str) -> int:
+    """How many completed requests of ``result`` without ``option`` ran beside a request with it
+    (their spans, from send to last byte, overlap)."""
+    mine = set(carriers(trace, option))
+    spans = {r.request_id: (r.sent_s, r.sent_s + r.e2e_s) for r in result.requests
+             if r.sent_s is not None and r.e2e_s is not None}
+    theirs = [spans[i] for i in mine if i in spans]
+    return sum(1 for r in result.requests if r.request_id not in mine and r.outcome is Outcome.OK
+               and r.request_id in spans
+               and any(spans[r.request_id][0] < end and start < spans[r.request_id][1] for start, end in theirs))
+
+
+def suspects(trace: Trace, result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> dict[str, int]:
+    """The options of ``trace`` with at least ``policy.option_overlap`` requests beside a carrier in
+    ``result``, and how many: whether to test is the campaign's call (fuzzer.search.confirming)."""
+    out = {}
+    for option in options_of(trace):
+        if (n := overlapping(trace, result, option)) >= policy.option_overlap:
+            out[option] = n
+    return out
 
 
 def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY) -> tuple[Decision, float | None, float]:
@@ -107,7 +107,8 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY) -> tu
     effect = math.exp(mean)
     limit = math.log(policy.option_factor)
     if len(logs) == 1:
-        return (Decision.SAME if effect < FUTILITY_SHARE * policy.option_factor else Decision.UNKNOWN), None, effect
+        far_below = effect < 1.0 + FUTILITY_SHARE * (policy.option_factor - 1.0)
+        return (Decision.SAME if far_below else Decision.UNKNOWN), None, effect
     sd = statistics.stdev(logs)
     if sd == 0.0:
         p = 0.0 if mean > 0 else 1.0

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from fuzzer.execution import ExecutionResult, Outcome, Target
+from fuzzer.oracle.ablation import confirm_option, suspects
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.judge import (
     Candidate,
@@ -289,4 +290,10 @@ async def examine(
         better = await confirm(target, trace, cand, calibration, rng=rng, policy=policy, sleep=sleep)
         confirmed.append(better)
         verdicts[i] = better
+    if not crashing:
+        # A sampling option slowing everyone is invisible to the bounds (fuzzer.oracle.ablation).
+        for option in suspects(trace, results[0], policy):
+            tested = await confirm_option(target, trace, option, policy=policy)
+            confirmed.append(tested)
+            verdicts.append(tested)
     return Examination(results, tuple(verdicts), tuple(confirmed))

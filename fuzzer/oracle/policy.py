@@ -98,14 +98,19 @@ MAX_CONFIRMATIONS = 4
 #: changes no token work, so FCFS with the engine's real costs charges it to that request's own
 #: sampler row. The other requests of the trace taking this many times longer with it than in the
 #: same trace without it is a decision about everyone's batch (vllm-omni#6178: one seeded request
-#: kept the whole batch on the per-row sampling path, ~2x TTFP). The baseline is the server itself,
-#: not the model, so the factor is below the FCFS candidate factor's 2x.
-OPTION_FACTOR = 1.5
-#: ... and a trace is tested so when its other requests' median e2e was at least this many times
-#: their FCFS bounds in the execution that showed it (a cheap first sight; the test decides) ...
-OPTION_SUSPECT = 1.4
-#: ... at most this many times per option in a campaign that has no finding of it (each test runs
-#: the trace and its ablation MIN_RUNS to MAX_RUNS times in all).
+#: kept the whole batch on the per-row sampling path, ~40% of throughput, ~2x TTFP at 16+). The
+#: baseline is the server itself, run in alternating pairs, not the model, so the factor is below the
+#: FCFS candidate factor's 2x. Measured: clean vLLM-like servers written elsewhere 1.00-1.06x (seed,
+#: logprobs, 24 streams beside one carrier); a planted per-row sampler 1.39x and 2.02x.
+OPTION_FACTOR = 1.25
+#: A trace is tested when at least this many requests without the option ran beside a carrier
+#: (their request spans overlap) ...
+OPTION_OVERLAP = 4
+#: ... and again for an option tested before only with this many times the overlap of the largest
+#: test of it (the cost of a per-row path grows with the batch: a small batch's SAME says little) ...
+OPTION_GROWTH = 1.5
+#: ... at most this many times per option in a campaign that has no finding of it (a harmless option
+#: costs one pair per test: sequential futility).
 OPTION_TESTS = 3
 
 @dataclass(frozen=True)
@@ -136,7 +141,8 @@ class OraclePolicy:
     long_excess_steps: float = LONG_EXCESS_STEPS
     long_excess_min_s: float = LONG_EXCESS_MIN_S
     option_factor: float = OPTION_FACTOR
-    option_suspect: float = OPTION_SUSPECT
+    option_overlap: int = OPTION_OVERLAP
+    option_growth: float = OPTION_GROWTH
     option_tests: int = OPTION_TESTS
 
     def margin_s(self, calibration: Calibration, metric: Metric, client_lag_s: float | None = None) -> float:

@@ -31,6 +31,7 @@ import numpy as np
 
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
+from fuzzer.oracle.ablation import confirm_option, suspects
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
@@ -42,6 +43,7 @@ from fuzzer.oracle.signature import (
     family_traits,
     leak_signature,
     leaving_clients,
+    option_signature,
     signature,
     trait_vector,
 )
@@ -161,6 +163,9 @@ class Confirmer:
         self.pending: list[tuple[Trace, Candidate, str]] = [
             (store.get_trace(p["trace_hash"]), candidate_from_dict(p), p["key"]) for p in state.get("pending", [])
         ]
+        #: Sampling option -> (times tested against its ablation, the most requests beside it in a test).
+        self.option_tests: dict[str, tuple[int, int]] = {
+            k: (int(v[0]), int(v[1])) for k, v in state.get("option_tests", {}).items()}
         #: Latency candidates waiting for the confirmation share (unordered; ranked when one is taken).
         self.waiting: list[Waiting] = [
             Waiting(store.get_trace(w["trace_hash"]), candidate_from_dict(w), w["key"], w.get("family"))
@@ -206,9 +211,38 @@ class Confirmer:
                 return await self._confirm_candidate(trace, candidate, key, calibration, fam)
             self._wait(Waiting(trace, candidate, key, fam))
             return await self.confirm_waiting(calibration) if self._due() else None
+        if (due := self._option_due(trace, result)) is not None:
+            return await self._confirm_option(trace, *due)
         if self._slo is not None and not self.pending:
             return await self._check_slo(trace, result)
         return None  # one confirmation per execution keeps the fuzzing going
+
+    def _option_due(self, trace: Trace, result: ExecutionResult) -> tuple[str, int] | None:
+        """A sampling option of ``trace`` to test against its ablation now (fuzzer.oracle.ablation), and
+        how many requests ran beside it: enough did, the option has no finding, it was tested fewer than
+        ``option_tests`` times and only on batches ``option_growth`` times smaller, and the confirmation
+        share allows it."""
+        if self._due is not None and not self._due():
+            return None
+        policy = self._policy
+        for option, overlap in suspects(trace, result, policy).items():
+            tests, largest = self.option_tests.get(option, (0, 0))
+            if (option_signature(option) not in self.found and tests < policy.option_tests
+                    and overlap >= policy.option_growth * largest):
+                return option, overlap
+        return None
+
+    async def _confirm_option(self, trace: Trace, option: str, overlap: int) -> Verdict:
+        """Test ``option`` of ``trace`` against the trace without it; record a finding. A deadline drops the test."""
+        self.candidates += 1
+        tests, largest = self.option_tests.get(option, (0, 0))
+        self.option_tests[option] = (tests + 1, max(largest, overlap))
+        with self._in_phase(Phase.CONFIRM):
+            self.confirmations += 1
+            verdict = await confirm_option(self._target, trace, option, policy=self._policy, futility=self._futility)
+        if verdict.is_finding:
+            self._record(trace, verdict, option_signature(option))
+        return verdict
 
     def _found_traits_of(self, kind: str, trace: Trace, victim: str) -> None:
         self.found_traits.setdefault(kind, set()).add(trait_vector(family_traits(trace, victim, self._kv_tokens)))
@@ -302,6 +336,7 @@ class Confirmer:
         return {
             "rejected": self.rejected,
             "family_seen": self.families.seen,
+            "option_tests": {k: list(v) for k, v in self.option_tests.items()},
             "pending": [{**candidate_to_dict(c), "trace_hash": t.content_hash(), "key": k} for t, c, k in self.pending],
             "waiting": [{**candidate_to_dict(w.candidate), "trace_hash": w.trace.content_hash(), "key": w.key,
                          "family": w.family} for w in self.waiting],

@@ -1,0 +1,122 @@
+"""Option-slowdowns: one request's sampling option slowing the others, against the trace without it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from dataclasses import replace
+
+import numpy as np
+from paper_target import PaperTarget
+
+from fuzzer.oracle.ablation import confirm_option, decide, options_of, others_e2e, suspects, without_option
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.kinds import Decision, FindingKind
+from fuzzer.oracle.policy import OraclePolicy
+from fuzzer.oracle.signature import option_signature
+from fuzzer.search.confirming import Confirmer
+from fuzzer.store import Store
+from fuzzer.trace import Request, Trace
+
+_CALIBRATION = []
+
+
+async def _calibration():
+    if not _CALIBRATION:
+        _CALIBRATION.append(await calibrate(PaperTarget(seed=99), rng=random.Random(0), clock=lambda: 0.0))
+    return _CALIBRATION[0]
+
+
+def _seeded_batch(rows=16, out=64, option="seed"):
+    rows_ = [Request(id=f"row{i}", at_ms=float(i), prompt_tokens=64, max_tokens=out) for i in range(rows)]
+    extra = {"seed": 7, "temperature": 1.0} if option == "seed" else {"logprobs": 5}
+    carrier = Request(id="carrier", at_ms=float(rows + 10), prompt_tokens=64, max_tokens=out, **extra)
+    return Trace(requests=(*rows_, carrier))
+
+
+def test_the_ablation_removes_the_option_from_every_request_and_nothing_else():
+    trace = _seeded_batch()
+    two = trace.with_requests([*trace.requests, Request(id="c2", at_ms=40.0, prompt_tokens=8, max_tokens=8, seed=3)])
+    ablated = without_option(two, "seed")
+    assert all(r.seed is None for r in ablated.requests)
+    assert [(r.id, r.prompt_tokens, r.max_tokens, r.at_ms, r.temperature) for r in ablated.requests] == \
+        [(r.id, r.prompt_tokens, r.max_tokens, r.at_ms, r.temperature) for r in two.requests]
+    assert options_of(trace) == ("seed",) and options_of(_seeded_batch(option="logprobs")) == ("logprobs",)
+    assert options_of(_seeded_batch(rows=2)) == ()  # too few others to speak of "everyone"
+
+
+def test_decide_needs_significance_and_the_factor_and_stops_early_when_far_below():
+    policy = OraclePolicy()
+    assert decide([2.0, 1.97, 2.03], policy)[0] is Decision.DIFFERENT
+    assert decide([2.0, 1.97], policy)[0] is Decision.UNKNOWN  # fewer pairs than MIN_RUNS
+    assert decide([1.02], policy)[0] is Decision.SAME  # one pair far below the factor (futility)
+    assert decide([1.15], policy)[0] is Decision.UNKNOWN  # not far enough below to stop at one pair
+    assert decide([1.1, 1.12, 1.11], policy)[0] is Decision.SAME  # surely below 1.25x, though significant
+    assert decide([1.6, 1.1, 2.4], policy)[0] is Decision.UNKNOWN  # too noisy to say
+    decision, p, effect = decide([1.55, 1.56, 1.54], policy)
+    assert decision is Decision.DIFFERENT and p < 0.01 and 1.5 < effect < 1.6
+
+
+async def test_a_seed_that_slows_the_batch_is_an_option_slowdown_and_a_harmless_one_costs_one_pair():
+    trace = _seeded_batch()
+    slow = PaperTarget(seeded_slowdown=1.8, seed=1)
+    verdict = await confirm_option(slow, trace, "seed")
+    assert verdict.is_finding and verdict.kind is FindingKind.OPTION_SLOWDOWN and verdict.ablated == "seed"
+    assert 1.7 < verdict.effect < 1.9 and verdict.runs == 3 and verdict.reproduced == 3
+    assert verdict.request_id == "carrier" and verdict.signature == option_signature("seed")
+    assert verdict.observed_s > verdict.expected_s and slow.executions == 6
+    harmless = PaperTarget(seeded_slowdown=1.0, seed=1)
+    same = await confirm_option(harmless, trace, "seed")
+    assert not same.is_finding and same.decision is Decision.SAME and harmless.executions == 2
+
+
+async def test_a_slowdown_below_the_candidate_factor_is_tested_and_found_once_by_the_campaign():
+    calibration = await _calibration()
+    trace = _seeded_batch()
+    target = PaperTarget(seeded_slowdown=1.8, seed=2)
+    first = target.run(trace)
+    assert others_e2e(trace, first, "seed") is not None
+    assert suspects(trace, first) == {"seed": 16}
+    apart = Trace(requests=tuple(replace(r, at_ms=2000.0 * i) for i, r in enumerate(trace.requests)))
+    assert suspects(apart, target.run(apart)) == {}  # nothing ran beside the seeded request
+    store = Store.memory()
+    confirmer = _confirmer(store, target)
+    verdict = await confirmer.examine(trace, first, calibration)
+    assert verdict is not None and verdict.is_finding
+    [finding] = store.list_findings()
+    assert finding.kind == "option-slowdown" and finding.signature == option_signature("seed")
+    assert confirmer.option_tests == {"seed": (1, 16)}
+    # Found: another seeded trace, however large its batch, is not tested again.
+    other = _seeded_batch(rows=40, out=48)
+    await confirmer.examine(other, target.run(other), calibration)
+    assert confirmer.option_tests == {"seed": (1, 16)} and len(store.list_findings()) == 1
+
+
+async def test_a_harmless_option_is_tested_on_growing_batches_at_most_option_tests_times():
+    calibration = await _calibration()
+    policy = OraclePolicy()
+    target = PaperTarget(seed=3)
+    store = Store.memory()
+    confirmer = _confirmer(store, target)
+    runs = []
+    for rows in (16, 16, 24, 32, 40, 64):
+        trace = _seeded_batch(rows=rows)
+        before = target.executions
+        await confirmer.examine(trace, target.run(trace), calibration)
+        runs.append(target.executions - before - 1)
+    # One pair each (futility); again only on 1.5x the largest batch tested; three tests in all.
+    assert policy.option_tests == 3 and policy.option_growth == 1.5
+    assert runs == [2, 0, 2, 0, 2, 0] and not store.list_findings()
+    assert confirmer.to_state()["option_tests"] == {"seed": [3, 40]}
+
+
+def _confirmer(store, target):
+    campaign_id = store.start_campaign(seed=1, target="paper", settings={})
+
+    async def recover():
+        return None
+
+    return Confirmer(target, store, OraclePolicy(), campaign_id=campaign_id, target_id=None,
+                     rng=np.random.default_rng(0), sleep=asyncio.sleep, checkpoint=lambda: None, clock=lambda: 0.0,
+                     in_phase=lambda phase: contextlib.nullcontext(), recover=recover, on_finding=lambda i, v: None)
