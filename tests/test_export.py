@@ -170,3 +170,39 @@ def test_repro_script_as_the_minimizer_calls_it(store, confirmed):
     assert "bound is the one measured on the original trace" in noted
     given = repro_script(finding, smaller, {**finding.verdict, "expected_s": 0.005})
     assert "bound is the one measured on the original trace" not in given and '"expected_s": 0.005' in given
+
+
+def test_an_option_slowdown_is_exported_against_the_trace_without_its_option(store, tmp_path):
+    """What `fuzz minimize` leaves for an option-slowdown (runs of the minimized trace and of its
+    ablation) gives report.md its medians; neither report.md nor repro.py speaks of an FCFS bound."""
+    from test_reduction import SeedSlowsOthers, _seeded, confirm_option  # noqa: PLC0415
+
+    from fuzzer.oracle.ablation import without_option  # noqa: PLC0415
+
+    trace = _seeded()
+    target_id = store.upsert_target("http://127.0.0.1:8000", "vllm", "m", "0.1.0", {"tokenize": True})
+    verdict = {**confirm_option(trace), "threshold": 1.25, "detail": "with seed on carrier, the others were slow"}
+    fid, _ = store.add_finding(kind="option-slowdown", signature=verdict["signature"], trace=trace, verdict=verdict,
+                               slowdown=2.0, reproduced="3/3", target_id=target_id)
+    # The minimizer dropped the seed of the first carrier and kept another.
+    smaller = trace.with_requests([*trace.requests[:3], tf.Request(id="c2", at_ms=9.0, prompt_tokens=8, max_tokens=4,
+                                                                   seed=3)])
+    fake = SeedSlowsOthers(2.0)
+    for t in (smaller, without_option(smaller, "seed")) * 2:
+        store.record_execution(asyncio.run(fake.execute(t)), t, target_id=target_id, purpose="minimize")
+    store.set_minimized(fid, smaller, details={"minimized": {"reproduced": "10/10", "executions": 40}})
+    folder = export_finding(store, fid, tmp_path)
+    report = (folder / "report.md").read_text()
+    first_line = report.splitlines()[0]
+    assert "`seed` on request c2" in first_line and "2.0x that of the same trace without it" in first_line
+    assert "84.0 ms vs 42.0 ms" in first_line  # (10 ms + 32 ms) x 2 with the seed, from the stored runs
+    for needle in ("option-slowdown", "removed from every request", "without `seed`", "| **c2** |",
+                   "**3/3** pairs of runs", "Criterion: a run is a pair", "at least 1.25x"):
+        assert needle in report, needle
+    assert "FCFS bound" not in report and "calibration probes" not in report and "--threshold-ms" not in report
+    namespace: dict = {"__name__": "not_main"}
+    exec(compile((folder / "repro.py").read_text(), "repro.py", "exec"), namespace)  # noqa: S102 - reads DATA
+    crit = namespace["DATA"]["criterion"]
+    assert crit["kind"] == "option-slowdown" and crit["ablate"] == "seed" and crit["request_id"] == "c2"
+    assert crit["factor"] == 1.25 and "bound" not in crit["note"]
+    assert repro_script(store.get_finding(fid), smaller).count("FCFS bound is the one measured") == 0

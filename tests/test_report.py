@@ -104,3 +104,20 @@ def test_status_shows_the_time_by_phase(campaign_db):
     assert 0.0 <= stats["fuzz_share"] <= 1.0
     plain = CliRunner().invoke(cli, ["status", "--db", str(campaign_db)])
     assert "time_by_phase_s" in plain.output and "%" in plain.output.split("time_by_phase_s")[1].splitlines()[0]
+
+
+def test_an_option_slowdown_names_the_others_as_its_victims(tmp_path):
+    """The request an option-slowdown names carries the option: the page and `fuzz show` say the others were slowed."""
+    db = tmp_path / "option.db"
+    trace = tf.from_dict({"requests": [*({"id": f"r{i}", "at_ms": i, "prompt_tokens": 8, "max_tokens": 8} for i in range(3)),
+                                       {"id": "carrier", "at_ms": 3, "prompt_tokens": 8, "max_tokens": 8, "seed": 7}]})
+    verdict = {"kind": "option-slowdown", "decision": "different", "request_id": "carrier", "metric": "e2e",
+               "ablated": "seed", "threshold": 1.25, "observed_s": 0.2, "expected_s": 0.1, "idle_s": 0.1}
+    with Store.open(db) as store:
+        fid, _ = store.add_finding(kind="option-slowdown", signature="option-slowdown:x", trace=trace, verdict=verdict,
+                                   slowdown=2.0, reproduced="3/3")
+        page = report.render_html(report.gather(store), images={}, generated_at=0.0)
+    assert "<td>the others (seed on carrier)</td>" in page
+    shown = CliRunner().invoke(cli, ["show", str(fid), "--db", str(db)])
+    assert shown.exit_code == 0, shown.output
+    assert "slowdown: 2.0x (the other requests' median e2e with seed over without it)" in shown.output

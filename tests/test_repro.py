@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from misbehaving_server import ServerState
 from misbehaving_server import running as misbehaving
 
 from fuzzer import trace as tf
@@ -329,3 +330,96 @@ def test_a_long_excess_verdicts_script_holds_runs_to_its_factor_and_its_excess()
     assert criterion_from_verdict("ttft-outlier", {**verdict, "threshold": 2.0, "min_excess_s": None}).threshold_s == 2.0
     assert criterion_from_verdict("ttft-outlier", {k: v for k, v in verdict.items() if k != "min_excess_s"}).threshold_s \
         == pytest.approx(1.5)
+
+
+# --- option-slowdown: a run is a pair, the trace with and without the option -----------------------
+
+# The carrier's seed is in flight while the others stream: the others' median E2E with it is
+# judged against the same trace with the seed removed from every request.
+OPTION_TRACE = {"requests": [
+    {"id": "carrier", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 24, "seed": 7, "temperature": 1.0},
+    {"id": "ok1", "at_ms": 1, "prompt_tokens": 8, "max_tokens": 10},
+    {"id": "ok2", "at_ms": 1, "prompt_tokens": 8, "max_tokens": 10},
+    {"id": "ok3", "at_ms": 2, "prompt_tokens": 8, "max_tokens": 10},
+]}
+OPTION_VERDICT = {"kind": "option-slowdown", "ablated": "seed", "request_id": "carrier", "metric": "e2e",
+                  "threshold": 1.25, "observed_s": 0.2, "expected_s": 0.1, "effect": 2.0}
+
+
+class SeedSlowsEveryone(ServerState):
+    """The misbehaving server's state, with every token gap ``slowdown`` times longer while a
+    request with a seed is being answered (vllm-omni#6178: one seeded row, the whole batch slow)."""
+
+    def __init__(self, slowdown: float):
+        super().__init__()
+        self.slowdown = slowdown
+
+    @property
+    def token_delay_s(self) -> float:
+        seeded = any(e.body.get("seed") is not None and e.end_t is None and not e.aborted for e in self.log.values())
+        return 0.006 * (self.slowdown if seeded else 1.0)
+
+    @token_delay_s.setter
+    def token_delay_s(self, value: float) -> None:
+        pass  # the dataclass default: the property decides
+
+
+def _option_script(tmp_path, verdict=OPTION_VERDICT, trace=OPTION_TRACE):
+    trace = tf.from_dict(trace)
+    crit = criterion_from_verdict("option-slowdown", verdict)
+    path = tmp_path / "repro.py"
+    path.write_text(script_source(script_data(finding={"id": 9, "kind": "option-slowdown"}, criterion=crit,
+                                              trace=trace)))
+    return path
+
+
+def test_option_slowdown_criterion_names_the_option_and_has_no_fixed_threshold():
+    crit = criterion_from_verdict("option-slowdown", OPTION_VERDICT)
+    assert crit.ablate == "seed" and crit.request_id == "carrier" and crit.factor == 1.25
+    assert crit.expected_s == 0.1 and crit.threshold_s is None  # each run measures its own baseline
+    with pytest.raises(ConfigError, match="option"):
+        criterion_from_verdict("option-slowdown", {**OPTION_VERDICT, "ablated": None})
+    # A trace whose named request lost the option (minimized): the script names one that has it.
+    other = dict(OPTION_TRACE, requests=[{**OPTION_TRACE["requests"][0], "seed": None, "id": "plain"},
+                                         *OPTION_TRACE["requests"][1:], {**OPTION_TRACE["requests"][0], "id": "c2"}])
+    data = script_data(finding={"id": 1}, criterion=crit, trace=tf.from_dict(other))
+    assert data["criterion"]["request_id"] == "c2" and data["criterion"]["ablate"] == "seed"
+    with pytest.raises(ConfigError, match="seed"):
+        script_data(finding={"id": 1}, criterion=crit, trace=tf.from_dict({"requests": OPTION_TRACE["requests"][1:]}))
+
+
+def test_option_slowdown_script_parses_and_judges_a_pair(tmp_path):
+    source = _option_script(tmp_path).read_text()
+    ast.parse(source, feature_version=(3, 9))
+    namespace: dict = {"__name__": "not_main"}
+    exec(compile(source, "repro.py", "exec"), namespace)  # noqa: S102 - defines, does not run
+    crit, trace = namespace["DATA"]["criterion"], namespace["DATA"]["trace"]
+    assert namespace["without_option"](trace, "seed")["requests"][0].get("seed") is None
+    assert trace["requests"][0]["seed"] == 7  # the original is left alone
+
+    def results(carrier_e2e, others_e2e, outcome="ok"):
+        return [{"id": "carrier", "outcome": "ok", "e2e_s": carrier_e2e}] + [
+            {"id": f"ok{i}", "outcome": outcome, "e2e_s": others_e2e} for i in (1, 2, 3)]
+
+    hit, words, medians = namespace["judge_option"](crit, trace, results(0.9, 0.2), results(0.9, 0.1))
+    assert hit is True and medians == (0.2, 0.1) and "2.00x >= 1.25x" in words  # the carrier's own e2e not counted
+    hit, words, _ = namespace["judge_option"](crit, trace, results(0.1, 0.1), results(0.1, 0.1))
+    assert hit is False and "1.00x < 1.25x" in words
+    hit, _, medians = namespace["judge_option"](crit, trace, results(0.1, 0.1, "http-error"), results(0.1, 0.1))
+    assert hit is None and medians is None  # too few others completed: the run tests nothing
+    assert "without seed" in namespace["describe"](crit, None) and "1.25 x" in namespace["describe"](crit, None)
+
+
+@pytest.mark.parametrize(("slowdown", "expected_rc"), [(3.0, 1), (1.0, 0)])
+async def test_option_slowdown_script_runs_pairs_against_a_server(tmp_path, slowdown, expected_rc):
+    path = _option_script(tmp_path)
+    async with misbehaving(SeedSlowsEveryone(slowdown)) as (url, state):
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "3")
+        seeded = [e for e in state.log.values() if e.body.get("seed") is not None]
+    assert rc == expected_rc, out + err
+    assert result_lines(out) == ["RESULT: REPRODUCED" if expected_rc else "RESULT: NOT REPRODUCED"]
+    assert len(seeded) == 3 and all(e.x_request_id.startswith("carrier-") for e in seeded)  # once per pair
+    assert out.count("with seed (the trace as found):") == 3
+    assert out.count("without seed (removed from every request):") == 3
+    assert "reproduced in %d/3 runs" % (3 if expected_rc else 0) in out
+    assert "median E2E of the others, median over runs" in out and "<- has seed" in out

@@ -43,7 +43,8 @@ def command(finding_id, db_path, target, launch, target_file, server, model, max
     Delta debugging over the requests, then passes that lower prompt and output
     lengths and gaps and drop features, each candidate accepted only when it
     reproduces in all of 3 runs (2 of 3 for crashes, leaks and errors); a 10-run
-    confirmation ends it. Ctrl-C keeps the
+    confirmation ends it. For an option-slowdown a run is a pair, the trace and the
+    same trace without the option (executions count pairs). Ctrl-C keeps the
     progress: the same command resumes.
 
     \b

@@ -46,7 +46,9 @@ def command(finding_id, db_path, as_json) -> None:
     out.print(f"[bold]finding {finding.id}[/bold]: {finding.kind}, found {when(finding.created_at)}")
     out.print(f"signature: {finding.signature}")
     if finding.slowdown is not None:
-        out.print(f"slowdown: {finding.slowdown:.1f}x, reproduced {finding.reproduced or '-'}")
+        option = finding.verdict.get("ablated")
+        what = f" (the other requests' median e2e with {option} over without it)" if option else ""
+        out.print(f"slowdown: {finding.slowdown:.1f}x{what}, reproduced {finding.reproduced or '-'}")
     out.print(trace_table(trace, title=f"trace {finding.trace_hash[:12]} ({len(trace.requests)} requests)"))
     if minimized:
         out.print(trace_table(minimized, title=f"minimized {finding.minimized_trace_hash[:12]}"))

@@ -22,9 +22,10 @@ from typing import Any
 from fuzzer import trace as trace_format
 from fuzzer.errors import FuzzError, NotFoundError, OutputError
 from fuzzer.execution import ExecutionResult
+from fuzzer.oracle.ablation import OPTIONS, carriers, others_e2e, without_option
 from fuzzer.oracle.calibration import Calibration, calibration_keys
 from fuzzer.oracle.judge import observe
-from fuzzer.oracle.kinds import Metric
+from fuzzer.oracle.kinds import FindingKind, Metric
 from fuzzer.report import markdown as bugreport
 from fuzzer.report import timeline
 from fuzzer.report.repro import (
@@ -61,7 +62,8 @@ def repro_script(
     note = ""
     if verdict is None:
         verdict = finding.verdict
-        if trace.content_hash() != finding.trace_hash and verdict.get("expected_s") is not None:
+        bound = finding.kind != FindingKind.OPTION_SLOWDOWN  # its baseline is measured by every run of the script
+        if bound and trace.content_hash() != finding.trace_hash and verdict.get("expected_s") is not None:
             note = ("the FCFS bound is the one measured on the original trace, not on this minimized one; "
                     "use --threshold-ms to judge against another")
     criterion = criterion_from_verdict(finding.kind, verdict, note=note)
@@ -139,6 +141,8 @@ def verdict_for(
     verdict = dict(finding.verdict)
     if not finding.minimized or trace.content_hash() == finding.trace_hash:
         return verdict, ""
+    if finding.kind == FindingKind.OPTION_SLOWDOWN:
+        return _option_verdict(store, verdict, trace), ""
     metric, victim = verdict.get("metric"), verdict.get("request_id")
     calibration = _calibration(store, target)
     if metric and victim and calibration is not None:
@@ -169,6 +173,30 @@ def verdict_for(
         return verdict, ("the FCFS bound is the one measured on the original trace (no stored executions or "
                          "calibration to recompute it for the minimized one); use --threshold-ms to judge against another")
     return verdict, ""
+
+
+def _option_verdict(store: Store, verdict: dict[str, Any], trace: Trace) -> dict[str, Any]:
+    """An option-slowdown's verdict for its minimized trace: the request named is one with the
+    option, and the other requests' median e2e with and without it are those of the stored runs of
+    the minimized trace and of its ablation (the minimizer stores both), when there are some."""
+    option = verdict.get("ablated")
+    if option not in OPTIONS:
+        return verdict
+    mine = carriers(trace, option)
+    if mine and verdict.get("request_id") not in mine:
+        verdict["request_id"] = mine[0]
+
+    def medians(t: Trace) -> list[float]:
+        ids = store.execution_ids(trace_hash=t.content_hash())[-MAX_EXECUTIONS_EXAMINED:]
+        values = [others_e2e(trace, store.get_execution(i), option) for i in ids]
+        return [v for v in values if v is not None]
+
+    with_s, without_s = medians(trace), medians(without_option(trace, option))
+    if with_s and without_s:
+        observed, expected = statistics.median(with_s), statistics.median(without_s)
+        verdict.update(observed_s=observed, expected_s=expected, idle_s=expected, excess_s=observed - expected,
+                       slowdown=observed / expected if expected else None)
+    return verdict
 
 
 def _calibration(store: Store, target: Mapping[str, Any] | None) -> Calibration | None:
@@ -213,9 +241,11 @@ def _timeline(folder: Path, execution: ExecutionResult | None, execution_id: int
         return "_timeline.png was not drawn: matplotlib is not installed (`pip install 'fuzzer[plot]'`)._"
     title = f"execution {execution_id}: one bar per request"
     timeline.write(folder / "timeline.png", execution, victim=verdict.get("request_id"), title=title)
+    outlined = (f"the request with `{verdict['ablated']}` is outlined in red (the others are the ones it slows)"
+                if verdict.get("ablated") else "the victim is outlined in red")
     return (f"![timeline of execution {execution_id}](timeline.png)\n\n"
             "One bar per request on the client's clock: waiting (queued + prefill, send to first token), "
-            "decode (first token to end); ticks mark the scheduled send; the victim is outlined in red.")
+            f"decode (first token to end); ticks mark the scheduled send; {outlined}.")
 
 
 def _folder(path: Path) -> Path:

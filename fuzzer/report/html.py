@@ -272,8 +272,11 @@ def _findings(data: CampaignData) -> str:
     kinds = Counter(f.kind for f in data.findings)
     rows = []
     for f in data.findings:
+        victim = f.verdict.get("request_id") or ""
+        if f.verdict.get("ablated"):  # an option-slowdown: the victims are the others
+            victim = f"the others ({f.verdict['ablated']} on {victim})"
         rows.append((
-            f.id, f.kind, f.verdict.get("request_id") or "", f.verdict.get("metric") or "",
+            f.id, f.kind, victim, f.verdict.get("metric") or "",
             "" if f.slowdown is None else f"{f.slowdown:.1f}x", f.reproduced or "", f.requests,
             "yes" if f.minimized else "no",
             f"{(data.found_at[f.id] - t0) / 60.0:.1f}" if f.id in data.found_at else _when(f.created_at),

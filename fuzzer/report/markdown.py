@@ -17,12 +17,16 @@ from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.verdict import reproduction_of
 from fuzzer.trace import Trace
 
+_OPTION = "option-slowdown"
 _METRIC_WORDS = {"ttft": "TTFT", "max_itl": "max inter-token latency", "e2e": "end-to-end latency"}
 _KIND_WORDS = {
     "ttft-outlier": "head-of-line blocking: a request waits far longer for its first token than FCFS explains",
     "itl-stall": "a stream stalls between tokens far longer than FCFS batching explains",
     "e2e-outlier": "a request takes far longer end to end than FCFS batching explains (starvation)",
     "cold-start": "the first requests after an idle period are slow; warm runs are not",
+    "option-slowdown": "one request's sampling option (seed, logprobs) slows the other requests of the trace; "
+                       "the baseline is the same trace with that option removed from every request, run "
+                       "alternately with it on the same server (no model of the engine's costs)",
     "leak": "the server does not return to idle after every request ended",
     "error": "a request fails with a server error or a reset connection",
     "hang": "a request gets no answer within the client timeout",
@@ -53,6 +57,11 @@ class Exhibit:
     #: The threshold the repro script applies, seconds (latency kinds).
     repro_threshold_s: float | None = None
 
+    @property
+    def option(self) -> str | None:
+        """For an option-slowdown: the option whose removal from the trace is the baseline."""
+        return self.verdict.get("ablated") if self.kind == _OPTION else None
+
 
 def markdown(x: Exhibit) -> str:
     v = x.verdict
@@ -67,7 +76,7 @@ def markdown(x: Exhibit) -> str:
     lines += [f"{size}, each sent open-loop at `at_ms` from the start (arrival offsets, not think times). "
               "Prompts are common English words fitted to the exact token count with the server's /tokenize; "
               "requests of one prefix group share their first `prefix` tokens. "
-              "Victim marked **bold**.", ""]
+              + (f"The request with `{x.option}` marked **bold**." if x.option else "Victim marked **bold**."), ""]
     lines += _trace_table(x.trace, v.get("request_id"))
     if x.trace.prefixes:
         lines += ["", "Shared prefixes: " + ", ".join(f"`{k}` = {n} tokens" for k, n in x.trace.prefixes.items())]
@@ -95,6 +104,13 @@ def title(x: Exhibit) -> str:
     v = x.verdict
     rid, metric = v.get("request_id"), v.get("metric")
     observed, bound, idle = v.get("observed_s"), v.get("expected_s"), v.get("idle_s")
+    if x.option:
+        others = sum(getattr(r, x.option) is None for r in x.trace.requests)
+        if observed is None or not bound:
+            return f"{x.kind}: `{x.option}` on request {rid} slows the other {others} requests ({reproduction_of(v)} pairs)"
+        return (f"{x.kind}: `{x.option}` on request {rid} makes the other {others} requests' median end-to-end "
+                f"latency {observed / bound:.1f}x that of the same trace without it ({_ms(observed)} ms vs "
+                f"{_ms(bound)} ms), with {len(x.trace.requests)} requests")
     if metric and observed is not None and v.get("overtakers"):
         what = (f"{_METRIC_WORDS.get(metric, metric)} of request {rid} is {_ms(observed)} ms: served after "
                 f"{', '.join(v['overtakers'])}, sent later with no less work")
@@ -145,6 +161,8 @@ def _expected(x: Exhibit) -> list[str]:
         return [f"Expected: every request answered and the server idle afterwards. Observed: {v.get('detail') or x.kind} "
                 f"in {reproduction_of(v)} runs."]
     name = _METRIC_WORDS.get(metric, metric)
+    if x.option:
+        return _expected_option(x)
     if v.get("overtakers"):
         return _expected_order(v, name)
     rows = [f"| {name} of {v.get('request_id')} | ms |", "|---|---:|"]
@@ -188,9 +206,24 @@ def _expected_order(v: Mapping[str, Any], name: str) -> list[str]:
     return out + _notes(v, "Scheduler assumption", "Evidence")
 
 
+def _expected_option(x: Exhibit) -> list[str]:
+    """Expected vs observed of an option-slowdown: the trace against itself without the option."""
+    v, option = x.verdict, x.option
+    others = sum(getattr(r, option) is None for r in x.trace.requests)
+    rows = [f"| median end-to-end latency of the {others} requests without `{option}` | ms |", "|---|---:|",
+            f"| without `{option}` (removed from every request: the baseline) | {_ms(v.get('expected_s'))} |",
+            f"| with `{option}` on {v.get('request_id')} (the trace as found) | {_ms(v.get('observed_s'))} |", ""]
+    out = rows + [f"Expected: `{option}` changes no token work, so the other requests take as long with it as "
+                  f"without it. Observed: {reproduction_of(v)} alternating pairs of runs at least "
+                  f"{v.get('threshold') or '?'}x slower with it."]
+    if v.get("observed_s") is not None and v.get("expected_s"):
+        out[-1] += f" Median with over without: **{v['observed_s'] / v['expected_s']:.2f}x**."
+    return out + _notes(v, "Assumption", "Evidence")
+
+
 def _statistics(x: Exhibit) -> list[str]:
     v = x.verdict
-    out = [f"- Reproduction rate: **{reproduction_of(v)}** runs"]
+    out = [f"- Reproduction rate: **{reproduction_of(v)}** {'pairs of runs' if x.option else 'runs'}"]
     if x.minimized:
         out.append(f"- Minimized trace: reproduced **{x.minimized.get('reproduced')}** in the final confirmation "
                    f"({x.minimized.get('executions')} executions to minimize)")
@@ -204,9 +237,14 @@ def _statistics(x: Exhibit) -> list[str]:
         if v.get("overtakers"):
             out.append(f"- Effect size: {v['effect']:.2f}x (the victim's TTFT over its TTFT had it been served no later "
                        "than the requests that overtook it: a lower bound on what the inversion cost it)")
+        elif x.option:
+            out.append(f"- Effect size: {v['effect']:.2f}x (geometric mean over the pairs of the other requests' median "
+                       f"end-to-end latency with `{x.option}` over that without it)")
         else:
             out.append(f"- Effect size: {v['effect']:.2f}x (the victim's median observed/bound ratio over the calibration baseline's median{interval})")
-    if v.get("n_sample"):
+    if v.get("n_sample") and x.option:
+        out.append(f"- Samples: {v['n_sample']} pairs of runs, the trace with and without `{x.option}`, alternating")
+    elif v.get("n_sample"):
         out.append(f"- Samples: {v['n_sample']} runs against a baseline of {v.get('n_baseline', 0)} calibration probes")
     return out
 
@@ -234,6 +272,11 @@ def _reproduce(x: Exhibit) -> list[str]:
         metric = _METRIC_WORDS.get(str(x.verdict.get("metric")), "latency")
         out += [f"Criterion: {metric} of {x.verdict.get('request_id')} >= {_ms(x.repro_threshold_s)} ms in a run "
                 "(override with `--threshold-ms`).", ""]
+    elif x.option:
+        out += [f"Criterion: a run is a pair, the trace as is and with `{x.option}` removed from every request (each "
+                "after the server is idle, in alternating order); it reproduces when the median end-to-end latency of "
+                f"the requests without `{x.option}` is at least {x.verdict.get('threshold') or '?'}x that without it.",
+                ""]
     out += ["Bisect a regression (build and start the server at each step, then):", "",
             "```sh", f"git bisect run python3 repro.py --base-url {url}", "```"]
     return out

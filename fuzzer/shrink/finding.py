@@ -6,6 +6,12 @@ show a candidate of the finding's kind?" While shrinking, the candidate factor i
 raised by :data:`HYSTERESIS` (Hypothesis' 1.25x deadline trick), so the result does
 not sit on the border; the final 10-run confirmation uses the report threshold.
 
+An option-slowdown (fuzzer.oracle.ablation) is a comparison, not a bound: one check runs
+the trace and the same trace without the option (in alternating order), and holds when the
+median e2e of the requests without the option is the factor times that without it. A
+candidate needs a request with the option and MIN_OTHERS without it; the first request
+with the option is kept (others may go, if one is enough).
+
 The minimization's state is checkpointed in the store after every test, so an
 interrupted ``fuzz minimize`` resumes; other problems met on the way are confirmed
 with the oracle afterwards and saved as findings of their own.
@@ -20,8 +26,10 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
+from fuzzer.errors import ConfigError
 from fuzzer.execute.recovery import DEFAULT_PATIENCE_S, PatientTarget
 from fuzzer.execution import ExecutionResult, Target
+from fuzzer.oracle.ablation import MIN_OTHERS, carriers, others_e2e, without_option
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm, let_idle
 from fuzzer.oracle.judge import Candidate, observe, shows_failure
@@ -90,9 +98,18 @@ def make_check(
     record: Callable[[Trace, ExecutionResult], None] = lambda t, r: None,
     others: dict[str, Candidate] | None = None,
     by_order: bool = False,
+    option: str | None = None,
 ) -> Callable[[Trace, bool], Awaitable[Check]]:
-    """The noisy predicate of one finding, for :class:`fuzzer.shrink.engine.Minimizer`."""
+    """The noisy predicate of one finding, for :class:`fuzzer.shrink.engine.Minimizer`.
+
+    ``option``: for an option-slowdown, the option whose removal gives the baseline
+    (the verdict's ``ablated``); the factor is ``policy.option_factor``.
+    """
     shrinking = replace(policy, factor=policy.factor * HYSTERESIS)
+    if kind is FindingKind.OPTION_SLOWDOWN:
+        if not option:
+            raise ValueError("an option-slowdown check needs the option it ablates")
+        return _option_check(target, option, calibration, policy=policy, record=record, others=others)
 
     async def check(trace: Trace, strict: bool) -> Check:
         if kind is FindingKind.COLD_START:
@@ -111,6 +128,51 @@ def make_check(
         # The effect in shrinking thresholds: 1.0 is just reproduced while shrinking.
         strength = effect / shrinking.factor if effect is not None and math.isfinite(effect) and strict else None
         return Check(ok, sig, strength)
+
+    return check
+
+
+def _option_check(
+    target: Target,
+    option: str,
+    calibration: Calibration,
+    *,
+    policy: OraclePolicy,
+    record: Callable[[Trace, ExecutionResult], None],
+    others: dict[str, Candidate] | None,
+) -> Callable[[Trace, bool], Awaitable[Check]]:
+    """One pair of runs, the trace and ``without_option(trace, option)``, the order alternating
+    call by call (a drifting server favours neither): holds when the other requests' median e2e
+    with the option is the factor (x HYSTERESIS when ``strict``) times that without it."""
+    shrinking_factor = policy.option_factor * HYSTERESIS
+    calls = [0]
+
+    async def check(trace: Trace, strict: bool) -> Check:
+        mine = carriers(trace, option)
+        if not mine or len(trace.requests) - len(mine) < MIN_OTHERS:
+            return Check(False, None, 0.0 if strict else None)  # not this finding: no run needed
+        ablated = without_option(trace, option)
+        order = (trace, ablated) if calls[0] % 2 == 0 else (ablated, trace)
+        calls[0] += 1
+        medians: dict[bool, float | None] = {}
+        sig = None
+        for t in order:
+            result = await target.execute(t)
+            record(t, result)
+            medians[t is trace] = others_e2e(trace, result, option)  # the carriers' ids are the original's
+            if sig is None and result.failures:
+                _, other, _ = _shows_latency(FindingKind.OPTION_SLOWDOWN, None, None, t, result, calibration, policy)
+                if other is not None:
+                    sig = signature(other.kind, t, other.request_id, outcome=other.detail)
+                    if others is not None:
+                        others.setdefault(sig, other)
+        with_s, without_s = medians[True], medians[False]
+        if with_s is None or without_s is None or without_s <= 0:
+            return Check(False, sig, 0.0 if strict else None)
+        ratio = with_s / without_s
+        factor = shrinking_factor if strict else policy.option_factor
+        # The effect in shrinking thresholds: 1.0 is just reproduced while shrinking.
+        return Check(ratio >= factor, sig, ratio / shrinking_factor if strict and math.isfinite(ratio) else None)
 
     return check
 
@@ -152,9 +214,18 @@ async def minimize_finding(
 
     kwargs = {} if max_executions is None else {"max_executions": max_executions}
     victim = finding.verdict.get("request_id")
+    option = finding.verdict.get("ablated") if kind is FindingKind.OPTION_SLOWDOWN else None
+    if kind is FindingKind.OPTION_SLOWDOWN and not option:
+        raise ConfigError(f"finding {finding.id} is an option-slowdown whose verdict names no option (ablated)")
+    if option:
+        # The request with the option is kept (the first one, unless the verdict named another).
+        mine = carriers(trace, option)
+        victim = victim if victim in mine else (mine[0] if mine else None)
+        if finding.verdict.get("threshold"):
+            policy = replace(policy, option_factor=float(finding.verdict["threshold"]))
     minimizer = Minimizer(
         make_check(target, kind, metric, victim, calibration, policy=policy, sleep=sleep, record=record, others=met,
-                   by_order=bool(finding.verdict.get("overtakers"))),
+                   by_order=bool(finding.verdict.get("overtakers")), option=option),
         keep=frozenset({victim} if victim and victim in {r.id for r in trace.requests} else ()),
         state=store.minimization_state(finding.id),
         on_state=lambda state: store.save_minimization(finding.id, state, status="running"),

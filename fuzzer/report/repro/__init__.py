@@ -15,6 +15,9 @@ The criterion comes from the stored verdict (:meth:`fuzzer.oracle.verdict.Verdic
   the victim's first token at least ``margin`` after that of one of them sent at least
   ``reach_s`` after it;
 - cold-start: the same, each run after ``idle_before_s`` of idleness;
+- option-slowdown: a run is a pair, the trace and the same trace with the option
+  (``ablate``: seed or logprobs) removed from every request; the median e2e of the
+  requests without the option is at least ``factor`` x that without it;
 - error / hang / protocol: the victim request fails the same way;
 - crash: the server stops answering /health after the trace;
 - leak: running + waiting do not return to 0 within ``leak_wait_s``.
@@ -28,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +40,14 @@ from fuzzer import trace as trace_format
 from fuzzer.errors import ConfigError
 from fuzzer.execute.http import DEFAULT_IDLE_AFTER_TIMEOUT_S
 from fuzzer.execute.prompts import WORDS
-from fuzzer.oracle.policy import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S, ORDER_REACH_S
+from fuzzer.oracle.ablation import OPTIONS
+from fuzzer.oracle.policy import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S, OPTION_FACTOR, ORDER_REACH_S
 from fuzzer.trace import Trace
 
 __all__ = ["DATA_FORMAT", "Criterion", "criterion_from_verdict", "script_data", "script_source"]
 
 #: Version of the DATA object embedded in a script.
-#:     1 - finding, criterion, server, trace, words.
+#:     1 - finding, criterion, server, trace, words (criterion.ablate added later, optional).
 DATA_FORMAT = 1
 
 _PARTS = ("_script_net.py", "_script_run.py", "_script_main.py")
@@ -56,7 +60,8 @@ _FAILURE_OUTCOMES = {
     "hang": ("timeout",),
     "protocol": ("malformed", "missing-done", "token-mismatch"),
 }
-_KINDS = (*_LATENCY, *_FAILURE_OUTCOMES, "crash", "leak")
+_OPTION = "option-slowdown"
+_KINDS = (*_LATENCY, _OPTION, *_FAILURE_OUTCOMES, "crash", "leak")
 # The JSON's words are wrapped at this width, so the script stays readable in a diff.
 _WORD_LINE_CHARS = 100
 
@@ -69,9 +74,11 @@ class Criterion:
     request_id: str | None = None
     #: ttft | max_itl | e2e, for latency kinds.
     metric: str | None = None
-    #: The candidate factor over the FCFS bound (the verdict's threshold).
+    #: The candidate factor over the FCFS bound (the verdict's threshold); for an
+    #: option-slowdown, over the other requests' median e2e without the option.
     factor: float = CANDIDATE_FACTOR
-    #: The victim's FCFS bound in the verdict's runs (median), seconds.
+    #: The victim's FCFS bound in the verdict's runs (median), seconds; for an option-slowdown,
+    #: the other requests' median e2e without the option (informational: each run measures its own).
     expected_s: float | None = None
     #: The absolute margin above the bound, as in the oracle.
     margin_s: float = MIN_MARGIN_S
@@ -88,10 +95,14 @@ class Criterion:
     #: than the victim one must have been sent.
     overtakers: tuple[str, ...] = ()
     reach_s: float = ORDER_REACH_S
+    #: For an option-slowdown: the option (seed, logprobs) removed from every request to make
+    #: the baseline run of each pair; ``request_id`` is a request that has it.
+    ablate: str | None = None
 
     @property
     def threshold_s(self) -> float | None:
-        if self.expected_s is None:
+        """The victim's latency that counts as reproduced; None when there is no fixed one."""
+        if self.expected_s is None or self.ablate is not None:
             return None
         return max(self.factor * self.expected_s, self.expected_s + self.margin_s)
 
@@ -116,6 +127,14 @@ def criterion_from_verdict(kind: str, verdict: Mapping[str, Any], *, note: str =
             note=note,
             overtakers=tuple(verdict.get("overtakers") or ()),
         )
+    if kind == _OPTION:
+        option = verdict.get("ablated")
+        if option not in OPTIONS or not request_id:
+            raise ConfigError(f"an {kind} verdict must name a request and the option it ablates "
+                              f"({', '.join(OPTIONS)}), got {option!r}")
+        return Criterion(kind=kind, request_id=request_id, metric="e2e",
+                         factor=float(verdict.get("threshold") or OPTION_FACTOR),
+                         expected_s=verdict.get("expected_s"), note=note, ablate=option)
     if kind in _FAILURE_OUTCOMES:
         if not request_id:
             raise ConfigError(f"a {kind} verdict must name its request")
@@ -133,6 +152,13 @@ def script_data(
     server: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DATA object of a script. ``server``: kind, version, model, features (capabilities)."""
+    if criterion.ablate is not None:
+        # An option-slowdown names a request with the option: one of this trace's.
+        mine = [r.id for r in trace.requests if getattr(r, criterion.ablate) is not None]
+        if not mine:
+            raise ConfigError(f"the trace has no request with {criterion.ablate}, the option of the finding")
+        if criterion.request_id not in mine:
+            criterion = replace(criterion, request_id=mine[0])
     if criterion.request_id is not None:
         try:
             trace.request(criterion.request_id)

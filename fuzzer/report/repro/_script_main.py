@@ -23,6 +23,8 @@ from fuzzer.report.repro._script_net import (
     IDLE_BARRIER_S,
     LATENCY_KINDS,
     METRIC_NAMES,
+    MIN_OTHERS,
+    OPTION_KIND,
     POLL_S,
     CannotTest,
     Counter,
@@ -30,7 +32,7 @@ from fuzzer.report.repro._script_net import (
     check_server,
     say,
 )
-from fuzzer.report.repro._script_run import idle_barrier, run_once
+from fuzzer.report.repro._script_run import carriers, idle_barrier, others_e2e, run_once, without_option
 
 # --- repro.py begins ---
 
@@ -128,6 +130,20 @@ def judge_order(criterion, victim, by_id):
         victim["id"], abs(lead) * 1000, "after" if lead >= 0 else "before", name, gap * 1000)
 
 
+def judge_option(criterion, trace, with_results, without_results):
+    """(verdict, words, medians) of one pair: the other requests' median E2E with the option at
+    least factor x that of the same trace without it; medians is (with, without) or None."""
+    option = criterion["ablate"]
+    with_s, without_s = others_e2e(trace, with_results, option), others_e2e(trace, without_results, option)
+    if with_s is None or without_s is None or without_s <= 0:
+        return None, "fewer than %d requests without %s completed in the run %s it" % (
+            MIN_OTHERS, option, "with" if with_s is None else "without"), None
+    ratio = with_s / without_s
+    hit = ratio >= criterion["factor"]
+    return hit, "median E2E of the others %.1f ms with %s, %.1f ms without: %.2fx %s %gx" % (
+        with_s * 1000, option, without_s * 1000, ratio, ">=" if hit else "<", criterion["factor"]), (with_s, without_s)
+
+
 # --- output ---------------------------------------------------------------------------------------
 
 
@@ -135,10 +151,11 @@ def ms(value):
     return "-" if value is None else "%.1f" % (value * 1000)
 
 
-def show_run(results, victim_id):
+def show_run(results, marks):
+    """A row per request; ``marks``: request id -> what to point at ("victim", "has seed")."""
     say("  %-14s %9s %9s %11s %9s  %s" % ("request", "sent_ms", "ttft_ms", "max_itl_ms", "e2e_ms", "outcome"))
     for res in results:
-        mark = "  <- victim" if res["id"] == victim_id else ""
+        mark = "  <- " + marks[res["id"]] if res["id"] in marks else ""
         detail = (": " + res["detail"][:60]) if res["outcome"] not in ("ok", "cancelled") and res["detail"] else ""
         say("  %-14s %9s %9s %11s %9s  %s%s%s" % (
             res["id"], ms(res["sent_s"]), ms(res["ttft_s"]), ms(metric_value(res, "max_itl")),
@@ -176,6 +193,49 @@ def parse_args(argv):
     return args
 
 
+def execute(server, trace, args, model, counter, rng, tag, kind):
+    """One execution of ``trace`` after the idle barrier: (results, running + waiting when the barrier gave up)."""
+    waiting = idle_barrier(server, args.idle_s, args.leak_wait_s if kind == "leak" else IDLE_BARRIER_S)
+    results = run_once(server, trace, DATA["words"], model, counter, rng, DATA["server"].get("features") or {},
+                       tag, args.timeout_s)
+    if all(res["outcome"] == "rejected" for res in results):
+        raise CannotTest("every request was rejected (HTTP %s: %s)" % (results[0]["status"], results[0]["detail"][:120]))
+    if kind != "crash" and all(res["outcome"] == "connection-error" for res in results):
+        raise CannotTest("no request got through: %s" % results[0]["detail"][:120])
+    return results, waiting
+
+
+def show(results, waiting, trace, marks, counter):
+    if waiting:
+        say("  note: the server was not idle before this run (running + waiting = %g)" % waiting)
+    show_run(results, marks)
+    if not counter.exact:
+        off = [res["id"] for res, r in zip(results, trace["requests"])
+               if isinstance((res["usage"] or {}).get("prompt_tokens"), int)
+               and res["usage"]["prompt_tokens"] != r["prompt_tokens"]]
+        if off:
+            say("  note: the server counted other prompt lengths for %s (no /tokenize to fit them)" % ", ".join(off))
+
+
+def run_pair(server, trace, crit, args, model, counter, rng, run):
+    """One run of an option-slowdown: the trace as is and without the option, each after the idle
+    barrier, the order alternating run by run (a server that drifts favours neither)."""
+    option = crit["ablate"]
+    ablated = without_option(trace, option)
+    marks = {rid: "has " + option for rid in carriers(trace, option)}
+    order = [(True, trace), (False, ablated)] if run % 2 == 1 else [(False, ablated), (True, trace)]
+    out = {}
+    say("run %d/%d" % (run, args.runs))
+    for has, t in order:
+        results, waiting = execute(server, t, args, model, counter, rng, "repro%d%s-" % (run, "w" if has else "o"),
+                                   crit["kind"])
+        say("  with %s (the trace as found):" % option if has else
+            "  without %s (removed from every request):" % option)
+        show(results, waiting, t, marks if has else {}, counter)
+        out[has] = results
+    return judge_option(crit, trace, out[True], out[False])
+
+
 def reproduce(args):
     crit = DATA["criterion"]
     trace = DATA["trace"]
@@ -184,6 +244,10 @@ def reproduce(args):
     limit_s = threshold_s(crit, args.threshold_ms) if kind in LATENCY_KINDS else None
     if kind in LATENCY_KINDS and limit_s is None:
         raise CannotTest("the finding has no embedded FCFS bound; pass --threshold-ms")
+    if kind == OPTION_KIND:
+        mine = carriers(trace, crit.get("ablate"))
+        if not mine or len(trace["requests"]) - len(mine) < MIN_OTHERS:
+            raise CannotTest("the trace needs a request with %s and %d without it" % (crit.get("ablate"), MIN_OTHERS))
     model = check_server(server, args.model)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
     counter = Counter(server, model, DATA["server"].get("kind"), DATA["words"])
@@ -194,33 +258,26 @@ def reproduce(args):
         server.base_url, model, "exact lengths via /tokenize" if counter.exact else "1 token per word (no /tokenize)",
         seed))
     say("criterion: " + describe(crit, limit_s))
+    if kind == OPTION_KIND and args.threshold_ms is not None:
+        say("note: --threshold-ms does not apply: each run is judged against the same trace without %s" % crit["ablate"])
     master = random.Random(seed)
-    hits, tested, lines, values = 0, 0, [], []
+    hits, tested, lines, values, pairs = 0, 0, [], [], []
     for run in range(1, args.runs + 1):
-        waiting = idle_barrier(server, args.idle_s, args.leak_wait_s if kind == "leak" else IDLE_BARRIER_S)
         rng = random.Random(master.getrandbits(64))
-        results = run_once(server, trace, DATA["words"], model, counter, rng, DATA["server"].get("features") or {},
-                           "repro%d-" % run, args.timeout_s)
-        if all(res["outcome"] == "rejected" for res in results):
-            raise CannotTest("every request was rejected (HTTP %s: %s)" % (results[0]["status"], results[0]["detail"][:120]))
-        if kind != "crash" and all(res["outcome"] == "connection-error" for res in results):
-            raise CannotTest("no request got through: %s" % results[0]["detail"][:120])
-        say("run %d/%d" % (run, args.runs))
-        if waiting:
-            say("  note: the server was not idle before this run (running + waiting = %g)" % waiting)
-        show_run(results, crit.get("request_id"))
-        if not counter.exact:
-            off = [res["id"] for res, r in zip(results, trace["requests"])
-                   if isinstance((res["usage"] or {}).get("prompt_tokens"), int)
-                   and res["usage"]["prompt_tokens"] != r["prompt_tokens"]]
-            if off:
-                say("  note: the server counted other prompt lengths for %s (no /tokenize to fit them)" % ", ".join(off))
-        verdict, words = judge_run(crit, results, server, limit_s, args.leak_wait_s)
-        if kind in LATENCY_KINDS and crit.get("request_id"):
-            victim = next(res for res in results if res["id"] == crit["request_id"])
-            value = metric_value(victim, crit["metric"])
-            if value is not None:
-                values.append(value)
+        if kind == OPTION_KIND:
+            verdict, words, medians = run_pair(server, trace, crit, args, model, counter, rng, run)
+            if medians is not None:
+                pairs.append(medians)
+        else:
+            results, waiting = execute(server, trace, args, model, counter, rng, "repro%d-" % run, kind)
+            say("run %d/%d" % (run, args.runs))
+            show(results, waiting, trace, {crit["request_id"]: "victim"} if crit.get("request_id") else {}, counter)
+            verdict, words = judge_run(crit, results, server, limit_s, args.leak_wait_s)
+            if kind in LATENCY_KINDS and crit.get("request_id"):
+                victim = next(res for res in results if res["id"] == crit["request_id"])
+                value = metric_value(victim, crit["metric"])
+                if value is not None:
+                    values.append(value)
         say("  -> %s: %s" % ({True: "reproduced", False: "not reproduced", None: "not tested"}[verdict], words))
         lines.append(words)
         if verdict is not None:
@@ -237,6 +294,13 @@ def reproduce(args):
         say("  %s of %s: median %.1f ms, min %.1f ms, max %.1f ms; threshold %.1f ms" % (
             METRIC_NAMES.get(crit["metric"]), crit["request_id"], statistics.median(values) * 1000,
             min(values) * 1000, max(values) * 1000, limit_s * 1000))
+    if pairs:
+        ratios = [a / b for a, b in pairs]
+        say("  median E2E of the others, median over runs: %.1f ms with %s, %.1f ms without; ratio median %.2fx "
+            "(min %.2fx, max %.2fx); factor %gx" % (
+                statistics.median(a for a, _ in pairs) * 1000, crit["ablate"],
+                statistics.median(b for _, b in pairs) * 1000, statistics.median(ratios), min(ratios), max(ratios),
+                crit["factor"]))
     if crit.get("note"):
         say("  note: " + crit["note"])
     say("RESULT: REPRODUCED" if reproduced else "RESULT: NOT REPRODUCED")
@@ -245,6 +309,16 @@ def reproduce(args):
 
 def describe(crit, limit_s):
     kind = crit["kind"]
+    if kind == OPTION_KIND:
+        option = crit["ablate"]
+        mine = carriers(DATA["trace"], option)
+        how = ("median E2E of the %d requests without %s >= %g x that of the same trace with %s removed from every "
+               "request (%s has it), in a majority of runs; a run is a pair of executions, each after the idle "
+               "barrier, in alternating order" % (len(DATA["trace"]["requests"]) - len(mine), option, crit["factor"],
+                                                  option, ", ".join(mine)))
+        if crit.get("expected_s") is not None:
+            how += " (in the fuzzer: %.1f ms without %s)" % (crit["expected_s"] * 1000, option)
+        return how
     if kind in LATENCY_KINDS and crit.get("overtakers"):
         return ("first token of %s at least %.0f ms after that of %s, sent %.0f ms or more later "
                 "(FCFS serves %s first), in a majority of runs" % (

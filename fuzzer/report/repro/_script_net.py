@@ -53,6 +53,10 @@ FAILURE_OUTCOMES = {
     "protocol": ("malformed", "missing-done", "token-mismatch"),
 }
 METRIC_NAMES = {"ttft": "TTFT", "max_itl": "max ITL", "e2e": "E2E"}
+#: One request's sampling option slows the others: judged against the trace without it.
+OPTION_KIND = "option-slowdown"
+#: An option-slowdown needs this many completed requests without the option in a run.
+MIN_OTHERS = 3
 
 
 class CannotTest(Exception):

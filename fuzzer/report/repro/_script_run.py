@@ -6,10 +6,12 @@ Everything below the ``repro.py begins`` line is copied into the script.
 import http.client
 import json
 import socket
+import statistics
 import threading
 import time
 
 from fuzzer.report.repro._script_net import (
+    MIN_OTHERS,
     POLL_S,
     QUIET_S,
     SPIN_S,
@@ -260,6 +262,27 @@ def idle_barrier(server, idle_s, timeout_s):
     if idle_s > 0:
         time.sleep(idle_s)
     return busy if busy else None
+
+
+def without_option(trace, option):
+    """The trace with ``option`` removed from every request: an option-slowdown's baseline run."""
+    out = dict(trace)
+    out["requests"] = [{k: v for k, v in r.items() if k != option} for r in trace["requests"]]
+    return out
+
+
+def carriers(trace, option):
+    """Ids of the requests of the trace that set ``option``."""
+    return [r["id"] for r in trace["requests"] if r.get(option) is not None]
+
+
+def others_e2e(trace, results, option):
+    """Median E2E of the requests of the (original) trace without ``option`` that completed;
+    None with fewer than MIN_OTHERS of them."""
+    mine = set(carriers(trace, option))
+    values = [res["e2e_s"] for res in results
+              if res["id"] not in mine and res["outcome"] == "ok" and res["e2e_s"] is not None]
+    return statistics.median(values) if len(values) >= MIN_OTHERS else None
 
 
 # --- the criterion --------------------------------------------------------------------------------
