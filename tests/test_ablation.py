@@ -12,6 +12,7 @@ from paper_target import PaperTarget
 
 from fuzzer.oracle.ablation import confirm_option, decide, options_of, others_e2e, suspects, without_option
 from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.judge import candidates
 from fuzzer.oracle.kinds import Decision, FindingKind
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.oracle.signature import option_signature
@@ -120,3 +121,40 @@ def _confirmer(store, target):
     return Confirmer(target, store, OraclePolicy(), campaign_id=campaign_id, target_id=None,
                      rng=np.random.default_rng(0), sleep=asyncio.sleep, checkpoint=lambda: None, clock=lambda: 0.0,
                      in_phase=lambda phase: contextlib.nullcontext(), recover=recover, on_finding=lambda i, v: None)
+
+
+class _Recording(PaperTarget):
+    """A PaperTarget that remembers which traces it ran."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.traces = []
+
+    def run(self, trace):
+        self.traces.append(trace)
+        return super().run(trace)
+
+
+async def test_an_option_is_tested_before_its_victims_and_explains_them_once_found():
+    # 2.5x: the other requests are over their bounds too, and would be confirmed as e2e outliers
+    # of whichever stream the judge ranks first, the seed nowhere in the finding.
+    calibration = await _calibration()
+    target = _Recording(seeded_slowdown=2.5, seed=4)
+    store = Store.memory()
+    confirmer = _confirmer(store, target)
+    trace = _seeded_batch()
+    first = target.run(trace)
+    assert any(c.metric is not None for c in candidates(trace, first, calibration))
+    verdict = await confirmer.examine(trace, first, calibration)
+    assert verdict.kind is FindingKind.OPTION_SLOWDOWN
+    assert [f.kind for f in store.list_findings()] == ["option-slowdown"]
+    # Another seeded trace: its slow streams are confirmed on the trace without the seed, where they
+    # are not slow: no e2e-outlier of the seed's doing.
+    other = _seeded_batch(rows=20, out=80)
+    before = len(target.traces)
+    first = target.run(other)
+    assert any(c.metric is not None for c in candidates(other, first, calibration))
+    await confirmer.examine(other, first, calibration)
+    reruns = target.traces[before + 1:]
+    assert reruns and all(r.seed is None for t in reruns for r in t.requests)
+    assert [f.kind for f in store.list_findings()] == ["option-slowdown"]

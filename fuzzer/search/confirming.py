@@ -31,7 +31,7 @@ import numpy as np
 
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
-from fuzzer.oracle.ablation import confirm_option, suspects
+from fuzzer.oracle.ablation import confirm_option, options_of, suspects, without_option
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
@@ -184,10 +184,22 @@ class Confirmer:
         ``cold``: the execution was a cold probe; its latency candidates are deduplicated as
         the cold-start they may be (a warm rejection of the same request does not count).
         """
+        # A sampling option slowing everyone first: its victims' latencies are then its doing.
+        if not cold and (due := self._option_due(trace, result)) is not None:
+            tested = await self._confirm_option(trace, *due)
+            if tested.is_finding:
+                return tested
+        # Latency candidates of a trace with a found option-slowdown's option are confirmed without it.
+        plain = trace
+        for option in options_of(trace):
+            if option_signature(option) in self.found:
+                plain = without_option(plain, option)
+        original = trace
         sighted: set[str] = set()  # a found family is sighted once per execution, however many victims show it
         for candidate in judge.candidates(trace, result, calibration, self._policy):
             if (result.trace_hash, str(candidate.kind)) in self.found_on:
                 continue  # another victim of a finding of this trace, warm or after idle (see WAITING_MAX)
+            trace = plain if candidate.metric is not None else original
             warm_key = signature(candidate.kind, trace, candidate.request_id)
             if cold and candidate.metric is not None and candidate.after_idle:
                 key = signature(FindingKind.COLD_START, trace)
@@ -211,10 +223,8 @@ class Confirmer:
                 return await self._confirm_candidate(trace, candidate, key, calibration, fam)
             self._wait(Waiting(trace, candidate, key, fam))
             return await self.confirm_waiting(calibration) if self._due() else None
-        if (due := self._option_due(trace, result)) is not None:
-            return await self._confirm_option(trace, *due)
         if self._slo is not None and not self.pending:
-            return await self._check_slo(trace, result)
+            return await self._check_slo(original, result)
         return None  # one confirmation per execution keeps the fuzzing going
 
     def _option_due(self, trace: Trace, result: ExecutionResult) -> tuple[str, int] | None:
