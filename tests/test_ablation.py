@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import random
 from dataclasses import replace
 
-import numpy as np
 from paper_target import PaperTarget
+from test_confirming import _calibration, _confirmer
 
 from fuzzer.oracle.ablation import confirm_option, decide, options_of, others_e2e, suspects, without_option
-from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.judge import candidates
 from fuzzer.oracle.kinds import Decision, FindingKind
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.oracle.signature import option_signature
-from fuzzer.search.confirming import Confirmer
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
-
-_CALIBRATION = []
-
-
-async def _calibration():
-    if not _CALIBRATION:
-        _CALIBRATION.append(await calibrate(PaperTarget(seed=99), rng=random.Random(0), clock=lambda: 0.0))
-    return _CALIBRATION[0]
 
 
 def _seeded_batch(rows=16, out=64, option="seed"):
@@ -110,17 +97,6 @@ async def test_a_harmless_option_is_tested_on_growing_batches_at_most_option_tes
     assert policy.option_tests == 3 and policy.option_growth == 1.5
     assert runs == [2, 0, 2, 0, 2, 0] and not store.list_findings()
     assert confirmer.to_state()["option_tests"] == {"seed": [3, 40]}
-
-
-def _confirmer(store, target):
-    campaign_id = store.start_campaign(seed=1, target="paper", settings={})
-
-    async def recover():
-        return None
-
-    return Confirmer(target, store, OraclePolicy(), campaign_id=campaign_id, target_id=None,
-                     rng=np.random.default_rng(0), sleep=asyncio.sleep, checkpoint=lambda: None, clock=lambda: 0.0,
-                     in_phase=lambda phase: contextlib.nullcontext(), recover=recover, on_finding=lambda i, v: None)
 
 
 class _Recording(PaperTarget):
