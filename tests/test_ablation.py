@@ -68,6 +68,11 @@ async def test_a_slowdown_below_the_candidate_factor_is_tested_and_found_once_by
     assert suspects(trace, first) == {"seed": 16}
     apart = Trace(requests=tuple(replace(r, at_ms=2000.0 * i) for i, r in enumerate(trace.requests)))
     assert suspects(apart, target.run(apart)) == {}  # nothing ran beside the seeded request
+    # A short seeded request among long streams: they ran mostly without it, and a test would be
+    # diluted (held-out servers: 1.12x and 1.18x for planted 2x and 1.5x samplers).
+    short = trace.with_requests([*(replace(r, max_tokens=1024) for r in trace.requests[:-1]),
+                                 replace(trace.requests[-1], max_tokens=16)])
+    assert suspects(short, target.run(short)) == {}
     store = Store.memory()
     confirmer = _confirmer(store, target)
     verdict = await confirmer.examine(trace, first, calibration)

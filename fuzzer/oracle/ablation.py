@@ -15,8 +15,11 @@ option. Per pair it has the ratio of the two; on the log ratios a one-sided t in
 policy's alpha decides: DIFFERENT when the slowdown is significant and the geometric mean ratio
 reaches ``policy.option_factor``, SAME when the interval lies below that factor, and one pair
 far below it stops at once (sequential futility). No model is involved: a campaign tests a trace
-when enough requests ran beside a carrier (:func:`suspects`), a few times per option, each test
-on a larger batch than the last (fuzzer.search.confirming).
+when enough requests, and most of those without the option, ran beside a carrier for half their
+span or more (:func:`suspects`), a few times per option, each test on a larger batch than the last
+(fuzzer.search.confirming). On two held-out servers the tests of traces whose carriers were short
+(64 tokens beside 1024-token streams) came back SAME at 1.12x and 1.18x on planted 2x and 1.5x
+per-row samplers; that is what the "most of them" asks to avoid.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from fuzzer.trace import Trace
 OPTIONS = ("seed", "logprobs")
 #: Fewer requests without the option than this say nothing about "everyone".
 MIN_OTHERS = 3
+#: A request ran beside a carrier when this share of its span overlaps a carrier's (:func:`beside`).
+COVER_SHARE = 0.5
 #: One pair whose ratio is below 1 plus this share of the factor's excess stops the test (sequential
 #: futility: 1.125x for a 1.25x factor; the clean servers' pairs were 1.00-1.06x).
 FUTILITY_SHARE = 0.5
@@ -76,25 +81,31 @@ def others_e2e(trace: Trace, result: ExecutionResult, option: str) -> float | No
     return statistics.median(values) if len(values) >= MIN_OTHERS else None
 
 
-def overlapping(trace: Trace, result: ExecutionResult, option: str) -> int:
-    """How many completed requests of ``result`` without ``option`` ran beside a request with it
-    (their spans, from send to last byte, overlap)."""
+def beside(trace: Trace, result: ExecutionResult, option: str) -> tuple[int, int]:
+    """(requests that ran beside one with ``option``, completed requests without it) in ``result``: a
+    request ran beside when at least COVER_SHARE of its span (send to last byte) overlaps a carrier's."""
     mine = set(carriers(trace, option))
     spans = {r.request_id: (r.sent_s, r.sent_s + r.e2e_s) for r in result.requests
-             if r.sent_s is not None and r.e2e_s is not None}
+             if r.outcome is Outcome.OK and r.sent_s is not None and r.e2e_s is not None}
     theirs = [spans[i] for i in mine if i in spans]
-    return sum(1 for r in result.requests if r.request_id not in mine and r.outcome is Outcome.OK
-               and r.request_id in spans
-               and any(spans[r.request_id][0] < end and start < spans[r.request_id][1] for start, end in theirs))
+    others = [span for rid, span in spans.items() if rid not in mine]
+    near = 0
+    for start, end in others:
+        shared = sum(max(0.0, min(end, b) - max(start, a)) for a, b in theirs)
+        near += shared >= COVER_SHARE * (end - start)
+    return near, len(others)
 
 
 def suspects(trace: Trace, result: ExecutionResult, policy: OraclePolicy = DEFAULT_POLICY) -> dict[str, int]:
-    """The options of ``trace`` with at least ``policy.option_overlap`` requests beside a carrier in
-    ``result``, and how many: whether to test is the campaign's call (fuzzer.search.confirming)."""
+    """The options of ``trace`` worth a test after ``result``, with how many requests ran beside a
+    carrier: at least ``policy.option_overlap``, and most of those without it (the test's statistic
+    is all of their median: a short seeded request among long streams moves it little, and a test
+    of it is a try spent). Whether to test is the campaign's call (fuzzer.search.confirming)."""
     out = {}
     for option in options_of(trace):
-        if (n := overlapping(trace, result, option)) >= policy.option_overlap:
-            out[option] = n
+        near, others = beside(trace, result, option)
+        if near >= policy.option_overlap and 2 * near > others:
+            out[option] = near
     return out
 
 

@@ -103,8 +103,8 @@ MAX_CONFIRMATIONS = 4
 #: FCFS candidate factor's 2x. Measured: clean vLLM-like servers written elsewhere 1.00-1.06x (seed,
 #: logprobs, 24 streams beside one carrier); a planted per-row sampler 1.39x and 2.02x.
 OPTION_FACTOR = 1.25
-#: A trace is tested when at least this many requests without the option ran beside a carrier
-#: (their request spans overlap) ...
+#: A trace is tested when at least this many requests without the option, and most of them, ran
+#: beside a carrier (half their span or more: fuzzer.oracle.ablation.beside) ...
 OPTION_OVERLAP = 4
 #: ... and again for an option tested before only with this many times the overlap of the largest
 #: test of it (the cost of a per-row path grows with the batch: a small batch's SAME says little) ...
