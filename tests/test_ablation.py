@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from paper_target import PaperTarget
 from test_confirming import _calibration, _confirmer
 
@@ -42,6 +44,8 @@ def test_decide_needs_significance_and_the_factor_and_stops_early_when_far_below
     assert decide([1.15], policy)[0] is Decision.UNKNOWN  # not far enough below to stop at one pair
     assert decide([1.1, 1.12, 1.11], policy)[0] is Decision.SAME  # surely below 1.25x, though significant
     assert decide([1.6, 1.1, 2.4], policy)[0] is Decision.UNKNOWN  # too noisy to say
+    # Significant and 1.4x on average, but only two of five pairs at the factor: a few wild pairs.
+    assert decide([1.7, 1.7, 1.22, 1.22, 1.22], policy)[:2] == (Decision.UNKNOWN, pytest.approx(0.0075, abs=0.002))
     decision, p, effect = decide([1.55, 1.56, 1.54], policy)
     assert decision is Decision.DIFFERENT and p < 0.01 and 1.5 < effect < 1.6
 

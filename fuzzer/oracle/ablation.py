@@ -12,8 +12,8 @@ same trace with the option removed from every request, run alternately with the 
 The test (:func:`confirm_option`) runs pairs (original, ablated; the order alternates, so a
 drifting server favours neither) and takes, per run, the median e2e of the requests without the
 option. Per pair it has the ratio of the two; on the log ratios a one-sided t interval at the
-policy's alpha decides: DIFFERENT when the slowdown is significant and the geometric mean ratio
-reaches ``policy.option_factor``, SAME when the interval lies below that factor, and one pair
+policy's alpha decides: DIFFERENT when the slowdown is significant, the geometric mean ratio
+reaches ``policy.option_factor`` and most pairs do, SAME when the interval lies below that factor, and one pair
 far below it stops at once (sequential futility). No model is involved: a campaign tests a trace
 when enough requests, and most of those without the option, ran beside a carrier for half their
 span or more (:func:`suspects`), a few times per option, each test on a larger batch than the last
@@ -129,7 +129,10 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY) -> tu
         p = float(stats.t.sf(mean / se, len(logs) - 1))
         q = float(stats.t.ppf(1.0 - policy.alpha, len(logs) - 1))
         low, high = mean - q * se, mean + q * se
-    if len(logs) >= policy.min_runs and low > 0.0 and mean >= limit:
+    # ... and most pairs each at the factor: on vLLM's CPU build a few wild pairs (one run of a pair
+    # slowed by the host) gave geometric means of 1.3-1.6x with 1-2 of 5 pairs at 1.25x.
+    most = 2 * sum(r >= policy.option_factor for r in ratios) > len(ratios)
+    if len(logs) >= policy.min_runs and low > 0.0 and mean >= limit and most:
         return Decision.DIFFERENT, p, effect
     if len(logs) >= policy.min_runs and high < limit:
         return Decision.SAME, p, effect
