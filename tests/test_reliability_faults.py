@@ -140,6 +140,6 @@ def test_campaign_goes_through_every_fault(tmp_path_factory, tmp_path):
     assert sum(n for o, n in outcomes.items() if o not in ("ok", "cancelled")) > 0, outcomes
     assert kinds & {"error", "crash", "protocol", "hang"}, kinds
     assert kinds <= {"error", "crash", "protocol", "hang", "ttft-outlier", "itl-stall", "e2e-outlier", "cold-start",
-                     "leak"}
+                     "leak", "option-slowdown"}
     shown = json.loads(run_fuzz("findings", "--db", str(db), "--json", cwd=tmp_path).stdout)
     assert {f["kind"] for f in shown} == kinds

@@ -242,14 +242,25 @@ class Confirmer:
                 return option, overlap
         return None
 
-    async def _confirm_option(self, trace: Trace, option: str, overlap: int) -> Verdict:
-        """Test ``option`` of ``trace`` against the trace without it; record a finding. A deadline drops the test."""
-        self.candidates += 1
-        tests, largest = self.option_tests.get(option, (0, 0))
-        self.option_tests[option] = (tests + 1, max(largest, overlap))
+    async def _confirm_option(self, trace: Trace, option: str, overlap: int | None) -> Verdict:
+        """Test ``option`` of ``trace`` against the trace without it; record a finding. At the deadline (or
+        Ctrl-C) the test is kept as pending, as a candidate of kind option-slowdown whose detail is the
+        option; ``overlap`` None: such a pending test, already counted."""
+        if overlap is not None:
+            self.candidates += 1
+            tests, largest = self.option_tests.get(option, (0, 0))
+            self.option_tests[option] = (tests + 1, max(largest, overlap))
         with self._in_phase(Phase.CONFIRM):
-            self.confirmations += 1
-            verdict = await confirm_option(self._target, trace, option, policy=self._policy, futility=self._futility)
+            try:
+                self.confirmations += 1
+                verdict = await confirm_option(self._target, trace, option, policy=self._policy,
+                                               futility=self._futility)
+            except OutOfTime:
+                carrier = next(r.id for r in trace.requests if getattr(r, option) is not None)
+                self.pending.append((trace, Candidate(FindingKind.OPTION_SLOWDOWN, carrier, detail=option),
+                                     option_signature(option)))
+                self._checkpoint()
+                raise
         if verdict.is_finding:
             self._record(trace, verdict, option_signature(option))
         return verdict
@@ -337,6 +348,10 @@ class Confirmer:
         trace, candidate, key = self.pending.pop(0)
         if key in self.found:
             return None
+        if candidate.kind is FindingKind.OPTION_SLOWDOWN:
+            verdict = await self._confirm_option(trace, candidate.detail, None)
+            self._checkpoint()
+            return verdict
         verdict = await self._confirm_candidate(trace, candidate, key, calibration)
         self._checkpoint()
         return verdict
