@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from scipy import stats
@@ -109,8 +109,10 @@ def suspects(trace: Trace, result: ExecutionResult, policy: OraclePolicy = DEFAU
     return out
 
 
-def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY) -> tuple[Decision, float | None, float]:
-    """(decision, one-sided p of no slowdown, geometric mean ratio) of the pairs' ratios so far."""
+def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY, *,
+           futility: bool = True) -> tuple[Decision, float | None, float]:
+    """(decision, one-sided p of no slowdown, geometric mean ratio) of the pairs' ratios so far; one
+    pair far below the factor is SAME only under ``futility``."""
     if not ratios:
         return Decision.INSUFFICIENT_DATA, None, math.nan
     logs = [math.log(r) for r in ratios]
@@ -118,7 +120,7 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY) -> tu
     effect = math.exp(mean)
     limit = math.log(policy.option_factor)
     if len(logs) == 1:
-        far_below = effect < 1.0 + FUTILITY_SHARE * (policy.option_factor - 1.0)
+        far_below = futility and effect < 1.0 + FUTILITY_SHARE * (policy.option_factor - 1.0)
         return (Decision.SAME if far_below else Decision.UNKNOWN), None, effect
     sd = statistics.stdev(logs)
     if sd == 0.0:
@@ -139,6 +141,23 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY) -> tu
     return Decision.UNKNOWN, p, effect
 
 
+async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bool = True,
+                   ablated: Trace | None = None, record: Callable[[Trace, ExecutionResult], None] | None = None,
+                   ) -> tuple[float | None, float | None, list[tuple[Trace, ExecutionResult]]]:
+    """One pair: ``trace`` and its ablation of ``option`` (``ablated``, made when not given), in that order or
+    the other; ``record`` hears of each run as it ends. Returns the other requests' median e2e with and
+    without the option (None: too few completed) and the runs, in the order they ran."""
+    ablated = without_option(trace, option) if ablated is None else ablated
+    runs = []
+    for t in (trace, ablated) if trace_first else (ablated, trace):
+        runs.append((t, await target.execute(t)))
+        if record is not None:
+            record(*runs[-1])
+    # The carriers' ids are the original's in both runs.
+    medians = {t is trace: others_e2e(trace, result, option) for t, result in runs}
+    return medians[True], medians[False], runs
+
+
 async def confirm_option(
     target: Target,
     trace: Trace,
@@ -146,37 +165,25 @@ async def confirm_option(
     *,
     policy: OraclePolicy = DEFAULT_POLICY,
     futility: bool = True,
-    on_run: Callable[[Trace, ExecutionResult], Awaitable[None] | None] | None = None,
 ) -> Verdict:
     """Run ``trace`` and its ablation of ``option`` in alternating pairs until decided (see the module doc)."""
     ablated = without_option(trace, option)
     pairs: list[tuple[float, float]] = []
-    runs = 0
     decision, p, effect = Decision.INSUFFICIENT_DATA, None, math.nan
-    while runs < policy.max_runs:
-        first = trace if runs % 4 == 0 else ablated  # the order alternates pair by pair
-        second = ablated if first is trace else trace
-        results = {}
-        for t in (first, second):
-            result = await target.execute(t)
-            runs += 1
-            if on_run is not None and (pending := on_run(t, result)) is not None:
-                await pending
-            results[t is trace] = others_e2e(trace, result, option)  # the carriers' ids are the original's
-        if results[True] is not None and results[False] is not None and results[False] > 0:
-            pairs.append((results[True], results[False]))
-        decision, p, effect = decide([a / b for a, b in pairs], policy)
-        if decision is Decision.DIFFERENT or (decision is Decision.SAME and (futility or len(pairs) >= policy.min_runs)):
+    for done in range(0, policy.max_runs, 2):
+        with_s, without_s, _ = await run_pair(target, trace, option, trace_first=done % 4 == 0, ablated=ablated)
+        if with_s is not None and without_s is not None and without_s > 0:
+            pairs.append((with_s, without_s))
+        decision, p, effect = decide([a / b for a, b in pairs], policy, futility=futility)
+        if decision in (Decision.DIFFERENT, Decision.SAME):
             break
-        if decision is Decision.SAME:
-            decision = Decision.UNKNOWN  # one pair says little without futility: go on
     if len(pairs) < 2 and decision is not Decision.SAME:
         decision = Decision.INSUFFICIENT_DATA
-    return _verdict(trace, option, pairs, decision, p, effect, runs, policy)
+    return _verdict(trace, option, pairs, decision, p, effect, policy)
 
 
 def _verdict(trace: Trace, option: str, pairs: list[tuple[float, float]], decision: Decision, p: float | None,
-             effect: float, runs: int, policy: OraclePolicy) -> Verdict:
+             effect: float, policy: OraclePolicy) -> Verdict:
     mine = carriers(trace, option)
     others = len(trace.requests) - len(mine)
     with_s = statistics.median(a for a, _ in pairs) if pairs else None

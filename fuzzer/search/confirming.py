@@ -31,7 +31,7 @@ import numpy as np
 
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
-from fuzzer.oracle.ablation import confirm_option, options_of, suspects, without_option
+from fuzzer.oracle.ablation import carriers, confirm_option, options_of, suspects, without_option
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
@@ -194,37 +194,36 @@ class Confirmer:
         for option in options_of(trace):
             if option_signature(option) in self.found:
                 plain = without_option(plain, option)
-        original = trace
         sighted: set[str] = set()  # a found family is sighted once per execution, however many victims show it
         for candidate in judge.candidates(trace, result, calibration, self._policy):
             if (result.trace_hash, str(candidate.kind)) in self.found_on:
                 continue  # another victim of a finding of this trace, warm or after idle (see WAITING_MAX)
-            trace = plain if candidate.metric is not None else original
-            warm_key = signature(candidate.kind, trace, candidate.request_id)
+            judged = plain if candidate.metric is not None else trace
+            warm_key = signature(candidate.kind, judged, candidate.request_id)
             if cold and candidate.metric is not None and candidate.after_idle:
-                key = signature(FindingKind.COLD_START, trace)
+                key = signature(FindingKind.COLD_START, judged)
                 if warm_key in self.found:
                     continue  # slow when warm too, and found so: a cold arm could not tell it apart
             else:
                 key = warm_key
-            if candidate.kind is FindingKind.LEAK and len(ways := leaving_clients(trace)) > 1:
-                split = await self._split_leak(trace, candidate, calibration)
+            if candidate.kind is FindingKind.LEAK and len(ways := leaving_clients(judged)) > 1:
+                split = await self._split_leak(judged, candidate, calibration)
                 if split is not None:
                     return split
                 if any(leak_signature({w}) in self.found for w in ways):
                     continue  # no way leaks alone, and one of them is a known leak: that explains it
             if self._skip(key):
                 continue
-            fam = family(candidate.kind, trace, candidate.request_id, self._kv_tokens) if key == warm_key else None
+            fam = family(candidate.kind, judged, candidate.request_id, self._kv_tokens) if key == warm_key else None
             if fam is not None and self.families.pass_over(fam, sighted):
                 continue
             self.candidates += 1
             if self._due is None or cold or candidate.metric is None or self._new_kind(candidate):
-                return await self._confirm_candidate(trace, candidate, key, calibration, fam)
-            self._wait(Waiting(trace, candidate, key, fam))
+                return await self._confirm_candidate(judged, candidate, key, calibration, fam)
+            self._wait(Waiting(judged, candidate, key, fam))
             return await self.confirm_waiting(calibration) if self._due() else None
         if self._slo is not None and not self.pending:
-            return await self._check_slo(original, result)
+            return await self._check_slo(trace, result)
         return None  # one confirmation per execution keeps the fuzzing going
 
     def _option_due(self, trace: Trace, result: ExecutionResult) -> tuple[str, int] | None:
@@ -256,7 +255,7 @@ class Confirmer:
                 verdict = await confirm_option(self._target, trace, option, policy=self._policy,
                                                futility=self._futility)
             except OutOfTime:
-                carrier = next(r.id for r in trace.requests if getattr(r, option) is not None)
+                carrier = carriers(trace, option)[0]
                 self.pending.append((trace, Candidate(FindingKind.OPTION_SLOWDOWN, carrier, detail=option),
                                      option_signature(option)))
                 self._checkpoint()

@@ -29,7 +29,7 @@ import numpy as np
 from fuzzer.errors import ConfigError
 from fuzzer.execute.recovery import DEFAULT_PATIENCE_S, PatientTarget
 from fuzzer.execution import ExecutionResult, Target
-from fuzzer.oracle.ablation import MIN_OTHERS, carriers, others_e2e, without_option
+from fuzzer.oracle.ablation import MIN_OTHERS, carriers, run_pair
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm, let_idle
 from fuzzer.oracle.judge import Candidate, observe, shows_failure
@@ -151,22 +151,16 @@ def _option_check(
         mine = carriers(trace, option)
         if not mine or len(trace.requests) - len(mine) < MIN_OTHERS:
             return Check(False, None, 0.0 if strict else None)  # not this finding: no run needed
-        ablated = without_option(trace, option)
-        order = (trace, ablated) if calls[0] % 2 == 0 else (ablated, trace)
+        with_s, without_s, runs = await run_pair(target, trace, option, trace_first=calls[0] % 2 == 0, record=record)
         calls[0] += 1
-        medians: dict[bool, float | None] = {}
         sig = None
-        for t in order:
-            result = await target.execute(t)
-            record(t, result)
-            medians[t is trace] = others_e2e(trace, result, option)  # the carriers' ids are the original's
+        for t, result in runs:
             if sig is None and result.failures:
                 _, other, _ = _shows_latency(FindingKind.OPTION_SLOWDOWN, None, None, t, result, calibration, policy)
                 if other is not None:
                     sig = signature(other.kind, t, other.request_id, outcome=other.detail)
                     if others is not None:
                         others.setdefault(sig, other)
-        with_s, without_s = medians[True], medians[False]
         if with_s is None or without_s is None or without_s <= 0:
             return Check(False, sig, 0.0 if strict else None)
         ratio = with_s / without_s
