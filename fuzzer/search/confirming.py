@@ -22,7 +22,7 @@ bug. Failures, leaks, crashes and cold probes are confirmed at once as before.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -190,10 +190,7 @@ class Confirmer:
             if tested.is_finding:
                 return tested
         # Latency candidates of a trace with a found option-slowdown's option are confirmed without it.
-        plain = trace
-        for option in options_of(trace):
-            if option_signature(option) in self.found:
-                plain = without_option(plain, option)
+        plain = without_found_options(trace, self.found)
         sighted: set[str] = set()  # a found family is sighted once per execution, however many victims show it
         for candidate in judge.candidates(trace, result, calibration, self._policy):
             if (result.trace_hash, str(candidate.kind)) in self.found_on:
@@ -233,13 +230,7 @@ class Confirmer:
         share allows it."""
         if self._due is not None and not self._due():
             return None
-        policy = self._policy
-        for option, overlap in suspects(trace, result, policy).items():
-            tests, largest = self.option_tests.get(option, (0, 0))
-            if (option_signature(option) not in self.found and tests < policy.option_tests
-                    and overlap >= policy.option_growth * largest):
-                return option, overlap
-        return None
+        return option_due(suspects(trace, result, self._policy), self.option_tests, self.found, self._policy)
 
     async def _confirm_option(self, trace: Trace, option: str, overlap: int | None) -> Verdict:
         """Test ``option`` of ``trace`` against the trace without it; record a finding. At the deadline (or
@@ -465,6 +456,29 @@ def recently_rejected(rejected: dict[str, int], key: str) -> bool:
         rejected[key] = seen + 1
         return True
     return False
+
+
+def option_due(suspected: Mapping[str, int], tests: Mapping[str, tuple[int, int]], found: Container[str],
+               policy: OraclePolicy) -> tuple[str, int] | None:
+    """Of ``suspected`` (option -> requests beside a carrier, fuzzer.oracle.ablation.suspects), the first
+    option to test now, and that overlap: it has no finding in ``found``, was tested (``tests``: option ->
+    (tests, the largest overlap tested)) fewer than ``option_tests`` times and only on batches
+    ``option_growth`` times smaller. A campaign's and a fleet's."""
+    for option, overlap in suspected.items():
+        count, largest = tests.get(option, (0, 0))
+        if (option_signature(option) not in found and count < policy.option_tests
+                and overlap >= policy.option_growth * largest):
+            return option, overlap
+    return None
+
+
+def without_found_options(trace: Trace, found: Container[str]) -> Trace:
+    """``trace`` without each sampling option whose option-slowdown is in ``found``: where its latency
+    candidates are confirmed (the option's victims are its doing). A campaign's and a fleet's."""
+    for option in options_of(trace):
+        if option_signature(option) in found:
+            trace = without_option(trace, option)
+    return trace
 
 
 def candidate_to_dict(c: Candidate) -> dict:
