@@ -14,6 +14,11 @@ the campaign's database: every execution is stored with the id of the target it 
   is confirmed again only now and then (:class:`fuzzer.search.confirming.Families`) and children
   lose the disconnects of a confirmed leak's way; a leak of several ways is confirmed as it is
   (a campaign confirms it one way at a time).
+- As in a campaign, a sampling option (seed, logprobs) that enough requests ran beside is tested
+  against the same trace without it (fuzzer.oracle.ablation) before the execution's latency
+  candidates: a confirmation of kind ``option-slowdown``, a few times per option on growing
+  batches (the counts are checkpointed), never once found. Once found, latency candidates of
+  traces carrying the option (queued ones too) are confirmed on the trace without it.
 - A worker (or its node) that dies is detected when its task is collected: its target is
   marked down, its fuzzing work goes to the others, its confirmations to a target of the
   same kind (or stay pending until one is up). A server that cannot be reached several
@@ -33,13 +38,16 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fuzzer.errors import FuzzError, TargetError
+from fuzzer.execution import ExecutionResult
 from fuzzer.fleet.pool import WorkerLost
 from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, to_state
 from fuzzer.fleet.targets import FleetTarget
+from fuzzer.oracle.ablation import carriers, options_of, suspects, without_option
+from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind
-from fuzzer.oracle.signature import family, signature
+from fuzzer.oracle.signature import family, option_signature, signature
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import Families, recently_rejected
+from fuzzer.search.confirming import Families, candidate_to_dict, option_due, recently_rejected, without_found_options
 from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats, without_found_leaks
 from fuzzer.search.settings import ExitReason, Settings, stop_reason
 from fuzzer.store import Store
@@ -105,6 +113,8 @@ class Coordinator:
         self.found: set[str] = {f.signature for f in store.list_findings()}
         #: The back-off of found families, as a campaign's (fuzzer.search.confirming.Families).
         self.families = Families(store.list_findings())
+        #: Sampling option -> (times tested against its ablation, the most requests beside it in a test).
+        self.option_tests: dict[str, tuple[int, int]] = {}
         self.new_findings: list[tuple[int, str, str]] = []
         self._inflight: dict[Any, tuple[str, Task]] = {}
         self._since_checkpoint = 0
@@ -131,6 +141,7 @@ class Coordinator:
             self.retry, self.orphans = from_state(self.targets, state, self.store.get_trace)
             self.rejected = dict(state.get("rejected", {}))
             self.families.seen = dict(state.get("family_seen", {}))
+            self.option_tests = {k: (int(v[0]), int(v[1])) for k, v in state.get("option_tests", {}).items()}
         self._operators = OperatorStats.from_dict(state.get("operators", {}))
         return latest is not None and "fleet" in latest["settings"]
 
@@ -225,8 +236,8 @@ class Coordinator:
 
     def _next_task(self, t: TargetState) -> Task:
         """Confirmations first, then a due sync batch, work a lost worker left, seeds, fuzzing."""
-        if t.confirm:
-            return t.confirm.popleft()
+        if (task := self._next_confirmation(t)) is not None:
+            return task
         if t.inbox and (t.syncing or len(t.inbox) >= SYNC_BATCH or t.since_sync >= SYNC_EVERY):
             t.syncing, t.since_sync = len(t.inbox) > 1, 0  # the rest of the batch follows at once
             return t.inbox.popleft()
@@ -296,17 +307,72 @@ class Coordinator:
             for other in self.targets.values():
                 if other is not t and other.status == UP:
                     other.inbox.append(Task("sync", task.trace, operators=("sync",)))
+        # A sampling option slowing everyone first: its victims' latencies are then its doing.
+        self._test_option(t, task.trace, done.result)
+        # Latency candidates of a trace with a found option-slowdown's option are confirmed without it.
+        plain = without_found_options(task.trace, self.found)
         sighted: set[str] = set()  # a found family is sighted once per execution
         for candidate in done.candidates:
             kind, victim = FindingKind(candidate["kind"]), candidate.get("request_id")
-            key = signature(kind, task.trace, victim)
+            judged = plain if candidate.get("metric") is not None else task.trace
+            key = signature(kind, judged, victim)
             if self._skip(key):
                 continue
-            if self.families.pass_over(family(kind, task.trace, victim, self._kv(t)), sighted):
+            if self.families.pass_over(family(kind, judged, victim, self._kv(t)), sighted):
                 continue
-            t.confirm.append(Task("confirm", task.trace, candidate=candidate, key=key))
+            if judged is not task.trace:
+                self.store.put_trace(judged)  # a checkpointed task names its trace by hash
+            t.confirm.append(Task("confirm", judged, candidate=candidate, key=key))
             self._checkpoint(force=True)  # a candidate must survive the coordinator
             break  # one confirmation per execution keeps the fuzzing going
+
+    def _test_option(self, t: TargetState, trace: Trace, result: ExecutionResult) -> None:
+        """Queue the test of a sampling option of ``trace`` against its ablation when one is due
+        (fuzzer.search.confirming.option_due: the campaign's rule), counted when queued."""
+        policy = self.settings.policy
+        due = option_due(suspects(trace, result, policy), self.option_tests, self.found, policy)
+        if due is None:
+            return
+        option, overlap = due
+        key = option_signature(option)
+        if self._skip(key):  # queued or under way (on this target or another)
+            return
+        tests, largest = self.option_tests.get(option, (0, 0))
+        self.option_tests[option] = (tests + 1, max(largest, overlap))
+        candidate = Candidate(FindingKind.OPTION_SLOWDOWN, carriers(trace, option)[0], detail=option)
+        t.confirm.append(Task("confirm", trace, candidate=candidate_to_dict(candidate), key=key))
+        self._checkpoint(force=True)
+
+    def _next_confirmation(self, t: TargetState) -> Task | None:
+        """The first confirmation queued on ``t`` that may run now: a latency candidate of a trace whose option
+        is being tested (here or on another target) waits for the test, as in a campaign it comes after it."""
+        testing = {task.key for q in self.targets.values() for task in q.confirm if _option_of(task) is not None}
+        testing |= {task.key for _, task in self._inflight.values() if _option_of(task) is not None}
+        testing -= self.found  # a found option's re-checks: its victims are confirmed without it at once
+        waiting: list[Task] = []
+        chosen = None
+        while t.confirm and chosen is None:
+            task = t.confirm.popleft()
+            if _is_latency(task) and any(option_signature(o) in testing for o in options_of(task.trace)):
+                waiting.append(task)
+            else:
+                chosen = self._without_found_options(task)
+        t.confirm.extendleft(reversed(waiting))
+        return chosen
+
+    def _without_found_options(self, task: Task) -> Task | None:
+        """A latency candidate queued before an option-slowdown of its trace's option was found is confirmed
+        on the trace without it, as a campaign confirms one seen after (None: known or rejected there)."""
+        if not _is_latency(task):
+            return task
+        plain = without_found_options(task.trace, self.found)
+        if plain is task.trace:
+            return task
+        key = signature(FindingKind(task.candidate["kind"]), plain, task.candidate.get("request_id"))
+        if self._skip(key):
+            return None
+        self.store.put_trace(plain)
+        return replace(task, trace=plain, key=key)
 
     def _skip(self, key: str) -> bool:
         if key in self.found or any(q.key == key for t in self.targets.values() for q in t.confirm):
@@ -316,14 +382,20 @@ class Coordinator:
         return recently_rejected(self.rejected, key)
 
     def _confirmed(self, t: TargetState, task: Task, done) -> None:
+        option = _option_of(task)
+        ran = {task.trace.content_hash(): task.trace}
+        if option is not None:  # the test's other runs are of the trace without the option
+            ablated = without_option(task.trace, option)
+            ran[ablated.content_hash()] = ablated
         for run in done.runs:
-            self._record(t, task.trace, run, task.kind)
+            self._record(t, ran.get(run.trace_hash, task.trace), run, task.kind)
         verdict = Verdict.from_dict(done.verdict)
         if task.kind == "recheck":
             self._rechecked(t, task, verdict)
             return
         if not verdict.is_finding:
-            self.rejected[task.key] = 0
+            if option is None:  # an option's tests are counted instead (option_tests)
+                self.rejected[task.key] = 0
             return
         sig = verdict.signature or task.key
         details = {"request_id": verdict.request_id, "pre_signature": task.key, "target": t.name,
@@ -414,6 +486,7 @@ class Coordinator:
             "operators": self._operators.to_dict(),
             "rejected": self.rejected,
             "family_seen": self.families.seen,
+            "option_tests": {k: list(v) for k, v in self.option_tests.items()},
             **self._state(),
             "stats": {"executions": self.executions, "elapsed_s": elapsed,
                       "execs_per_min": 60.0 * self._stored_here / elapsed,
@@ -423,6 +496,18 @@ class Coordinator:
         self.store.save_campaign(self.campaign_id, state=state, status=status, new_features=self._new_features)
         self._new_features = {}
         self._since_checkpoint = 0
+
+
+def _option_of(task: Task) -> str | None:
+    """The sampling option a confirmation tests (an option-slowdown's detail), else None."""
+    if task.candidate is None or task.candidate.get("kind") != str(FindingKind.OPTION_SLOWDOWN):
+        return None
+    return task.candidate.get("detail") or None
+
+
+def _is_latency(task: Task) -> bool:
+    """Whether ``task`` confirms a latency candidate (one with a metric) first seen in this fleet."""
+    return task.kind == "confirm" and task.candidate is not None and task.candidate.get("metric") is not None
 
 
 def _narrowest(limits: Sequence[Limits], settings: Limits) -> Limits:

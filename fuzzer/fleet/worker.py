@@ -9,7 +9,9 @@ executions by a calibration of its own target. The worker's typed tasks:
 - :meth:`Worker.execute`: run one trace, return the execution, its candidates (by this
   target's calibration) and its coverage.
 - :meth:`Worker.confirm`: re-run a trace until the oracle decides a candidate; returns the
-  verdict and every run (the coordinator stores them: it is the only writer).
+  verdict and every run (the coordinator stores them: it is the only writer). A candidate of
+  kind ``option-slowdown`` (its detail the option) is the option's test against the trace
+  without it (fuzzer.oracle.ablation.confirm_option).
 
 Plain Python with its own event loop on its own thread (an actor's methods are called one at a time); values
 crossing Ray are the seam's frozen dataclasses and plain dicts.
@@ -32,9 +34,11 @@ import numpy as np
 from fuzzer.execution import ExecutionResult
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.oracle import judge
+from fuzzer.oracle.ablation import confirm_option
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
+from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
 from fuzzer.search.coverage import Coverage, calibrated
@@ -119,13 +123,18 @@ class Worker:
         return Executed(result, tuple(candidate_to_dict(c) for c in found), coverage, time.perf_counter() - start)
 
     def confirm(self, trace: Trace, candidate: dict) -> Confirmed:
+        """Confirm ``candidate`` on ``trace``; an option-slowdown's is the test of its option (its detail)."""
         start = time.perf_counter()
         runs: list[ExecutionResult] = []
         assert self.calibration is not None
-        verdict = self._run(confirm(
-            _Recording(self._target, runs), trace, candidate_from_dict(candidate), self.calibration,
-            rng=self._np_rng, policy=self._policy, futility=self._futility,
-        ))
+        target = _Recording(self._target, runs)
+        wanted = candidate_from_dict(candidate)
+        if wanted.kind is FindingKind.OPTION_SLOWDOWN:
+            verdict = self._run(confirm_option(target, trace, wanted.detail, policy=self._policy,
+                                               futility=self._futility))
+        else:
+            verdict = self._run(confirm(target, trace, wanted, self.calibration, rng=self._np_rng,
+                                        policy=self._policy, futility=self._futility))
         return Confirmed(verdict.to_dict(), tuple(runs), time.perf_counter() - start)
 
     def ping(self) -> str:

@@ -1,0 +1,202 @@
+"""A fleet campaign's option-slowdown test, as a single-target campaign's.
+
+No Ray: the workers run in this process, each task when it is submitted (:class:`InlinePool`, a
+stand-in for fuzzer.fleet.pool.RayPool), on paper targets (tests/paper_target.py), so every test
+takes well under a second of server time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+from paper_target import PaperTarget
+from test_ablation import _seeded_batch
+
+from fuzzer.fleet.coordinator import Coordinator
+from fuzzer.fleet.state import UP, Task
+from fuzzer.fleet.targets import FleetTarget
+from fuzzer.fleet.worker import Worker
+from fuzzer.oracle.ablation import without_option
+from fuzzer.oracle.judge import Candidate
+from fuzzer.oracle.kinds import Decision, FindingKind
+from fuzzer.oracle.signature import option_signature
+from fuzzer.oracle.verdict import Verdict
+from fuzzer.search.confirming import candidate_to_dict
+from fuzzer.search.coverage import Coverage
+from fuzzer.search.mutators import Limits, NullMutator
+from fuzzer.search.settings import ExitReason, Settings
+from fuzzer.store import Store
+
+LIMITS = Limits(max_requests=10, max_output_tokens=128)
+
+
+class _Paper(PaperTarget):
+    info = None  # what a worker reads of a server's /version and friends: nothing here
+
+
+class _Worker(Worker):
+    """A worker whose target is given (not opened over HTTP)."""
+
+    def __init__(self, spec, target, **options):
+        super().__init__(spec, **options)
+        self._given = target
+
+    async def _open(self):
+        return self._given
+
+
+class InlinePool:
+    """RayPool's stand-in: workers in this process, a task run when submitted; ``calls`` records
+    (target, method, arguments) of every task."""
+
+    def __init__(self, targets, **worker_options):
+        self._targets = targets
+        self._worker_options = worker_options
+        self.workers: dict[str, Worker] = {}
+        self.calls: list[tuple[str, str, tuple]] = []
+        self._done: dict[int, tuple[object, BaseException | None]] = {}
+        self._refs = itertools.count()
+
+    def spawn(self, spec, **options):
+        self.workers[spec.name] = _Worker(spec, self._targets[spec.name], **options, **self._worker_options)
+
+    def submit(self, name, method, *args):
+        ref = next(self._refs)
+        self.calls.append((name, method, args))
+        try:
+            self._done[ref] = (getattr(self.workers[name], method)(*args), None)
+        except Exception as e:  # noqa: BLE001 - surfaces at get, as a Ray task's error
+            self._done[ref] = (None, e)
+        return ref
+
+    def wait(self, refs, timeout_s):
+        return list(refs)
+
+    def get(self, ref, name, timeout_s=None):
+        value, error = self._done.pop(ref)
+        if error is not None:
+            raise error
+        return value
+
+    def close(self):
+        for worker in self.workers.values():
+            worker.stop()
+
+
+def _fleet(store, targets, settings, seeds, **options):
+    pool = InlinePool({name: target for name, (target, _) in targets.items()}, **options.pop("worker", {}))
+    specs = [FleetTarget(name, url=f"http://127.0.0.1:{9000 + i}", kind=kind)
+             for i, (name, (_, kind)) in enumerate(targets.items())]
+    try:
+        summary = Coordinator(pool, specs, store, settings, seeds=seeds, **options).run()
+    finally:
+        pool.close()
+    return summary, pool
+
+
+def _executions(store):
+    """Every stored execution with its trace hash, in order (ids of a fresh database count from 1)."""
+    return [store.get_execution(i) for i in range(1, store.count_executions() + 1)]
+
+
+def test_a_fleet_tests_a_seed_that_slows_the_batch_before_its_victims_and_rechecks_it_on_its_kind(tmp_path):
+    # 2.5x: the other requests are over their bounds too, and would be confirmed as e2e outliers of
+    # whichever stream the judge ranks first, the seed nowhere in the finding (without the test).
+    with Store.open(tmp_path / "fleet.db") as store:
+        trace = _seeded_batch()
+        summary, pool = _fleet(store, {"a": (_Paper(seeded_slowdown=2.5, seed=1), "k"),
+                                       "b": (_Paper(seeded_slowdown=2.5, seed=2), "k")},
+                               Settings(max_execs=16, seed=1, limits=LIMITS), [trace])
+        findings = store.list_findings()
+        assert summary.reason is ExitReason.MAX_EXECS
+        assert [f.kind for f in findings] == ["option-slowdown"], [(f.kind, f.details) for f in findings]
+        [found] = findings
+        assert found.signature == option_signature("seed") and found.trace_hash == trace.content_hash()
+        assert found.details["request_id"] == "carrier"
+        # First confirmed where it was seen, then re-checked on the other target of the kind.
+        assert set(found.details["targets"]) == {"a", "b"}
+        assert all(outcome.startswith("3/") for outcome in found.details["targets"].values()), found.details
+        # The test's runs alternate the trace and the trace without the seed: both are stored.
+        ablated = without_option(trace, "seed").content_hash()
+        ran = [e.trace_hash for e in _executions(store)]
+        assert ran.count(ablated) >= 6
+        # The option test was the first confirmation of the campaign (before the seed's victims).
+        methods = [(name, method, args[1]["kind"]) for name, method, args in pool.calls if method == "confirm"]
+        assert methods[0] == ("a", "confirm", "option-slowdown")
+        # A latency candidate of a seeded trace is confirmed on the trace without the seed.
+        latency = [args for _, method, args in pool.calls if method == "confirm" and args[1]["metric"] is not None]
+        assert latency and all(r.seed is None for args in latency for r in args[0].requests)
+        state = store.latest_campaign()["state"]
+        assert state["option_tests"] == {"seed": [1, 16]}
+
+
+def _coordinator(store, settings=None):
+    coordinator = Coordinator(None, [FleetTarget("a", url="http://127.0.0.1:1", kind="k"),
+                                     FleetTarget("b", url="http://127.0.0.1:2", kind="k")], store,
+                              settings or Settings())
+    coordinator._open()
+    coordinator.mutator = NullMutator(Limits())
+    for t in coordinator.targets.values():
+        t.status, t.info = UP, {"limits": Limits().to_dict()}
+    return coordinator
+
+
+def _run(coordinator, name, trace, target):
+    """What a worker's execute task returns for ``trace`` on ``target`` (no candidate of its own)."""
+    result = target.run(trace)
+    store = coordinator.store
+    store.put_trace(trace)
+    coordinator._executed(coordinator.targets[name], Task("fuzz", trace, operators=("x",)),
+                          SimpleNamespace(result=result, coverage=Coverage(frozenset({trace.content_hash()})),
+                                          candidates=[]))
+
+
+def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_the_counts(store):
+    """At most option_tests times, each on a batch option_growth times larger than the largest
+    tested, never twice at once; a test that came back SAME is no rejection (the counts decide);
+    a resumed fleet takes the counts up."""
+    coordinator = _coordinator(store)
+    a, b = coordinator.targets["a"], coordinator.targets["b"]
+    target = PaperTarget(seed=3)
+    _run(coordinator, "a", _seeded_batch(), target)
+    [task] = a.confirm
+    assert task.kind == "confirm" and task.key == option_signature("seed")
+    assert (task.candidate["kind"], task.candidate["request_id"], task.candidate["detail"]) == (
+        "option-slowdown", "carrier", "seed")
+    assert coordinator.option_tests == {"seed": (1, 16)}
+    _run(coordinator, "b", _seeded_batch(rows=40), target)  # queued on a already: not again, not counted
+    assert not b.confirm and coordinator.option_tests == {"seed": (1, 16)}
+    # It came back SAME.
+    a.confirm.clear()
+    same = Verdict(None, Decision.SAME, "test", request_id="carrier")
+    coordinator._confirmed(a, task, SimpleNamespace(runs=[], verdict=same.to_dict()))
+    assert task.key not in coordinator.rejected and not store.list_findings()
+    _run(coordinator, "a", _seeded_batch(rows=20), target)  # not 1.5 x 16 requests beside it
+    assert not a.confirm
+    _run(coordinator, "a", _seeded_batch(rows=24), target)
+    assert [t.key for t in a.confirm] == [option_signature("seed")] and coordinator.option_tests == {"seed": (2, 24)}
+    coordinator._checkpoint(force=True)
+    resumed = _coordinator(store)
+    assert resumed.option_tests == {"seed": (2, 24)}
+    assert [t.candidate["kind"] for t in resumed.targets["a"].confirm] == ["option-slowdown"]
+
+
+def test_latency_candidates_queued_before_their_options_slowdown_was_found_are_confirmed_without_it(store):
+    coordinator = _coordinator(store)
+    a = coordinator.targets["a"]
+    trace = _seeded_batch()
+    store.put_trace(trace)
+    victim = {"kind": str(FindingKind.E2E_OUTLIER), "request_id": "row3", "metric": "e2e", "ratio": 2.5,
+              "after_idle": False, "detail": ""}
+    a.confirm.append(Task("confirm", trace, candidate=victim, key="k-seeded"))
+    coordinator.found.add(option_signature("seed"))
+    task = coordinator._next_task(a)
+    assert task.candidate == victim and task.key != "k-seeded"
+    assert all(r.seed is None for r in task.trace.requests)
+    assert store.get_trace(task.trace.content_hash()) == task.trace  # a checkpoint names it by hash
+    # The option's own test, and a candidate without a latency, keep the trace they were seen on.
+    test = Task("confirm", trace, candidate=candidate_to_dict(
+        Candidate(FindingKind.OPTION_SLOWDOWN, "carrier", detail="seed")), key=option_signature("logprobs"))
+    a.confirm.append(test)
+    assert coordinator._next_task(a) is test
