@@ -1,8 +1,8 @@
-"""A fleet campaign's option-slowdown test, as a single-target campaign's.
+"""A fleet campaign's option-slowdown test and per-execution time cap, as a single-target campaign's.
 
 No Ray: the workers run in this process, each task when it is submitted (:class:`InlinePool`, a
-stand-in for fuzzer.fleet.pool.RayPool), on paper targets (tests/paper_target.py), so every test
-takes well under a second of server time.
+stand-in for fuzzer.fleet.pool.RayPool), on paper targets (tests/paper_target.py) or the simulator
+on virtual time, so every test takes well under a second of server time.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from test_ablation import _seeded_batch
 from fuzzer.fleet.coordinator import Coordinator
 from fuzzer.fleet.state import UP, Task
 from fuzzer.fleet.targets import FleetTarget
-from fuzzer.fleet.worker import Worker
+from fuzzer.fleet.worker import TimeCap, Worker
 from fuzzer.oracle.ablation import without_option
 from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import Decision, FindingKind
@@ -25,14 +25,21 @@ from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.confirming import candidate_to_dict
 from fuzzer.search.coverage import Coverage
 from fuzzer.search.mutators import Limits, NullMutator
+from fuzzer.search.pacing import execution_cut_s
 from fuzzer.search.settings import ExitReason, Settings
+from fuzzer.sim.virtual import VirtualTarget
 from fuzzer.store import Store
+from fuzzer.trace import Request, Trace
 
 LIMITS = Limits(max_requests=10, max_output_tokens=128)
 
 
 class _Paper(PaperTarget):
     info = None  # what a worker reads of a server's /version and friends: nothing here
+
+
+class _Virtual(VirtualTarget):
+    info = None
 
 
 class _Worker(Worker):
@@ -200,3 +207,66 @@ def test_latency_candidates_queued_before_their_options_slowdown_was_found_are_c
         Candidate(FindingKind.OPTION_SLOWDOWN, "carrier", detail="seed")), key=option_signature("logprobs"))
     a.confirm.append(test)
     assert coordinator._next_task(a) is test
+
+
+def _long_seed() -> Trace:
+    """Two requests of 1024 output tokens: 3.6 seconds on the simulator (virtual time)."""
+    return Trace(requests=tuple(Request(id=f"r{i}", at_ms=float(i), prompt_tokens=64, max_tokens=1024)
+                                for i in range(2)))
+
+
+def test_with_a_duration_every_fleet_execution_is_capped_and_what_runs_past_the_cap_is_closed(tmp_path):
+    """The cap of a campaign (fuzzer.search.pacing.execution_cut_s): near the end of a 20-second
+    campaign the budget (1 s) past it; the fleet's clock stands at 19 s once it has started."""
+    ticks = iter([0.0])
+
+    def clock():
+        return next(ticks, 19.0)
+
+    with Store.open(tmp_path / "fleet.db") as store:
+        _, pool = _fleet(store, {"a": (_Virtual(seed=1), "k")},
+                         Settings(max_execs=2, duration_s=20.0, seed=1, limits=LIMITS, mutator="null"),
+                         [_long_seed()], clock=clock, worker={"clock": lambda: 0.0})
+        executions = _executions(store)
+    caps = [args[-1] for _, method, args in pool.calls if method in ("execute", "confirm")]
+    assert caps and all(c == TimeCap(20.0, 19.0) for c in caps)
+    seed = executions[0]
+    assert seed.trace_hash == _long_seed().content_hash()
+    assert seed.duration_s <= 1.0 + 0.1, seed.duration_s
+    assert any(r.outcome.value == "cut" for r in seed.requests), [r.outcome for r in seed.requests]
+
+
+def test_a_worker_caps_each_run_of_a_task_by_its_own_fcfs_bound_as_a_campaign_does():
+    class Recording(_Paper):
+        def __init__(self):
+            super().__init__(seed=4)
+            self.cuts = []
+
+        async def execute(self, trace, *, cut_s=None):
+            self.cuts.append(cut_s)
+            return self.run(trace)
+
+    now = [100.0]
+    target = Recording()
+    worker = _Worker(FleetTarget("a", url="http://127.0.0.1:1"), target, seed=1, clock=lambda: now[0])
+    try:
+        worker.start()
+        trace = _seeded_batch()
+        worker.execute(trace)
+        assert target.cuts[-1] is None  # no --duration: no cap
+        target.cuts.clear()
+        worker.execute(trace, TimeCap(600.0, 10.0))
+        expected = worker.expected_end_s(trace)
+        assert expected and target.cuts == [execution_cut_s(600.0, 10.0, expected, worker._policy.factor)]
+        # A confirmation's runs are capped too (a campaign's are: each is one of its executions), the
+        # ablated trace's by its own bound, with the time the task has taken so far.
+        target.cuts.clear()
+        ticking = iter(range(1000))
+        worker._clock = lambda: 100.0 + 590.0 * min(1, next(ticking))
+        candidate = candidate_to_dict(Candidate(FindingKind.OPTION_SLOWDOWN, "carrier", detail="seed"))
+        done = worker.confirm(trace, candidate, TimeCap(600.0, 0.0))
+        assert len(target.cuts) == len(done.runs) >= 2
+        assert target.cuts[0] == execution_cut_s(600.0, 590.0, expected, worker._policy.factor)
+        assert all(c is not None for c in target.cuts)
+    finally:
+        worker.stop()

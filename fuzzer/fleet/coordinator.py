@@ -19,6 +19,8 @@ the campaign's database: every execution is stored with the id of the target it 
   candidates: a confirmation of kind ``option-slowdown``, a few times per option on growing
   batches (the counts are checkpointed), never once found. Once found, latency candidates of
   traces carrying the option (queued ones too) are confirmed on the trace without it.
+- With ``--duration`` every task goes with a :class:`~fuzzer.fleet.worker.TimeCap`: its worker caps
+  each run as a campaign caps its executions (confirmation runs too).
 - A worker (or its node) that dies is detected when its task is collected: its target is
   marked down, its fuzzing work goes to the others, its confirmations to a target of the
   same kind (or stay pending until one is up). A server that cannot be reached several
@@ -42,6 +44,7 @@ from fuzzer.execution import ExecutionResult
 from fuzzer.fleet.pool import WorkerLost
 from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, to_state
 from fuzzer.fleet.targets import FleetTarget
+from fuzzer.fleet.worker import TimeCap
 from fuzzer.oracle.ablation import carriers, options_of, suspects, without_option
 from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind
@@ -231,8 +234,16 @@ class Coordinator:
             if budget is not None and budget <= len(self._inflight):
                 return  # the executions still to come fill --max-execs
             task = self._next_task(t)
+            cap = self._cap()
             self._inflight[self.pool.submit(t.name, "confirm" if task.candidate else "execute",
-                                            *((task.trace, task.candidate) if task.candidate else (task.trace,)))] = (t.name, task)
+                                            *((task.trace, task.candidate, cap) if task.candidate else (task.trace, cap)))
+                           ] = (t.name, task)
+
+    def _cap(self) -> TimeCap | None:
+        """What a worker needs to cap a task's runs (None: no --duration, no cap)."""
+        if self.settings.duration_s is None:
+            return None
+        return TimeCap(self.settings.duration_s, self._clock() - self._started)
 
     def _next_task(self, t: TargetState) -> Task:
         """Confirmations first, then a due sync batch, work a lost worker left, seeds, fuzzing."""

@@ -13,6 +13,11 @@ executions by a calibration of its own target. The worker's typed tasks:
   kind ``option-slowdown`` (its detail the option) is the option's test against the trace
   without it (fuzzer.oracle.ablation.confirm_option).
 
+With ``--duration`` each task comes with a :class:`TimeCap` (the campaign's duration and how
+far into it the task was sent): every run of the task is capped as a campaign caps its
+executions (fuzzer.search.pacing.execution_cut_s), by the end of the trace's FCFS schedule
+under this worker's calibration.
+
 Plain Python with its own event loop on its own thread (an actor's methods are called one at a time); values
 crossing Ray are the seam's frozen dataclasses and plain dicts.
 """
@@ -26,6 +31,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,14 +44,25 @@ from fuzzer.oracle.ablation import confirm_option
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
+from fuzzer.oracle.expectation import expect
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.mutators import Limits
+from fuzzer.search.pacing import execution_cut_s
 from fuzzer.trace import Trace
 
 API_KEY_ENV = "OPENAI_API_KEY"
+
+
+@dataclass(frozen=True)
+class TimeCap:
+    """What a worker needs to cap a task's runs as a campaign with ``--duration`` caps its executions."""
+
+    duration_s: float
+    #: Seconds into the campaign when the coordinator sent the task.
+    elapsed_s: float
 
 
 @dataclass(frozen=True)
@@ -73,8 +90,11 @@ class Worker:
     """Owns one target of the fleet; see the module doc."""
 
     def __init__(self, target: FleetTarget, *, seed: int, policy: dict[str, Any] | None = None,
-                 futility: bool = True, max_age_s: float | None = None):
+                 futility: bool = True, max_age_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.spec = target
+        #: Times a task's runs into the campaign (its TimeCap's elapsed_s is when it was sent).
+        self._clock = clock
         self._seed = seed
         self._rng = random.Random(seed)
         self._np_rng = np.random.default_rng(seed)
@@ -87,6 +107,9 @@ class Worker:
         self._stack = contextlib.AsyncExitStack()
         self._target = None
         self.calibration: Calibration | None = None
+        #: Trace hash -> the end of its FCFS schedule, under self._expected_of.
+        self._expected: dict[str, float | None] = {}
+        self._expected_of: Calibration | None = None
 
     # --- tasks -----------------------------------------------------------------------
 
@@ -112,9 +135,9 @@ class Worker:
             "measured": measured[-1].to_dict() if measured else None,
         }
 
-    def execute(self, trace: Trace) -> Executed:
+    def execute(self, trace: Trace, cap: TimeCap | None = None) -> Executed:
         start = time.perf_counter()
-        result = self._run(self._target.execute(trace))
+        result = self._run(self._target.execute(trace, cut_s=self._capper(cap)(trace)))
         assert self.calibration is not None
         if self.calibration.assumption.kv_blocks is None:
             self.calibration = with_target_kv(self.calibration, self._target)
@@ -122,12 +145,12 @@ class Worker:
         coverage = calibrated(trace, result, self.calibration)
         return Executed(result, tuple(candidate_to_dict(c) for c in found), coverage, time.perf_counter() - start)
 
-    def confirm(self, trace: Trace, candidate: dict) -> Confirmed:
+    def confirm(self, trace: Trace, candidate: dict, cap: TimeCap | None = None) -> Confirmed:
         """Confirm ``candidate`` on ``trace``; an option-slowdown's is the test of its option (its detail)."""
         start = time.perf_counter()
         runs: list[ExecutionResult] = []
         assert self.calibration is not None
-        target = _Recording(self._target, runs)
+        target = _Recording(self._target, runs, self._capper(cap))
         wanted = candidate_from_dict(candidate)
         if wanted.kind is FindingKind.OPTION_SLOWDOWN:
             verdict = self._run(confirm_option(target, trace, wanted.detail, policy=self._policy,
@@ -136,6 +159,32 @@ class Worker:
             verdict = self._run(confirm(target, trace, wanted, self.calibration, rng=self._np_rng,
                                         policy=self._policy, futility=self._futility))
         return Confirmed(verdict.to_dict(), tuple(runs), time.perf_counter() - start)
+
+    def _capper(self, cap: TimeCap | None) -> Callable[[Trace], float | None]:
+        """The time cap of each run of a task sent with ``cap`` (None: no --duration, no cap), as a campaign's
+        (fuzzer.search.pacing.execution_cut_s): the task's time on this worker is added to its elapsed_s."""
+        received = self._clock()
+
+        def cut_s(trace: Trace) -> float | None:
+            if cap is None:
+                return None
+            elapsed_s = cap.elapsed_s + self._clock() - received
+            return execution_cut_s(cap.duration_s, elapsed_s, self.expected_end_s(trace), self._policy.factor)
+
+        return cut_s
+
+    def expected_end_s(self, trace: Trace) -> float | None:
+        """When ``trace`` would end by its FCFS bounds under this worker's calibration (None: not calibrated),
+        as fuzzer.search.campaign.Campaign.expected_duration_s; kept per calibration."""
+        if self.calibration is None or not trace.requests:
+            return None
+        if self._expected_of is not self.calibration:
+            self._expected, self._expected_of = {}, self.calibration
+        digest = trace.content_hash()
+        if digest not in self._expected:
+            bounds = expect(trace, self.calibration.model, self.calibration.assumption)
+            self._expected[digest] = max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+        return self._expected[digest]
 
     def ping(self) -> str:
         return self.spec.name
@@ -172,18 +221,22 @@ class Worker:
 
 
 class _Recording:
-    """The worker's target for a confirmation: every run is kept for the coordinator to store."""
+    """The worker's target for a confirmation: every run is kept for the coordinator to store, and capped
+    by ``cut_s`` (trace -> its time cap, None: none) as a campaign caps its confirmation runs."""
 
-    def __init__(self, target, runs: list[ExecutionResult]):
+    def __init__(self, target, runs: list[ExecutionResult],
+                 cut_s: Callable[[Trace], float | None] = lambda trace: None):
         self._target = target
         self._runs = runs
+        self._cut_s = cut_s
         self.name = target.name
         fresh_start = getattr(target, "fresh_start", None)
         if fresh_start is not None:
             self.fresh_start = fresh_start
 
     async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
-        result = await self._target.execute(trace, cut_s=cut_s)
+        own = self._cut_s(trace)
+        result = await self._target.execute(trace, cut_s=own if own is not None else cut_s)
         self._runs.append(result)
         return result
 
