@@ -44,7 +44,7 @@ from fuzzer.oracle.ablation import confirm_option
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
-from fuzzer.oracle.expectation import expect
+from fuzzer.oracle.expectation import schedule_end_s
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
@@ -182,8 +182,7 @@ class Worker:
             self._expected, self._expected_of = {}, self.calibration
         digest = trace.content_hash()
         if digest not in self._expected:
-            bounds = expect(trace, self.calibration.model, self.calibration.assumption)
-            self._expected[digest] = max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+            self._expected[digest] = schedule_end_s(trace, self.calibration.model, self.calibration.assumption)
         return self._expected[digest]
 
     def ping(self) -> str:

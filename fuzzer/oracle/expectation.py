@@ -343,3 +343,8 @@ def _idle(prompt: int, out: int, model: StepModel, assumption: SchedulerAssumpti
     return Expectation("alone", ttft, itl, e2e, ttft, itl, e2e, cached)
 
 
+def schedule_end_s(trace: Trace, model: StepModel, assumption: SchedulerAssumption) -> float:
+    """When the last request of ``trace`` ends by its FCFS bounds, in seconds from the trace's start
+    (a campaign's and a fleet worker's execution budget and time cap)."""
+    bounds = expect(trace, model, assumption)
+    return max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)

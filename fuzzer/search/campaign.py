@@ -43,7 +43,7 @@ from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
-from fuzzer.oracle.expectation import expect
+from fuzzer.oracle.expectation import schedule_end_s
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
@@ -383,8 +383,7 @@ class Campaign:
         if self._expected_of is not self.calibration:
             self._expected, self._expected_of = {}, self.calibration
         if (digest := digest or trace.content_hash()) not in self._expected:
-            bounds = expect(trace, self.calibration.model, self.calibration.assumption)
-            self._expected[digest] = max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+            self._expected[digest] = schedule_end_s(trace, self.calibration.model, self.calibration.assumption)
         return self._expected[digest]
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
