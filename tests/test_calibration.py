@@ -329,6 +329,22 @@ async def test_a_token_budget_larger_than_the_assumed_one_is_measured():
     assert named.assumption.token_budget == 4096
 
 
+async def test_a_busy_host_is_not_a_larger_token_budget():
+    # CI, stop 36: llama-server at its 2048-token n_batch was measured at 8192 while other jobs
+    # shared the machine's two cores. A busy host makes every step longer; a larger budget makes
+    # fewer of them.
+    from fuzzer.oracle.chunkcap import token_budget
+
+    target = PaperTarget(noise=0.01)
+    cal = await calibrate(target, rng=random.Random(1), clock=lambda: 0.0, measure_budget=False)
+    busy = replace(TRUE, overhead_s=TRUE.overhead_s * 3, prefill_token_s=TRUE.prefill_token_s * 3,
+                   decode_seq_s=TRUE.decode_seq_s * 3)
+    assert await token_budget(PaperTarget(busy, noise=0.01), cal, 16384) == 0
+    # The control: the same probe on a server whose budget is larger measures it.
+    larger = PaperTarget(noise=0.01, assumption=SchedulerAssumption(token_budget=8192))
+    assert await token_budget(larger, cal, 16384) == 8192
+
+
 async def test_a_steps_cost_for_computing_any_prompt_is_moved_from_the_request_overhead_into_the_steps():
     # The third held-out server, a 30B mixture-of-experts model: a step computing a 128-token prompt
     # reads every expert (26 ms) where a decode step reads a few (5.7 ms). Idle probes put those 20 ms
