@@ -375,3 +375,32 @@ async def test_a_fit_with_no_decode_step_skips_the_prefill_step_probe():
     target = PaperTarget()
     assert await prefill_step_floor(target, flat) == 0.0
     assert target.executions == 0
+
+
+async def test_fewer_seats_than_assumed_are_measured_and_bound_the_waits():
+    # Stop 36: a clean vLLM-like server started with --max-num-seqs 16 gave three confirmed
+    # ttft-outliers (29-362x) in a 10-minute campaign, each a request that waited for a seat the
+    # assumed 256 gave it on paper.
+    from fuzzer.oracle import judge
+    from fuzzer.oracle.seats import seat_count
+    from fuzzer.trace import Request, Trace
+
+    small = PaperTarget(noise=0.01, assumption=SchedulerAssumption(max_num_seqs=16))
+    assert await seat_count(small) == 16
+    cal = await calibrate(small, rng=random.Random(1), clock=lambda: 0.0)
+    assert cal.assumption.max_num_seqs == 16 and "max_num_seqs measured" in cal.assumption.source
+    crowd = Trace(requests=tuple(Request(id=f"q{i}", at_ms=float(i), prompt_tokens=64, max_tokens=64)
+                                 for i in range(40)))
+    result = small.run(crowd)
+    assert judge.candidates(crowd, result, cal) == []
+    unmeasured = await calibrate(PaperTarget(noise=0.01, assumption=SchedulerAssumption(max_num_seqs=16)),
+                                 rng=random.Random(1), clock=lambda: 0.0, measure_seats=False)
+    assert unmeasured.assumption.max_num_seqs == 256
+    assert any(c.request_id.startswith("q") for c in judge.candidates(crowd, result, unmeasured))
+    # Controls: a server with more seats than the probe's streams keeps the assumption (one run); a
+    # count the user names stands.
+    default = PaperTarget(noise=0.01)
+    assert await seat_count(default) == 0 and default.executions == 1
+    named = await calibrate(small, assumption=SchedulerAssumption(max_num_seqs=8, source="user override of max_num_seqs"),
+                            rng=random.Random(1), clock=lambda: 0.0)
+    assert named.assumption.max_num_seqs == 8

@@ -36,6 +36,7 @@ from fuzzer.oracle.chunkcap import chunk_cap, prefill_step_floor, token_budget
 from fuzzer.oracle.fitting import fit
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, assumption_for
+from fuzzer.oracle.seats import SEAT_PROBE_STREAMS, seat_count
 from fuzzer.oracle.probes import (
     BATCH_PROMPT_TOKENS,
     Pace,
@@ -159,10 +160,13 @@ async def calibrate(
     measure_cap: bool = True,
     measure_budget: bool = True,
     measure_floor: bool = True,
+    measure_seats: bool = True,
 ) -> Calibration:
     """Warm ``target`` up, run the probe traces and fit the model. Raises TargetError on failure.
 
-    With ``measure_budget``, a token budget per step larger than the assumed one is measured
+    With ``measure_seats``, fewer sequences at once than the assumed ``max_num_seqs`` are measured
+    first (:func:`fuzzer.oracle.seats.seat_count`; a user who names the count passes it in the
+    assumption and is not second-guessed). With ``measure_budget``, a token budget per step larger than the assumed one is measured
     (:func:`fuzzer.oracle.chunkcap.token_budget`: vLLM's default differs by GPU, and deployments
     choose their own); a user who names the budget passes False. With ``measure_floor``, what a step
     that computes prompt tokens costs beyond the fitted model is measured and moved from the request
@@ -180,6 +184,11 @@ async def calibrate(
     if max_model_len is None:  # the context the server reported (llama.cpp: per slot), so no probe exceeds it
         max_model_len = getattr(getattr(target, "info", None), "max_model_len", None)
     rng = rng or random.Random(0)
+    if measure_seats and assumption.max_num_seqs > SEAT_PROBE_STREAMS and "max_num_seqs" not in assumption.source:
+        # Before the batch probes, whose sizes it bounds: fewer seats than the fuzzer's traces need (a user's
+        # count, or an earlier measurement's, stands).
+        if seats := await seat_count(target):
+            assumption = replace(assumption, max_num_seqs=seats, source=f"{assumption.source}; max_num_seqs measured")
     budget = assumption.token_budget
     longest = (max_model_len or DEFAULT_MAX_MODEL_LEN) - 2
     # The longest-that-fits probe only where the server reported its context: 4096 is a guess.
