@@ -404,3 +404,23 @@ async def test_fewer_seats_than_assumed_are_measured_and_bound_the_waits():
     named = await calibrate(small, assumption=SchedulerAssumption(max_num_seqs=8, source="user override of max_num_seqs"),
                             rng=random.Random(1), clock=lambda: 0.0)
     assert named.assumption.max_num_seqs == 8
+
+
+async def test_a_server_that_keeps_no_prefix_is_fitted_so_and_gives_no_cache_hit():
+    # Stop 36: on a clean paper server without prefix caching, the cached probes' extra time was
+    # taken for the frontend's (the whole prefill became frontend time, none of it in the steps)
+    # and the bound gave shared prefixes cache hits: 39 of 48 corpus and random traces had latency
+    # candidates, 8-36x.
+    from fuzzer.oracle import judge
+    from fuzzer.search.mutators import Limits, generate
+
+    keeps_none = PaperTarget(noise=0.01, assumption=SchedulerAssumption(prefix_caching=False))
+    cal = await calibrate(keeps_none, rng=random.Random(1), clock=lambda: 0.0)
+    assert cal.assumption.prefix_caching is False and "no prefix-cache hit seen" in cal.assumption.source
+    assert cal.model.prefill_token_s == pytest.approx(TRUE.prefill_token_s, rel=0.1) and cal.model.frontend_token_s == 0.0
+    traces = [generate(random.Random(i), Limits()) for i in range(12)]
+    assert not any(c.metric is not None for t in traces for c in judge.candidates(t, keeps_none.run(t), cal))
+    # The control: a server with prefix caching keeps it (and its prefill in the steps).
+    cached = await calibrate(PaperTarget(noise=0.01), rng=random.Random(1), clock=lambda: 0.0)
+    assert cached.assumption.prefix_caching is True and "prefix-cache" not in cached.assumption.source
+    assert cached.model.prefill_token_s == pytest.approx(TRUE.prefill_token_s, rel=0.1)

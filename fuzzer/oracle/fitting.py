@@ -11,6 +11,7 @@ measured noise and the *baseline*: the ratios observed / expected an unremarkabl
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +28,11 @@ from fuzzer.oracle.probes import BATCH_PROMPT_TOKENS, Probe
 #: The chunked prompts must take this many times what the one-step line predicts before the
 #: fit adds an attention term: a linear server's long prompts stay within its noise of it.
 PAIR_EVIDENCE = 1.25
+#: The cached probes' extra TTFT per prefix token (a prefix hit leaves only the frontend's tokenizing)
+#: at least this share of an uncached token's TTFT, in the lower end of its interval: the server kept
+#: no prefix. A clean paper server without prefix caching was otherwise fitted with its whole prefill
+#: as frontend time, and its bound gave shared prefixes hits: 39 of 48 traces had candidates (8-36x).
+PREFIX_UNSEEN_SHARE = 0.5
 #: 1.4826 x MAD estimates a normal standard deviation robustly (Iglewicz-Hoaglin).
 MAD_SCALE = 1.4826
 #: Fewer usable probes than this in a fit means the target misbehaved; refuse to fit.
@@ -115,8 +121,16 @@ def fit(
         extra = [p.result.ttft_s - uncached_ttft(p.prompt - p.cached, p.cached) for p in cached]
         cached_fit = theil_sen([p.cached for p in cached], extra)
         frontend_token_s = min(max(0.0, cached_fit.slope), max(0.0, ttft_fit.slope))
+    if cached_fit is not None and slope > 0 and cached_fit.slope_low >= PREFIX_UNSEEN_SHARE * slope:
+        # The "cached" prompts cost nearly what uncached ones do: the server kept no prefix (caching off,
+        # or none at all). Their extra time is prefill, not frontend, and the bound gives no cache hit.
+        frontend_token_s = 0.0 if frontend_cap_s is None else frontend_cap_s
+        note = "no prefix-cache hit seen (cached probes as slow as uncached)"
+        assumption = replace(assumption, prefix_caching=False, source=assumption.source if note in assumption.source
+                             else f"{assumption.source}; {note}")
     if frontend_cap_s is not None:
         frontend_token_s = min(frontend_token_s, frontend_cap_s)
+    frontend_token_s = min(frontend_token_s, max(0.0, slope))
     prefill_token_s = max(0.0, slope - frontend_token_s)
 
     model = StepModel(
