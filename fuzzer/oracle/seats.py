@@ -45,6 +45,8 @@ def seated(result) -> int | None:
     if len(requests) < SEAT_PROBE_STREAMS or any(
             r.outcome.failed or r.ttft_s is None or r.e2e_s is None or r.sent_s is None for r in requests):
         return None
+    if any(r.completion_tokens is not None and r.completion_tokens < SEAT_PROBE_TOKENS for r in requests):
+        return None  # a stream ended early (a server that stops at EOS whatever it is asked): no seat freed by design
     first_end = min(r.sent_s + r.e2e_s for r in requests)
     return sum(r.sent_s + r.ttft_s < first_end for r in requests)
 
