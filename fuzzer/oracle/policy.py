@@ -78,8 +78,10 @@ THRASH_PREEMPTIONS_PER_REQUEST = 1.0
 #: more than this per request, are thrash the model does not explain: the execution is
 #: then held against the KV-unaware bound. On the simulator (seeds 0-2) a clean server
 #: preempted KV-overflowing bursts of 16-30 requests 3 fewer to 5 more times than the
-#: model (at most 0.17 per request), the thrash pathology 24-1381 more.
-THRASH_EXCESS_PER_REQUEST = 0.25
+#: model (at most 0.17 per request), the thrash pathology 24-1381 more. A clean vLLM-like
+#: server written elsewhere with a 16k-token cache preempted 0.29 more per request than the model
+#: (a false itl-stall at the 0.25 of then, stop 36); with its planted bugs 0.6-2.3 more.
+THRASH_EXCESS_PER_REQUEST = 0.5
 #: The order check (fuzzer.oracle.order): a request sent this long before another surely
 #: reached the engine first when it has no more tokens to tokenize. vLLM's API server
 #: tokenizes in one process; over HTTP a 1024-token prompt sent 0.2 ms before a 1-token one
