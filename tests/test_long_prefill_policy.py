@@ -95,13 +95,19 @@ def test_calibration_measures_the_cap_it_applies_and_none_where_there_is_none(th
     assert Calibration.from_dict(cal.to_dict()) == cal
 
 
-def test_a_cap_that_costs_little_is_not_measured():
+def test_a_cap_that_costs_little_is_measured_by_its_steps():
     # The simulator's default steps cost mostly their tokens (30 us each against a 3.5 ms overhead):
     # a 6144-token prompt capped at 512 takes 13 steps instead of 4 but only ~15% longer, within
-    # what the uncapped bound's factor allows anyway.
+    # what the uncapped bound's factor allows. It was not measured until stop 36: a clean vLLM-like
+    # server capped at 512 then preempted 2-2.7 times per request more than the uncapped model (several
+    # prompts in partial prefill at once, each holding its KV), and two false findings came of it.
     config = SimConfig(long_prefill_token_threshold=512)
     cal = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4), max_model_len=config.max_model_len))
-    assert cal.assumption.long_prefill_threshold == 0
+    assert 400 <= cal.assumption.long_prefill_threshold <= 512
+    # The control: the same simulator without a cap.
+    plain = asyncio.run(calibrate(VirtualTarget(SimConfig(), seed=4), rng=random.Random(4),
+                                  max_model_len=config.max_model_len))
+    assert plain.assumption.long_prefill_threshold == 0
 
 
 def test_a_cap_the_user_names_is_kept_and_not_measured():
