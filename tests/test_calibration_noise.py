@@ -51,10 +51,11 @@ class _LoadedHost:
 
 
 def _calibrate(target, **kw):
-    # Rounds of probes are counted here; the step probes after the rounds (a prompt's step, the token
-    # budget, the long-prefill cap) are not.
+    # Rounds of probes are counted here; the seat probe before them and the step probes after them (a
+    # prompt's step, the token budget, the long-prefill cap) are not.
     return asyncio.run(calibrate(target, rng=random.Random(0), max_model_len=target.inner.config.max_model_len,
-                                 measure_cap=False, measure_budget=False, measure_floor=False, **kw))
+                                 measure_cap=False, measure_budget=False, measure_floor=False, measure_seats=False,
+                                 **kw))
 
 
 def _executions_of_one_round() -> tuple[int, int]:
