@@ -57,6 +57,15 @@ async def test_a_failing_target_is_a_target_error():
         await calibrate(PaperTarget(fail={f's{i}': Outcome.HTTP_ERROR for i in range(200)}), rng=random.Random(1))
 
 
+async def test_a_dropped_connection_is_run_again_once_and_a_server_that_keeps_dropping_them_fails():
+    # CI, stop 36: llama-server dropped one batch probe's connection under load and the command failed.
+    dropping = {f"s{i}": Outcome.CONNECTION_ERROR for i in range(200)}
+    cal = await calibrate(PaperTarget(fail=dropping, fail_every_run=False), rng=random.Random(1))
+    assert cal.reliable
+    with pytest.raises(TargetError, match="calibration probe .* failed .connection-error"):
+        await calibrate(PaperTarget(fail=dropping), rng=random.Random(1))
+
+
 async def test_attention_is_measured_where_the_context_holds_no_prompt_of_two_budgets():
     # llama-server's 4096-token slots with its 2048-token batch: no prompt of two budgets fits, and
     # without a longer-than-one-step probe the fit saw no attention term (a 4063-token prompt's

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fuzzer.errors import TargetError
-from fuzzer.execution import ExecutionResult, RequestResult, Target
+from fuzzer.execution import ExecutionResult, Outcome, RequestResult, Target
 from fuzzer.trace import Request, Trace
 
 #: Probes run one at a time: each is followed by this many times its expected duration (from
@@ -100,8 +100,18 @@ class Plan:
         return Trace(requests=tuple(self.requests), prefixes=dict(self.prefixes), name=name)
 
 
+#: A probe execution whose only failures are dropped connections is run again this many times: in CI,
+#: llama-server once dropped one of a calibration's batch probes (ServerDisconnected) under load, and
+#: the whole command failed. A server that keeps dropping them still fails the calibration.
+CONNECTION_RETRIES = 1
+
+
 async def run_plan(target: Target, plan: Plan, name: str) -> list[Probe]:
-    result: ExecutionResult = await target.execute(plan.trace(name))
+    for attempt in range(CONNECTION_RETRIES + 1):
+        result: ExecutionResult = await target.execute(plan.trace(name))
+        failed = [r for r in result.requests if r.request_id in plan.meta and r.outcome.failed]
+        if not failed or attempt == CONNECTION_RETRIES or any(r.outcome is not Outcome.CONNECTION_ERROR for r in failed):
+            break
     probes = []
     for r in result.requests:
         if r.request_id not in plan.meta:
