@@ -45,12 +45,18 @@ from fuzzer.fleet.pool import WorkerLost
 from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, to_state
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.fleet.worker import TimeCap
-from fuzzer.oracle.ablation import carriers, options_of, suspects, without_option
-from fuzzer.oracle.judge import Candidate
+from fuzzer.oracle.ablation import options_of, suspects, without_option
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.signature import family, option_signature, signature
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import Families, candidate_to_dict, option_due, recently_rejected, without_found_options
+from fuzzer.search.confirming import (
+    Families,
+    candidate_to_dict,
+    option_candidate,
+    option_due,
+    recently_rejected,
+    without_found_options,
+)
 from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats, without_found_leaks
 from fuzzer.search.settings import ExitReason, Settings, stop_reason
 from fuzzer.store import Store
@@ -350,8 +356,7 @@ class Coordinator:
             return
         tests, largest = self.option_tests.get(option, (0, 0))
         self.option_tests[option] = (tests + 1, max(largest, overlap))
-        candidate = Candidate(FindingKind.OPTION_SLOWDOWN, carriers(trace, option)[0], detail=option)
-        t.confirm.append(Task("confirm", trace, candidate=candidate_to_dict(candidate), key=key))
+        t.confirm.append(Task("confirm", trace, candidate=candidate_to_dict(option_candidate(trace, option)), key=key))
         self._checkpoint(force=True)
 
     def _next_confirmation(self, t: TargetState) -> Task | None:

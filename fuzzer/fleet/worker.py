@@ -44,13 +44,12 @@ from fuzzer.oracle.ablation import confirm_option
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
-from fuzzer.oracle.expectation import schedule_end_s
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.mutators import Limits
-from fuzzer.search.pacing import execution_cut_s
+from fuzzer.search.pacing import ScheduleEnds, execution_cut_s
 from fuzzer.trace import Trace
 
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -107,9 +106,8 @@ class Worker:
         self._stack = contextlib.AsyncExitStack()
         self._target = None
         self.calibration: Calibration | None = None
-        #: Trace hash -> the end of its FCFS schedule, under self._expected_of.
-        self._expected: dict[str, float | None] = {}
-        self._expected_of: Calibration | None = None
+        #: When each trace's FCFS schedule ends, under the calibration of the moment.
+        self._ends = ScheduleEnds()
 
     # --- tasks -----------------------------------------------------------------------
 
@@ -175,15 +173,8 @@ class Worker:
 
     def expected_end_s(self, trace: Trace) -> float | None:
         """When ``trace`` would end by its FCFS bounds under this worker's calibration (None: not calibrated),
-        as fuzzer.search.campaign.Campaign.expected_duration_s; kept per calibration."""
-        if self.calibration is None or not trace.requests:
-            return None
-        if self._expected_of is not self.calibration:
-            self._expected, self._expected_of = {}, self.calibration
-        digest = trace.content_hash()
-        if digest not in self._expected:
-            self._expected[digest] = schedule_end_s(trace, self.calibration.model, self.calibration.assumption)
-        return self._expected[digest]
+        as a campaign's (fuzzer.search.pacing.ScheduleEnds)."""
+        return self._ends.end_s(trace, self.calibration)
 
     def ping(self) -> str:
         return self.spec.name

@@ -43,7 +43,6 @@ from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
-from fuzzer.oracle.expectation import schedule_end_s
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
@@ -51,7 +50,15 @@ from fuzzer.search.confirming import Confirmer, OutOfTime
 from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats, without_found_leaks
-from fuzzer.search.pacing import AFFORD_TRIES, ColdProbes, ServerTime, TimeSpent, execution_budget_s, execution_cut_s
+from fuzzer.search.pacing import (
+    AFFORD_TRIES,
+    ColdProbes,
+    ScheduleEnds,
+    ServerTime,
+    TimeSpent,
+    execution_budget_s,
+    execution_cut_s,
+)
 from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, stop_reason
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
@@ -125,7 +132,7 @@ class Campaign:
         self.time_spent = TimeSpent()
         #: Mutants passed over for the execution budget, and mutants run over it when no try fitted (AFFORD_TRIES).
         self.too_long = self.over_budget = 0
-        self._expected, self._expected_of = {}, self.calibration  # trace hash -> expected_duration_s under that calibration
+        self._ends = ScheduleEnds()  # expected_duration_s of each trace, under the calibration of the moment
         self._ran_s: dict[str, float] = {}  # trace hash -> its longest execution in this run of the campaign
         #: Executions whose client stalled past clientlag.STARVED_S, and the worst stall seen.
         self.client_stalls = 0
@@ -378,13 +385,7 @@ class Campaign:
 
     def expected_duration_s(self, trace: Trace, digest: str | None = None) -> float | None:
         """When ``trace`` (hash ``digest``) would end by its FCFS bounds (None before calibration), kept per calibration."""
-        if self.calibration is None or not trace.requests:
-            return None
-        if self._expected_of is not self.calibration:
-            self._expected, self._expected_of = {}, self.calibration
-        if (digest := digest or trace.content_hash()) not in self._expected:
-            self._expected[digest] = schedule_end_s(trace, self.calibration.model, self.calibration.assumption)
-        return self._expected[digest]
+        return self._ends.end_s(trace, self.calibration, digest)
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""

@@ -246,9 +246,7 @@ class Confirmer:
                 verdict = await confirm_option(self._target, trace, option, policy=self._policy,
                                                futility=self._futility)
             except OutOfTime:
-                carrier = carriers(trace, option)[0]
-                self.pending.append((trace, Candidate(FindingKind.OPTION_SLOWDOWN, carrier, detail=option),
-                                     option_signature(option)))
+                self.pending.append((trace, option_candidate(trace, option), option_signature(option)))
                 self._checkpoint()
                 raise
         if verdict.is_finding:
@@ -470,6 +468,12 @@ def option_due(suspected: Mapping[str, int], tests: Mapping[str, tuple[int, int]
                 and overlap >= policy.option_growth * largest):
             return option, overlap
     return None
+
+
+def option_candidate(trace: Trace, option: str) -> Candidate:
+    """The test of ``option`` of ``trace`` as a candidate (a pending one, a fleet's task): of kind
+    option-slowdown, naming the first request that carries it, the option its detail."""
+    return Candidate(FindingKind.OPTION_SLOWDOWN, carriers(trace, option)[0], detail=option)
 
 
 def without_found_options(trace: Trace, found: Container[str]) -> Trace:

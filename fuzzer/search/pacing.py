@@ -39,6 +39,10 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
+from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.expectation import schedule_end_s
+from fuzzer.trace import Trace
+
 #: Chance per fuzz iteration of a cold probe, before any feedback.
 COLD_PROBE_RATE = 0.05
 #: ... never below this (a server can turn cold-sensitive after a restart or a reload).
@@ -84,6 +88,26 @@ def execution_cut_s(duration_s: float | None, elapsed_s: float, expected_s: floa
         return None
     assert duration_s is not None
     return min(factor * max(budget, expected_s or 0.0), max(budget, duration_s - elapsed_s))
+
+
+class ScheduleEnds:
+    """When each trace's FCFS schedule ends (fuzzer.oracle.expectation.schedule_end_s), kept per
+    calibration: a campaign's and a fleet worker's execution budget and time cap ask for it before
+    every execution, and a trace is run many times."""
+
+    def __init__(self) -> None:
+        self._ends: dict[str, float] = {}
+        self._of: Calibration | None = None
+
+    def end_s(self, trace: Trace, calibration: Calibration | None, digest: str | None = None) -> float | None:
+        """When ``trace`` (hash ``digest``) would end under ``calibration``; None without one or requests."""
+        if calibration is None or not trace.requests:
+            return None
+        if self._of is not calibration:
+            self._ends, self._of = {}, calibration
+        if (digest := digest or trace.content_hash()) not in self._ends:
+            self._ends[digest] = schedule_end_s(trace, calibration.model, calibration.assumption)
+        return self._ends[digest]
 
 
 @dataclass
