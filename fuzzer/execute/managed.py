@@ -113,6 +113,13 @@ class ManagedTarget:
         await self.server.restart()
         self.restarts += 1
 
+    def restarts_left(self) -> int:
+        """Deaths the server may still have within the window before :meth:`ensure_up` stops on a crash
+        loop (a server that is down now counts as one)."""
+        now = self._clock()
+        recent = sum(now - t <= self._window_s for t in self._deaths) + (0 if self.server.alive else 1)
+        return max(0, self._max_restarts - recent)
+
     async def fresh_start(self) -> None:
         """Stop the server and start it again (a fresh server for a cold-start check); not a death."""
         await self.server.restart()

@@ -99,6 +99,7 @@ def export_finding(store: Store, finding_id: int | str, out_dir: str | Path) -> 
         minimized=finding.details.get("minimized") if finding.minimized else None,
         timeline=picture,
         repro_threshold_s=criterion.threshold_s,
+        crash_needs=tuple(finding.details.get("crash_needs") or ()),
     )
     _write(folder / "report.md", bugreport.markdown(exhibit))
     return folder

@@ -33,6 +33,12 @@ _KIND_WORDS = {
     "protocol": "the server breaks the streaming protocol (malformed event, missing [DONE], wrong token count)",
     "crash": "the server stops answering after the trace",
 }
+#: What each request trait of fuzzer.search.crashes is, in a report.
+_TRAIT_WORDS = {
+    "seed": "a sampling `seed`", "logprobs": "`logprobs`", "n": "`n` > 1", "sampling": "`temperature` > 0",
+    "prefix": "a shared prompt prefix", "unstreamed": "`stream: false`", "chat": "the chat API",
+    "eos": "`ignore_eos: false`", "leaving": "a client that disconnects early",
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class Exhibit:
     timeline: str = ""
     #: The threshold the repro script applies, seconds (latency kinds).
     repro_threshold_s: float | None = None
+    #: For a crash: the request traits without which the same trace ran (fuzzer.search.crashes).
+    crash_needs: tuple[str, ...] = ()
 
     @property
     def option(self) -> str | None:
@@ -227,6 +235,10 @@ def _statistics(x: Exhibit) -> list[str]:
     if x.minimized:
         out.append(f"- Minimized trace: reproduced **{x.minimized.get('reproduced')}** in the final confirmation "
                    f"({x.minimized.get('executions')} executions to minimize)")
+    if x.crash_needs:
+        needs = " and ".join(_TRAIT_WORDS.get(t, t) for t in x.crash_needs)
+        out.append(f"- Needs {needs}: the same trace without {'them' if len(x.crash_needs) > 1 else 'it'} "
+                   "ran without taking the server down")
     if v.get("p_value") is not None:
         out.append(f"- p-value: {v['p_value']:.2g} ({v.get('method')})")
     elif v.get("method"):

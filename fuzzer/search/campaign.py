@@ -46,8 +46,9 @@ from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import Confirmer, OutOfTime
+from fuzzer.search.confirming import ConfirmationTarget, Confirmer, OutOfTime
 from fuzzer.search.corpus import Corpus, Entry
+from fuzzer.search.crashes import avoiding
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats, without_found_leaks
 from fuzzer.search.pacing import (
@@ -166,7 +167,7 @@ class Campaign:
             self.server_time = ServerTime.from_dict(state.get("server_time"))
             self.time_spent = TimeSpent.from_dict(state.get("time_spent"))
         self.confirmer = Confirmer(
-            _CampaignTarget(self.target, self._confirmation_run), self.store, self.settings.policy,
+            ConfirmationTarget(self.target, self._confirmation_run), self.store, self.settings.policy,
             campaign_id=self.campaign_id, target_id=self.target_id,
             rng=np.random.default_rng(self.rng.getrandbits(64)), sleep=self._idle_sleep,
             checkpoint=lambda: self._checkpoint(force=True), clock=self._clock, in_phase=self._in_phase,
@@ -327,6 +328,7 @@ class Campaign:
 
     async def _seed(self, trace: Trace) -> None:
         """Run a seed once and keep it provisionally (its stability runs come when it is first fuzzed)."""
+        trace = self._avoiding(trace)
         result = await self._execute(trace, "seed")
         self._keep(trace, [result], parent=None, operators=("seed",), force=True)
         self._seeded += 1
@@ -365,6 +367,10 @@ class Campaign:
         self.over_budget += 1
         return min(tried, key=lambda t: t[0])[1]
 
+    def _avoiding(self, trace: Trace) -> Trace:
+        """``trace`` without what a confirmed crash needs (fuzzer.search.crashes): it would only crash again."""
+        return avoiding(trace, self.confirmer.crash_avoid)
+
     def execution_budget_s(self) -> float | None:
         """The longest an execution should keep the server busy, by the FCFS bound; None: no limit."""
         return execution_budget_s(self.settings.duration_s)
@@ -391,7 +397,7 @@ class Campaign:
         """Execute one child, keep it when it reaches something new, examine it."""
         # A disconnect whose leak is confirmed could only find it again, each holding the next
         # execution at the idle barrier until the leaked work ends.
-        child = replace(child, trace=without_found_leaks(child.trace, self.confirmer.found))
+        child = replace(child, trace=self._avoiding(without_found_leaks(child.trace, self.confirmer.found)))
         first = await self._execute(child.trace, "fuzz")
         kept = False
         # The null mutator never reads the corpus: re-running its children for stability would
@@ -409,7 +415,8 @@ class Campaign:
         """
         runs: list[Coverage] = []
         features = entry.features
-        while len(runs) < self.settings.stability_runs - 1:
+        # An entry that carries what a confirmed crash needs is not run again: it would crash.
+        while len(runs) < self.settings.stability_runs - 1 and self._avoiding(entry.trace) == entry.trace:
             self._check_time()
             runs.append(self._coverage(entry.trace, await self._execute(entry.trace, "stability")))
             if runs[-1].features == features:
@@ -438,9 +445,10 @@ class Campaign:
         idle_s = self.settings.policy.cold_idle_s
         with self._in_phase(Phase.IDLE):
             await let_idle(self.target, idle_s, self._idle_sleep)
-        result = await self._execute(entry.trace, "cold-probe", idled_s=idle_s)
+        trace = self._avoiding(entry.trace)
+        result = await self._execute(trace, "cold-probe", idled_s=idle_s)
         before = self.confirmer.candidates
-        verdict = await self._examine(entry.trace, result, cold=True)
+        verdict = await self._examine(trace, result, cold=True)
         found = verdict is not None and verdict.is_finding and verdict.kind is FindingKind.COLD_START
         self.probes.record(candidate=self.confirmer.candidates > before, cold_start_found=found)
         self._checkpoint(force=True)
@@ -558,27 +566,6 @@ class Campaign:
         self._dirty.clear()
         self._new_features = {}
         self._since_checkpoint = 0
-
-
-class _CampaignTarget:
-    """The campaign's target as its confirmer sees it: every run goes through ``run`` (see
-    :meth:`Campaign._confirmation_run`); a virtual clock to idle on is passed through."""
-
-    def __init__(self, target: Target, run: Callable[[Trace], Awaitable[ExecutionResult]]):
-        self._run = run
-        self.name = target.name
-        idle = getattr(target, "idle", None)
-        if idle is not None:
-            self.idle = idle
-        fresh_start = getattr(target, "fresh_start", None)  # a launched server: cold starts confirmed fresh too
-        if fresh_start is not None:
-            self.fresh_start = fresh_start
-
-    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
-        return await self._run(trace)  # the campaign caps each of its executions itself
-
-    async def aclose(self) -> None:  # the campaign owns the real target
-        return None
 
 
 class _Stopped(Exception):

@@ -49,6 +49,7 @@ from fuzzer.oracle.signature import (
 )
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
+from fuzzer.search.crashes import crash_needs
 from fuzzer.search.mutators import without_cancellations
 from fuzzer.search.settings import Phase
 from fuzzer.search.slo_check import confirm_slo, first_eligible, slo_candidates
@@ -171,6 +172,8 @@ class Confirmer:
             Waiting(store.get_trace(w["trace_hash"]), candidate_from_dict(w), w["key"], w.get("family"))
             for w in state.get("waiting", [])
         ]
+        #: Traits that confirmed crashes need (fuzzer.search.crashes): the campaign runs traces without them.
+        self.crash_avoid: list[str] = list(state.get("crash_avoid", []))
         self.candidates = 0
         self.confirmations = 0
         #: Findings recorded by this run (id, kind).
@@ -350,6 +353,7 @@ class Confirmer:
             "rejected": self.rejected,
             "family_seen": self.families.seen,
             "option_tests": {k: list(v) for k, v in self.option_tests.items()},
+            "crash_avoid": list(self.crash_avoid),
             "pending": [{**candidate_to_dict(c), "trace_hash": t.content_hash(), "key": k} for t, c, k in self.pending],
             "waiting": [{**candidate_to_dict(w.candidate), "trace_hash": w.trace.content_hash(), "key": w.key,
                          "family": w.family} for w in self.waiting],
@@ -368,14 +372,31 @@ class Confirmer:
                 self._checkpoint()
                 raise
         if verdict.is_finding:
-            self._record(trace, verdict, key, fam)
+            finding_id = self._record(trace, verdict, key, fam)
             if candidate.kind is FindingKind.CRASH:
                 await self._recover()
+                await self._avoid_crash(trace, finding_id)
         else:
             self.rejected[key] = 0
         return verdict
 
-    def _record(self, trace: Trace, verdict: Verdict, key: str, fam: str | None = None) -> None:
+    async def _avoid_crash(self, trace: Trace, finding_id: int) -> None:
+        """Learn what the confirmed crash of ``trace`` needs (fuzzer.search.crashes), so that the campaign's
+        later traces go without it; the finding's details say it (``crash_needs``)."""
+        async def crashes(t: Trace) -> bool:
+            down = judge.crashed(await self._target.execute(t))
+            if down:
+                await self._recover()
+            return down
+
+        restarts_left = getattr(self._target, "restarts_left", lambda: None)
+        with self._in_phase(Phase.CONFIRM):
+            needs = await crash_needs(trace, crashes, restarts_left)
+        self.crash_avoid += [t for t in needs if t not in self.crash_avoid]
+        self._store.update_finding_details(finding_id, {"crash_needs": list(needs)})
+        self._checkpoint()
+
+    def _record(self, trace: Trace, verdict: Verdict, key: str, fam: str | None = None) -> int:
         sig = verdict.signature or key
         details: dict[str, Any] = {"request_id": verdict.request_id, "pre_signature": key}
         if verdict.kind is not None and verdict.request_id is not None:
@@ -400,6 +421,7 @@ class Confirmer:
             self.new_findings.append((finding_id, str(verdict.kind)))
             self.last_find = self._clock()
             self._on_finding(finding_id, verdict)
+        return finding_id
 
 
 class Families:
@@ -493,3 +515,27 @@ def candidate_to_dict(c: Candidate) -> dict:
 def candidate_from_dict(d: Mapping[str, Any]) -> Candidate:
     return Candidate(FindingKind(d["kind"]), d.get("request_id"), None if d.get("metric") is None else Metric(d["metric"]),
                      d.get("ratio"), bool(d.get("after_idle")), d.get("detail", ""))
+
+
+class ConfirmationTarget:
+    """The campaign's target as its confirmer sees it: every run goes through ``run`` (see
+    :meth:`fuzzer.search.campaign.Campaign._confirmation_run`); a virtual clock to idle on is passed through."""
+
+    def __init__(self, target: Target, run: Callable[[Trace], Awaitable[ExecutionResult]]):
+        self._run = run
+        self.name = target.name
+        idle = getattr(target, "idle", None)
+        if idle is not None:
+            self.idle = idle
+        fresh_start = getattr(target, "fresh_start", None)  # a launched server: cold starts confirmed fresh too
+        if fresh_start is not None:
+            self.fresh_start = fresh_start
+        restarts_left = getattr(target, "restarts_left", None)  # a launched server: its crash-loop budget
+        if restarts_left is not None:
+            self.restarts_left = restarts_left
+
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        return await self._run(trace)  # the campaign caps each of its executions itself
+
+    async def aclose(self) -> None:  # the campaign owns the real target
+        return None

@@ -465,12 +465,19 @@ class Store:
 
     def set_finding_target(self, finding_id: int, target: str, outcome: str) -> None:
         """Record how a finding fared on one target of a fleet (its details' ``targets``: name -> outcome)."""
+        self._change_details(finding_id, lambda details: details.setdefault("targets", {}).update({target: outcome}))
+
+    def update_finding_details(self, finding_id: int, details: Mapping[str, Any]) -> None:
+        """Add ``details`` to a finding's (a key it has is replaced)."""
+        self._change_details(finding_id, lambda current: current.update(details))
+
+    def _change_details(self, finding_id: int, change: Callable[[dict[str, Any]], None]) -> None:
         with self._transaction():
             rows = list(self._db.query("select details from findings where id = ?", [finding_id]))
             if not rows:
                 raise NotFoundError(f"no finding with id {finding_id}")
             details = json.loads(rows[0]["details"] or "{}")
-            details.setdefault("targets", {})[target] = outcome
+            change(details)
             self._db["findings"].update(finding_id, {"details": to_json(details)})
 
     def get_finding(self, finding_id: int | str) -> StoredFinding:
