@@ -197,6 +197,28 @@ def test_a_clean_engine_that_preempts_somewhat_more_than_the_model_is_not_thrash
     assert thrash(trace, reporting(0.8), cal)
 
 
+def test_without_a_prefix_cache_preemptions_beyond_the_model_are_not_thrash():
+    # Stop 37: a clean vLLM-like server written elsewhere, without prefix caching, re-admitted each
+    # preempted request a chunk at a time and preempted it again at the next block a decode needed:
+    # 95 preemptions in a 21-request execution the model gave 3, and a false itl-stall (1022x) against
+    # the KV-unaware bound thrash brings. vLLM V1 does the same without a prefix cache.
+    from fuzzer.execution import MetricSample
+    from fuzzer.oracle.evidence import kv_pressure
+
+    cal = _calibration()
+    trace = _kv_fill()
+    result = VirtualTarget(seed=2).run(trace)
+    model = expected_preemptions(trace, cal.model, cal.assumption, result)
+    storm = dataclasses.replace(result, samples=(MetricSample(0.0, {"preemptions": 0.0}),
+                                                 MetricSample(1.0, {"preemptions": model + 4.4 * len(trace.requests)})))
+    assert thrash(trace, storm, cal)  # with a prefix cache: thrash
+    uncached = dataclasses.replace(cal, assumption=dataclasses.replace(cal.assumption, prefix_caching=False))
+    assert not thrash(trace, storm, uncached)
+    assert bounds(trace, storm, uncached, False)[0] != expect(trace, cal.model, uncached.assumption, storm, kv=False)
+    # A server that reports no capacity: the by-design pressure allowance stays however many there were.
+    assert not kv_pressure(storm) and kv_pressure(storm, prefix_caching=False)
+
+
 # --- where the capacity comes from --------------------------------------------------------------
 
 
