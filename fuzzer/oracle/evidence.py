@@ -44,9 +44,13 @@ def thrash(
     as soon as a decode needs a block, until the streams beside it end; vLLM V1 does that by design.
     A clean vLLM-like server written elsewhere, run without prefix caching, preempted 95 times in a
     21-request execution the model gave 3 (4.4 more per request), and the KV-unaware bound that thrash
-    brings made a confirmed false itl-stall (1022x); the KV-aware bound held every request of it. With
-    a prefix cache a re-admitted request finds its blocks and takes them all at once, and the same
-    server preempted as the model did.
+    brings made a confirmed false itl-stall (1022x). The KV-aware bound re-admits such a request a
+    chunk at a time too (fuzzer.oracle.kvblocks), so the chunks it loses cost the steps they cost the
+    engine, and it holds every request of that campaign (19 of its 61 executions had latency candidates
+    before, three confirmed false; none after). The engine's count is left unjudged: the model's
+    ping-pong is not the engine's to the preemption. With a prefix cache a re-admitted request finds
+    its blocks and takes them all at once (vLLM counts them against the free ones), and the same server
+    preempted as the model did.
     """
     a = calibration.assumption
     if a.kv_blocks is None or not a.prefix_caching:

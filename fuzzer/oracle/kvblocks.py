@@ -57,10 +57,14 @@ class KVBlocks:
     #: Blocks kept free per running request when admitting (each decode may need one next step).
     HEADROOM_PER_SEQ = 1
 
-    def __init__(self, capacity: int, block_size: int, token_budget: int) -> None:
+    def __init__(self, capacity: int, block_size: int, token_budget: int, *, whole_readmission: bool = True) -> None:
         self.free = capacity
         self.block = block_size
         self.budget = token_budget
+        #: A preempted request is re-admitted with its whole recompute (an engine with a prefix cache finds
+        #: its own blocks there); False: a chunk at a time, as a fresh request (no prefix cache), so that
+        #: it is preempted again at the next block a decode needs, as the engine does (see :meth:`preempt`).
+        self.whole_readmission = whole_readmission
         #: prefix group -> (the running request that pays for its resident blocks, how many).
         self.payer: dict[str, tuple[Job, int]] = {}
         #: prefix group -> its running members that share the payer's blocks.
@@ -153,10 +157,11 @@ class KVBlocks:
         need = self.blocks(j, self.admitted_tokens(j, cached, budget)) - self.resident(j, cached)
         return need if need + running * self.HEADROOM_PER_SEQ <= self.free else None
 
-    @staticmethod
-    def admitted_tokens(j: Job, cached: int, budget: int) -> int:
+    def admitted_tokens(self, j: Job, cached: int, budget: int) -> int:
         """Tokens whose blocks a job takes when admitted (see :meth:`admit_blocks`)."""
-        return j.prompt + j.recompute if j.preemptions else cached + min(j.prompt + j.recompute - cached, budget)
+        if j.preemptions and self.whole_readmission:
+            return j.prompt + j.recompute
+        return cached + min(j.prompt + j.recompute - cached, budget)
 
     def make_room(self, running: list[Job], waiting: deque[Job], token_budget: int, limit: int) -> dict[int, int]:
         """Give every running request the blocks of this step's work, preempting the newest when short.
@@ -191,12 +196,15 @@ class KVBlocks:
     def preempt(self, j: Job, waiting: deque[Job]) -> None:
         """Recompute preemption: free the blocks, back to the front of the queue.
 
-        This schedule re-admits a preempted request only when its whole recompute fits. vLLM v1
-        (and the simulator) re-admit it a chunk at a time as soon as a chunk fits, so a prompt
-        preempted in its prefill may be preempted again at each of its later chunks until the
-        streams beside it leave room: ``churn`` counts those, for the thrash check.
+        With ``whole_readmission`` this schedule re-admits a preempted request only when its whole
+        recompute fits. vLLM v1 (and the simulator) re-admit it a chunk at a time as soon as a chunk
+        fits, so a prompt preempted in its prefill may be preempted again at each of its later chunks
+        until the streams beside it leave room: ``churn`` counts those, for the thrash check. Without
+        it the schedule re-admits a chunk at a time itself, and each chunk it computes and loses again
+        costs the steps it costs the engine (a server without a prefix cache: the waste of its thrash).
         """
-        churn = max(0, ceil_div(j.prompt + j.recompute, self.budget) - 1) if not j.prefilled else 0
+        whole = self.whole_readmission and not j.prefilled
+        churn = max(0, ceil_div(j.prompt + j.recompute, self.budget) - 1) if whole else 0
         j.churn += churn
         j.preempted_sequences += (1 + churn) * j.n
         self.release(j)

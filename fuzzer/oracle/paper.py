@@ -252,7 +252,8 @@ def schedule(
     vLLM-like server prefilled an n=8 request's 256-token prompt eight times in one step. vLLM v1
     splits ``n`` too, but shares a prompt repeated within a batch.
     """
-    kv = KVBlocks(kv_blocks, a.block_size, a.token_budget) if kv_blocks is not None else None
+    kv = (KVBlocks(kv_blocks, a.block_size, a.token_budget, whole_readmission=a.prefix_caching)
+          if kv_blocks is not None else None)
     waves = _waves(jobs, 1 if fanout else a.max_num_seqs)
     queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     free = -math.inf
