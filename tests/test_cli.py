@@ -127,3 +127,12 @@ def test_a_campaign_whose_server_stayed_down_prints_its_summary_then_one_error_l
     assert "the server stopped answering; everything is saved" in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cannot connect to 127.0.0.1:8101" in errors[0] and "resume" in errors[0]
+
+
+def test_a_new_findings_line_says_what_its_slowdown_is_over():
+    from fuzzer.cli._render import slowdown_words
+
+    # An option-slowdown is over the same trace without the option, not over an idle server.
+    assert slowdown_words(1.48, "logprobs") == ", 1.5x slower with logprobs than without"
+    assert slowdown_words(21.5, None) == ", 21.5x slower than idle"
+    assert slowdown_words(None, None) == ""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import click
 
 from fuzzer.cli import _console
+from fuzzer.cli._render import slowdown_words
 from fuzzer.errors import ConfigError
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.settings import ExitReason, Settings
@@ -78,7 +79,7 @@ def run_fleet(ray_address: str, targets_file: str, db_path: str, *, duration_s: 
 
 
 def _print_finding(finding_id: int, target: str, verdict: Verdict) -> None:
-    slow = f", {verdict.slowdown:.1f}x slower than idle" if verdict.slowdown else ""
+    slow = slowdown_words(verdict.slowdown, verdict.ablated)
     _console.out.print(f"[bold]finding {finding_id}[/bold] on {target}: {verdict.kind}{slow}, "
                        f"reproduced {verdict.reproduction}")
 

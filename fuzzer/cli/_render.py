@@ -88,3 +88,11 @@ def time_line(seconds: Mapping[str, float]) -> str:
         return "-"
     spent = sorted(((v, k) for k, v in seconds.items() if v > 0), reverse=True)
     return ", ".join(f"{k} {v / total:.0%} ({v:.0f} s)" for v, k in spent)
+
+
+def slowdown_words(slowdown: float | None, ablated: str | None) -> str:
+    """A new finding's slowdown as a campaign's line says it: over idle, or, for an option-slowdown, over the
+    same trace without the option."""
+    if not slowdown:
+        return ""
+    return f", {slowdown:.1f}x slower with {ablated} than without" if ablated else f", {slowdown:.1f}x slower than idle"

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from fuzzer import trace as trace_format
 from fuzzer.cli import _console
-from fuzzer.cli._render import time_line
+from fuzzer.cli._render import slowdown_words, time_line
 from fuzzer.cli._calibration import stored_calibration
 from fuzzer.cli._fleet import check_fleet_options, fleet_options, run_fleet
 from fuzzer.cli._launch import launch_options, resolve
@@ -289,7 +289,7 @@ class _StatusView:
             )
 
     def finding(self, finding_id: int, verdict: Verdict) -> None:
-        slow = f", {verdict.slowdown:.1f}x slower than idle" if verdict.slowdown else ""
+        slow = slowdown_words(verdict.slowdown, verdict.ablated)
         _console.out.print(f"[bold]finding {finding_id}[/bold]: {verdict.kind}{slow}, reproduced {verdict.reproduction}")
 
 
