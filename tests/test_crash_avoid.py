@@ -150,3 +150,32 @@ async def test_a_launched_server_says_how_many_deaths_it_may_still_have():
     assert target.restarts_left() == 1
     await target.execute(trace)  # started again (a death counted), and died again
     assert target.restarts_left() == 0
+
+
+class _LaunchedSeedCrash(_SeedCrash):
+    """As a launched server: it says how many more deaths it may have (the fleet's worker asks)."""
+
+    info = None
+
+    def restarts_left(self) -> int:
+        return 5
+
+
+def test_a_fleet_learns_what_its_confirmed_crash_needs_too(tmp_path):
+    from test_fleet_option import LIMITS, _fleet
+
+    seed = _trace(*(_req(i, prompt_tokens=512, max_tokens=32) for i in range(6)))
+    crashing = replace(seed, requests=(replace(seed.requests[0], seed=7, temperature=1.0), *seed.requests[1:]),
+                       name="seeded")
+    target = _LaunchedSeedCrash(VirtualTarget(seed=3))
+    with Store.open(tmp_path / "fleet.db") as store:
+        _fleet(store, {"a": (target, "k")}, Settings(max_execs=30, seed=2, limits=LIMITS), [seed, crashing])
+        [crash] = [f for f in store.list_findings() if f.kind == "crash"]
+        assert crash.details["crash_needs"] == ["seed"]
+        assert store.latest_campaign()["state"]["crash_avoid"] == ["seed"]
+        # The confirmation's runs and the tries are stored under the traces they ran.
+        ran = [store.get_trace(store.get_execution(i).trace_hash) for i in range(1, store.count_executions() + 1)]
+        assert any(traits_of(t) == ("sampling",) for t in ran)  # the try without the seed
+    learnt = max(i for i, t in enumerate(target.executed) if traits_of(t) == ("sampling",))
+    assert all(not any(r.seed is not None for r in t.requests) for t in target.executed[learnt:])
+    assert len(target.executed) > learnt + 5

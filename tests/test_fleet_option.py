@@ -177,7 +177,7 @@ def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_t
     # It came back SAME.
     a.confirm.clear()
     same = Verdict(None, Decision.SAME, "test", request_id="carrier")
-    coordinator._confirmed(a, task, SimpleNamespace(runs=[], verdict=same.to_dict()))
+    coordinator._confirmed(a, task, SimpleNamespace(runs=[], verdict=same.to_dict(), crash_needs=()))
     assert task.key not in coordinator.rejected and not store.list_findings()
     _run(coordinator, "a", _seeded_batch(rows=20), target)  # not 1.5 x 16 requests beside it
     assert not a.confirm

@@ -97,7 +97,7 @@ def test_the_coordinator_backs_off_a_found_family_and_strips_a_found_leaks_disco
                  "detail": ""}
     found = Verdict(kind, Decision.DIFFERENT, "test", request_id="v", reproduced=3, runs=3)
     coordinator._confirmed(t, Task("confirm", traces[0], candidate=candidate, key="k0"),
-                           SimpleNamespace(runs=[], verdict=found.to_dict()))
+                           SimpleNamespace(runs=[], verdict=found.to_dict(), crash_needs=()))
     assert store.list_findings()[0].details["family"] == family(kind, traces[0], "v")
     queued = []
     for tr in traces[1:]:

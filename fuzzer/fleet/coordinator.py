@@ -57,6 +57,7 @@ from fuzzer.search.confirming import (
     recently_rejected,
     without_found_options,
 )
+from fuzzer.search.crashes import avoiding, tried
 from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats, without_found_leaks
 from fuzzer.search.settings import ExitReason, Settings, stop_reason
 from fuzzer.store import Store
@@ -124,6 +125,8 @@ class Coordinator:
         self.families = Families(store.list_findings())
         #: Sampling option -> (times tested against its ablation, the most requests beside it in a test).
         self.option_tests: dict[str, tuple[int, int]] = {}
+        #: Traits that confirmed crashes need (fuzzer.search.crashes): later traces go without them.
+        self.crash_avoid: list[str] = []
         self.new_findings: list[tuple[int, str, str]] = []
         self._inflight: dict[Any, tuple[str, Task]] = {}
         self._since_checkpoint = 0
@@ -151,6 +154,7 @@ class Coordinator:
             self.rejected = dict(state.get("rejected", {}))
             self.families.seen = dict(state.get("family_seen", {}))
             self.option_tests = {k: (int(v[0]), int(v[1])) for k, v in state.get("option_tests", {}).items()}
+            self.crash_avoid = list(state.get("crash_avoid", []))
         self._operators = OperatorStats.from_dict(state.get("operators", {}))
         return latest is not None and "fleet" in latest["settings"]
 
@@ -252,9 +256,15 @@ class Coordinator:
         return TimeCap(self.settings.duration_s, self._clock() - self._started)
 
     def _next_task(self, t: TargetState) -> Task:
-        """Confirmations first, then a due sync batch, work a lost worker left, seeds, fuzzing."""
+        """Confirmations first, then a due sync batch, work a lost worker left, seeds, fuzzing; an execution's
+        trace without what a confirmed crash needs (it would only crash again)."""
         if (task := self._next_confirmation(t)) is not None:
             return task
+        task = self._next_execution(t)
+        plain = avoiding(task.trace, self.crash_avoid)
+        return task if plain == task.trace else replace(task, trace=plain)
+
+    def _next_execution(self, t: TargetState) -> Task:
         if t.inbox and (t.syncing or len(t.inbox) >= SYNC_BATCH or t.since_sync >= SYNC_EVERY):
             t.syncing, t.since_sync = len(t.inbox) > 1, 0  # the rest of the batch follows at once
             return t.inbox.popleft()
@@ -403,10 +413,13 @@ class Coordinator:
         if option is not None:  # the test's other runs are of the trace without the option
             ablated = without_option(task.trace, option)
             ran[ablated.content_hash()] = ablated
+        if done.crash_needs or any(run.trace_hash not in ran for run in done.runs):
+            ran |= {x.content_hash(): x for x in tried(task.trace)}  # what a confirmed crash needs: its tries
         for run in done.runs:
             self._record(t, ran.get(run.trace_hash, task.trace), run, task.kind)
         verdict = Verdict.from_dict(done.verdict)
         if task.kind == "recheck":
+            self._learn_crash(done.crash_needs, task.finding_id)
             self._rechecked(t, task, verdict)
             return
         if not verdict.is_finding:
@@ -425,6 +438,7 @@ class Coordinator:
             target_id=t.target_id, details=details,
         )
         self.found.update({sig, task.key})
+        self._learn_crash(done.crash_needs, finding_id)
         if not created:
             return
         t.findings += 1
@@ -435,6 +449,14 @@ class Coordinator:
                 other.confirm.append(Task("recheck", task.trace, candidate=task.candidate, key=task.key,
                                           finding_id=finding_id, origin=t.name))
         self._checkpoint(force=True)
+
+    def _learn_crash(self, needs: Sequence[str], finding_id: int | None) -> None:
+        """What a confirmed crash needs (a worker's fuzzer.search.crashes.crash_needs): later traces go without it."""
+        if not needs:
+            return
+        self.crash_avoid += [n for n in needs if n not in self.crash_avoid]
+        if finding_id is not None:
+            self.store.update_finding_details(finding_id, {"crash_needs": list(needs)})
 
     @staticmethod
     def _kv(t: TargetState) -> int | None:
@@ -503,6 +525,7 @@ class Coordinator:
             "rejected": self.rejected,
             "family_seen": self.families.seen,
             "option_tests": {k: list(v) for k, v in self.option_tests.items()},
+            "crash_avoid": list(self.crash_avoid),
             **self._state(),
             "stats": {"executions": self.executions, "elapsed_s": elapsed,
                       "execs_per_min": 60.0 * self._stored_here / elapsed,

@@ -48,6 +48,7 @@ from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
 from fuzzer.search.coverage import Coverage, calibrated
+from fuzzer.search.crashes import crash_needs
 from fuzzer.search.mutators import Limits
 from fuzzer.search.pacing import ScheduleEnds, execution_cut_s
 from fuzzer.trace import Trace
@@ -83,6 +84,8 @@ class Confirmed:
     verdict: dict
     runs: tuple[ExecutionResult, ...]
     busy_s: float
+    #: For a confirmed crash of a launched server: the request traits it needs (fuzzer.search.crashes).
+    crash_needs: tuple[str, ...] = ()
 
 
 class Worker:
@@ -156,7 +159,15 @@ class Worker:
         else:
             verdict = self._run(confirm(target, trace, wanted, self.calibration, rng=self._np_rng,
                                         policy=self._policy, futility=self._futility))
-        return Confirmed(verdict.to_dict(), tuple(runs), time.perf_counter() - start)
+        needs: tuple[str, ...] = ()
+        restarts_left = getattr(self._target, "restarts_left", None)
+        if wanted.kind is FindingKind.CRASH and verdict.is_finding and restarts_left is not None:
+            # Only a launched server, which this worker starts again: one nobody restarts would stay down.
+            async def crashes(t: Trace) -> bool:
+                return judge.crashed(await target.execute(t))
+
+            needs = self._run(crash_needs(trace, crashes, restarts_left))
+        return Confirmed(verdict.to_dict(), tuple(runs), time.perf_counter() - start, needs)
 
     def _capper(self, cap: TimeCap | None) -> Callable[[Trace], float | None]:
         """The time cap of each run of a task sent with ``cap`` (None: no --duration, no cap), as a campaign's

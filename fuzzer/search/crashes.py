@@ -67,6 +67,12 @@ def avoiding(trace: Trace, traits: Iterable[str]) -> Trace:
     return trace
 
 
+def tried(trace: Trace) -> list[Trace]:
+    """The traces :func:`crash_needs` may run for a crash of ``trace`` (a fleet stores their runs by them)."""
+    traits = traits_of(trace)
+    return [avoiding(trace, traits), *(without_trait(trace, t) for t in traits)]
+
+
 async def crash_needs(
     trace: Trace,
     run: Callable[[Trace], Awaitable[bool]],
