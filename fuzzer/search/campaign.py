@@ -416,7 +416,8 @@ class Campaign:
         runs: list[Coverage] = []
         features = entry.features
         # An entry that carries what a confirmed crash needs is not run again: it would crash.
-        while len(runs) < self.settings.stability_runs - 1 and self._avoiding(entry.trace) == entry.trace:
+        reruns = self.settings.stability_runs - 1 if self._avoiding(entry.trace) == entry.trace else 0
+        while len(runs) < reruns:
             self._check_time()
             runs.append(self._coverage(entry.trace, await self._execute(entry.trace, "stability")))
             if runs[-1].features == features:

@@ -85,16 +85,19 @@ async def crash_needs(
     its crash-loop stop (None: not a launched server, whose deaths nobody counts: one more is tried).
     """
     traits = traits_of(trace)
-    if not traits or await run(avoiding(trace, traits)):
+    if not traits:
+        return ()
+    plain, *singles = tried(trace)
+    if await run(plain):
         return ()
     if len(traits) == 1:
         return traits
-    for trait in traits:
+    for trait, single in zip(traits, singles):
         left = restarts_left()
         # A try that crashes costs a death: none is tried on the last one.
         if left is not None and left < 1:
             break
-        if not await run(without_trait(trace, trait)):
+        if not await run(single):
             return (trait,)
         if left is None:
             break
