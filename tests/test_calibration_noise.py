@@ -149,3 +149,46 @@ def test_replay_and_campaign_warn_in_one_line_when_the_stored_calibration_is_unr
         assert result.exit_code in (0, 1), result.output
         warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: the calibration's")]
         assert len(warnings) == 1 and "calibrate again on a quiet server" in warnings[0], result.stderr
+
+
+class _CountingHost(_LoadedHost):
+    """A quiet simulator that records which probe traces ran (their request ids name the plan)."""
+
+    def __init__(self):
+        super().__init__(loaded=0)
+        self.plans: list[str] = []
+
+    async def execute(self, trace, *, cut_s=None):
+        self.plans.append(trace.requests[0].id if trace.requests else "")
+        return await super().execute(trace, cut_s=cut_s)
+
+
+def test_only_an_uncertain_lines_probes_run_again(monkeypatch):
+    import fuzzer.oracle.calibrate as calibrate_module
+
+    pilot, one_round = _executions_of_one_round()
+    real = calibrate_module.unsettled
+
+    def once(first_answer):
+        calls = []
+
+        def answer(cal, probes):
+            calls.append(1)
+            return first_answer if len(calls) == 1 else real(cal, probes)
+        return answer
+
+    monkeypatch.setattr(calibrate_module, "unsettled", once([("prefill", "the prefill line uncertain (11% at 2048)")]))
+    host = _CountingHost()
+    cal = _calibrate(host)
+    # one probe trace more than a round: the uncached prompts again, not the cached, decode and batch probes
+    assert host.executions == pilot + one_round + 1
+    assert host.plans[-1] == host.plans[pilot]  # the round's first trace, the uncached prompts
+    assert "2 of 4 repeats, 4 of the prefill probes (the prefill line uncertain" in cal.probing
+    half = _calibrate(_CountingHost(), early_stop=False, repeats=2)
+    full = _calibrate(_CountingHost(), early_stop=False)
+    assert half.probes < cal.probes < full.probes
+    # noise (or too few baseline ratios) still runs every kind again
+    monkeypatch.setattr(calibrate_module, "unsettled", once([(None, "noisy")]))
+    host = _CountingHost()
+    noisy = _calibrate(host)
+    assert host.executions == pilot + 2 * one_round and noisy.probes == full.probes

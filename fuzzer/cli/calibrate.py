@@ -42,7 +42,8 @@ from fuzzer.oracle.kinds import Metric
                    "name). Default: measured (a probe counts the steps of a long prompt beside a stream).")
 @click.option("--repeats", type=click.IntRange(min=1, max=20), default=4, show_default=True,
               help="Repetitions of every probe, at most: half are run first, the rest only when the fit is not "
-                   "yet settled (more: a tighter fit and a larger noise baseline).")
+                   "yet settled, of the uncertain line's probes only when the noise is (more: a tighter fit and a "
+                   "larger noise baseline).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the probe order and prompt text.")
 @click.option("--api-key-env", default=API_KEY_ENV, show_default=True, metavar="VAR",
               help="Environment variable holding the API key (never stored or printed).")

@@ -41,6 +41,7 @@ from fuzzer.oracle.probes import (
     BATCH_PROMPT_TOKENS,
     Pace,
     Plan,
+    Probe,
     Probes,
     run_plan,
     usable,
@@ -248,12 +249,19 @@ async def calibrate(
         probes = await _probe_round(target, assumption, rng, first, spacing, *sizes)
         cal = fitted(probes, f"{first} of {repeats} repeats")
         if first < repeats:
-            unsettled = settled(cal, probes)
-            if unsettled is None:
+            reasons = unsettled(cal, probes)
+            if not reasons:
                 return replace(cal, probing=f"{first} of {repeats} repeats: stopped early, the fit was settled "
                                             f"(each line within {SETTLED_SPREAD:.0%} at its largest probe, noise judged)")
-            probes += await _probe_round(target, assumption, rng, repeats - first, spacing, *sizes)
-            cal = fitted(probes, f"{repeats} of {repeats} repeats ({unsettled} after {first})")
+            why = "; ".join(reason for _, reason in reasons)
+            # Only an uncertain line's own probes run again when the noise and the baselines are settled:
+            # on a slow server one round of decode or batch probes takes as long as all prefill probes twice.
+            lines = {line for line, _ in reasons}
+            kinds = None if None in lines else frozenset(str(line) for line in lines)
+            probes += await _probe_round(target, assumption, rng, repeats - first, spacing, *sizes, kinds=kinds)
+            cal = fitted(probes, f"{repeats} of {repeats} repeats ({why} after {first})" if kinds is None else
+                         f"{first} of {repeats} repeats, {repeats} of the {' and '.join(sorted(kinds))} probes "
+                         f"({why} after {first})")
         return cal
 
     cal = await measured()
@@ -283,17 +291,25 @@ async def calibrate(
 
 
 def settled(cal: Calibration, probes: Probes) -> str | None:
-    """None when one round of probes has pinned the model down well enough, else what is not yet.
+    """None when one round of probes has pinned the model down well enough, else what is not yet."""
+    reasons = unsettled(cal, probes)
+    return reasons[0][1] if reasons else None
+
+
+def unsettled(cal: Calibration, probes: Probes) -> list[tuple[str | None, str]]:
+    """What one round of probes has not yet pinned down: (the line's probe kind, or None for all, why).
 
     Settled: the noise is judged reliable, every judged metric has SETTLED_BASELINE baseline
     ratios, and each fitted line's 95% slope interval moves its value at the largest probe by
     at most SETTLED_SPREAD of that value (a bound is no more uncertain than that from the fit).
+    Noise and baselines come from every kind of probe (None); a line from its own kind's.
     """
     if not cal.reliable:
-        return "noisy"
+        return [(None, "noisy")]
+    out: list[tuple[str | None, str]] = []
     for metric in (Metric.TTFT, Metric.E2E):
         if len(cal.baseline.get(metric, ())) < SETTLED_BASELINE:
-            return f"{len(cal.baseline.get(metric, ()))} {metric.value} baseline ratios"
+            out.append((None, f"{len(cal.baseline.get(metric, ()))} {metric.value} baseline ratios"))
     budget = cal.assumption.token_budget
     for name, line, sizes in (("prefill", cal.ttft_fit, [p.prompt for p in probes.prefill if p.prompt <= budget]),
                               ("decode", cal.context_fit, [p.prompt + p.max_tokens / 2.0 for p in probes.single]),
@@ -303,9 +319,11 @@ def settled(cal: Calibration, probes: Probes) -> str | None:
         largest = max(sizes)
         value = line(largest)
         spread = (line.slope_high - line.slope_low) / 2.0 * largest
-        if value <= 0 or spread > SETTLED_SPREAD * value:
-            return f"the {name} line uncertain ({spread / value:.0%} at {largest:g})" if value > 0 else f"{name} line <= 0"
-    return None
+        if value <= 0:
+            out.append((name, f"{name} line <= 0"))
+        elif spread > SETTLED_SPREAD * value:
+            out.append((name, f"the {name} line uncertain ({spread / value:.0%} at {largest:g})"))
+    return out
 
 
 async def reuse_or_calibrate(
@@ -420,46 +438,59 @@ async def _probe_round(
     prefixes: Sequence[int],
     contexts: Sequence[int],
     long_batch: tuple[int, int] | None = None,
+    *,
+    kinds: frozenset[str] | None = None,
 ) -> Probes:
-    """One round of probes (uncached and cached TTFT, decode, batched decode), ``repeats`` of each size."""
+    """One round of probes (uncached and cached TTFT, decode, batched decode), ``repeats`` of each size.
+
+    ``kinds``: only these (of "prefill", "cached", "decode", "batch"); None: all.
+    """
+    prefill: list[Probe] = []
+    cached_probes: list[Probe] = []
+    single: list[Probe] = []
+    batched: list[Probe] = []
 
     def shuffled(items: list) -> list:
         rng.shuffle(items)
         return items
 
     # Uncached TTFT: one lead-in request (a first request after an idle gap may be slow).
-    plan = Plan(spacing["prefill"])
-    plan.add(16, 2, lead_in=True)
-    for n in shuffled([n for n in lengths for _ in range(repeats)]):
-        plan.add(n, 2)
-    prefill = usable(await run_plan(target, plan, "calibration-prefill"))
+    if kinds is None or "prefill" in kinds:
+        plan = Plan(spacing["prefill"])
+        plan.add(16, 2, lead_in=True)
+        for n in shuffled([n for n in lengths for _ in range(repeats)]):
+            plan.add(n, 2)
+        prefill = usable(await run_plan(target, plan, "calibration-prefill"))
 
     # Cached TTFT: a request computes the prefix, the next one (same group) reuses it.
-    plan = Plan(spacing["prefill"])
-    plan.add(16, 2, lead_in=True)
-    for n in shuffled([n for n in prefixes for _ in range(repeats)]):
-        plan.add_pair(n, CACHED_SUFFIX_TOKENS, hit=(n // assumption.block_size) * assumption.block_size)
-    cached_probes = usable(await run_plan(target, plan, "calibration-cached"))
+    if kinds is None or "cached" in kinds:
+        plan = Plan(spacing["prefill"])
+        plan.add(16, 2, lead_in=True)
+        for n in shuffled([n for n in prefixes for _ in range(repeats)]):
+            plan.add_pair(n, CACHED_SUFFIX_TOKENS, hit=(n // assumption.block_size) * assumption.block_size)
+        cached_probes = usable(await run_plan(target, plan, "calibration-cached"))
 
     # Decode, one sequence, growing context.
-    plan = Plan(spacing["decode"])
-    plan.add(16, 2, lead_in=True)
-    for n in shuffled([n for n in contexts for _ in range(repeats)]):
-        plan.add(n, DECODE_TOKENS)
-    single = usable(await run_plan(target, plan, "calibration-decode"))
+    if kinds is None or "decode" in kinds:
+        plan = Plan(spacing["decode"])
+        plan.add(16, 2, lead_in=True)
+        for n in shuffled([n for n in contexts for _ in range(repeats)]):
+            plan.add(n, DECODE_TOKENS)
+        single = usable(await run_plan(target, plan, "calibration-decode"))
 
-    # Decode, many short sequences together.
-    plan = Plan(spacing["batch"])
-    plan.add(16, 2, lead_in=True)
-    for b in shuffled([b for b in batch_sizes(assumption) for _ in range(repeats)]):
-        plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b, size=b)
-    if long_batch is not None:
-        # Long sequences together: their prompts (paced as one prompt of them all), then their decodes. One
-        # batch a round: its steps give hundreds of gaps, and the calibration's time is the campaign's.
-        b, context = long_batch
-        for _ in range(max(1, repeats // 2)):
-            plan.add(context, DECODE_TOKENS, batch=b, spacing_s=long_batch_spacing_s(spacing, b, context))
-    batched = usable(await run_plan(target, plan, "calibration-batch"))
+    if kinds is None or "batch" in kinds:
+        # Decode, many short sequences together.
+        plan = Plan(spacing["batch"])
+        plan.add(16, 2, lead_in=True)
+        for b in shuffled([b for b in batch_sizes(assumption) for _ in range(repeats)]):
+            plan.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=b, size=b)
+        if long_batch is not None:
+            # Long sequences together: their prompts (paced as one prompt of them all), then their decodes. One
+            # batch a round: its steps give hundreds of gaps, and the calibration's time is the campaign's.
+            b, context = long_batch
+            for _ in range(max(1, repeats // 2)):
+                plan.add(context, DECODE_TOKENS, batch=b, spacing_s=long_batch_spacing_s(spacing, b, context))
+        batched = usable(await run_plan(target, plan, "calibration-batch"))
     return Probes(tuple(prefill), tuple(cached_probes), tuple(single), tuple(batched))
 
 
