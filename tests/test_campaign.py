@@ -109,7 +109,7 @@ def test_settings_stored_before_the_policy_and_limits_were_read_with_the_default
     old = {"duration_s": 60.0, "max_execs": None, "seed": 7, "mutator": "null", "stability_runs": 3,
            "idle_share": 0.0, "seed_share": 0.5}
     settings = Settings.from_dict(old)
-    assert settings == Settings(duration_s=60.0, seed=7, mutator="null", idle_share=0.0, seed_share=0.5)
+    assert settings == Settings(duration_s=60.0, seed=7, mutator="null", stability_runs=3, idle_share=0.0, seed_share=0.5)
     assert settings.policy == OraclePolicy() and settings.limits == Limits()
     assert Settings.from_dict({**settings.to_dict(), "from_a_newer_fuzzer": 1}) == settings
 

@@ -64,8 +64,13 @@ async def confirm(
     policy: OraclePolicy = DEFAULT_POLICY,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     futility: bool = False,
+    cut_s: float | None = None,
 ) -> Verdict:
     """Re-execute ``trace`` until the candidate is DIFFERENT or SAME, or the run cap is reached.
+
+    ``cut_s``: each latency re-run's time cap (``Target.execute``): what still runs after the
+    candidate's request is done cannot change how long it took, and its bound plans every request
+    as the trace asks (:mod:`fuzzer.oracle.expectation`), cut or not.
 
     Latency candidates are first re-run warm (back to back). If the warm runs do not
     show the slowdown, and it was first seen after idleness (or is a cold-start
@@ -78,7 +83,7 @@ async def confirm(
     verdict = None
     while len(results) < policy.max_runs:
         for _ in range(_want(len(results), policy, futility)):
-            results.append(await target.execute(trace))
+            results.append(await target.execute(trace, cut_s=cut_s))
         reports = _reports(trace, results, calibration, policy, candidate.request_id) if candidate.request_id else []
         if futility and len(results) == 1 and len(results) < policy.min_runs:
             if reports and not _recurs(reports[0]):
@@ -103,7 +108,7 @@ async def confirm(
     while len(cold_results) < policy.max_runs:
         for _ in range(_want(len(cold_results), policy, futility)):
             await let_idle(target, policy.cold_idle_s, sleep)
-            cold_results.append(await target.execute(trace))
+            cold_results.append(await target.execute(trace, cut_s=cut_s))
         if futility and len(cold_results) == 1 and len(cold_results) < policy.min_runs:
             first_cold = _reports(trace, cold_results, calibration, policy, candidate.request_id)
             if first_cold and not _recurs(first_cold[0]):

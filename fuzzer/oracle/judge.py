@@ -273,6 +273,8 @@ class Candidate:
     #: Whether the execution it was seen in came right after an idle period.
     after_idle: bool = False
     detail: str = ""
+    #: A latency's request ended this long after its execution started (None: unknown, or not a latency).
+    until_s: float | None = None
 
 
 def candidates(
@@ -288,13 +290,15 @@ def candidates(
     if shows_failure(FindingKind.LEAK, result):
         out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"))
     latency = []
+    ended = {r.request_id: r.sent_s + r.e2e_s for r in result.requests if r.outcome is Outcome.OK and r.e2e_s is not None}
     for rep in observe(trace, result, calibration, policy):
         if rep.failure is not None and not (down and rep.outcome is Outcome.CONNECTION_ERROR):
             out.append(Candidate(rep.failure, rep.request_id, detail=rep.outcome.value))
         slow = [o for o in rep.observations.values() if o.flagged]
         if slow:
             o = max(slow, key=lambda o: o.ratio)
-            latency.append(Candidate(METRIC_KIND[o.metric], rep.request_id, o.metric, o.ratio, cold))
+            latency.append(Candidate(METRIC_KIND[o.metric], rep.request_id, o.metric, o.ratio, cold,
+                                     until_s=ended.get(rep.request_id)))
     latency.sort(key=lambda c: -(c.ratio or 0.0))
     return out + latency
 

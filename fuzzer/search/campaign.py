@@ -271,9 +271,10 @@ class Campaign:
 
     # --- executing ---------------------------------------------------------------------
 
-    async def _execute(self, trace: Trace, purpose: str, *, idled_s: float = 0.0) -> ExecutionResult:
+    async def _execute(self, trace: Trace, purpose: str, *, idled_s: float = 0.0,
+                       cut_s: float | None = None) -> ExecutionResult:
         start, recovering = self._clock(), self.time_spent.seconds.get("recover", 0.0)
-        result = await self._execute_when_up(trace)
+        result = await self._execute_when_up(trace, cut_s)
         # Waits for a server that went down are the recovery's, not this execution's.
         self.time_spent.add(purpose, self._clock() - start - (self.time_spent.seconds.get("recover", 0.0) - recovering))
         if idled_s and (result.idle_before_s or 0.0) < idled_s:
@@ -296,7 +297,7 @@ class Campaign:
         self._emit()
         return result
 
-    async def _execute_when_up(self, trace: Trace) -> ExecutionResult:
+    async def _execute_when_up(self, trace: Trace, cut_s: float | None = None) -> ExecutionResult:
         """Run ``trace``; when the target cannot even be asked (down, refusing), wait for it and retry.
 
         A request that fails is data (the executor returns it); a server that cannot be reached
@@ -306,17 +307,18 @@ class Campaign:
         """
         while True:
             try:
-                return await self.target.execute(trace, cut_s=self.execution_cut_s(trace))
+                caps = [c for c in (self.execution_cut_s(trace), cut_s) if c is not None]
+                return await self.target.execute(trace, cut_s=min(caps) if caps else None)
             except TargetError as e:
                 self._last_server_error = str(e)
                 await self._wait_for_server()
                 if (stop := self._should_stop()) is not None:  # down too long: a confirmation keeps its candidate
                     raise (OutOfTime if stop is ExitReason.SERVER_DOWN else _Stopped) from None
 
-    async def _confirmation_run(self, trace: Trace) -> ExecutionResult:
+    async def _confirmation_run(self, trace: Trace, cut_s: float | None = None) -> ExecutionResult:
         """One run of a confirmation: refused past the deadline, else stored as a campaign execution."""
         self._check_time()
-        return await self._execute(trace, "confirm")
+        return await self._execute(trace, "confirm", cut_s=cut_s)
 
     async def _examine(self, trace: Trace, result: ExecutionResult, *, cold: bool = False) -> Verdict | None:
         assert self.calibration is not None

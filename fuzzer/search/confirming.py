@@ -18,6 +18,14 @@ nearest finding of its kind) and then by how far over its bound it was, and the 
 is confirmed once the share allows (AFL's favoured queue, applied to confirmation). A candidate of
 a kind with no finding yet (as confirmed) never waits: it may be the campaign's only sight of a
 bug. Failures, leaks, crashes and cold probes are confirmed at once as before.
+
+Re-runs that end with their request. A latency candidate's re-runs are closed CONFIRM_CUT_FACTOR
+times (plus CONFIRM_CUT_SLACK_S) after the time its request ended in the execution that showed
+it: requests still running after it cannot have delayed it, and its bound plans them as the trace
+asks. On a slow server a candidate's request often ends long before the trace's longest streams
+(heldout4 with every bug on: an e2e victim done at 25 s of a 65 s trace, re-run three times). A
+server that does not free what the client closed (the executor finds it not idle after a cut run)
+keeps computing it; the confirmation target then stops cutting (:class:`ConfirmationTarget`).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from fuzzer.execution import ExecutionResult, Target
+from fuzzer.execution import ExecutionResult, Outcome, Target
 from fuzzer.oracle import judge
 from fuzzer.oracle.ablation import carriers, confirm_option, options_of, suspects, without_option
 from fuzzer.oracle.calibration import Calibration
@@ -55,6 +63,20 @@ from fuzzer.search.settings import Phase
 from fuzzer.search.slo_check import confirm_slo, first_eligible, slo_candidates
 from fuzzer.store import Store
 from fuzzer.trace import Trace
+
+#: A latency candidate's re-runs are closed this many times the time its request ended after the
+#: start of the execution that showed it, plus CONFIRM_CUT_SLACK_S (see the module's docstring):
+#: a re-run in which it ends later still shows it, as a lower bound of its latency.
+CONFIRM_CUT_FACTOR = 1.5
+CONFIRM_CUT_SLACK_S = 1.0
+
+
+def confirmation_cut_s(candidate: Candidate) -> float | None:
+    """The time cap of a latency candidate's re-runs (None: not a latency, or its end is unknown)."""
+    if candidate.metric is None or candidate.until_s is None:
+        return None
+    return CONFIRM_CUT_FACTOR * candidate.until_s + CONFIRM_CUT_SLACK_S
+
 
 # A candidate whose confirmation came back SAME is not confirmed again until it has been
 # seen this many more times: noise must not eat the campaign's time.
@@ -366,7 +388,8 @@ class Confirmer:
             try:
                 self.confirmations += 1
                 verdict = await confirm(self._target, trace, candidate, calibration, rng=self._rng,
-                                        policy=self._policy, sleep=self._sleep, futility=self._futility)
+                                        policy=self._policy, sleep=self._sleep, futility=self._futility,
+                                        cut_s=confirmation_cut_s(candidate))
             except OutOfTime:
                 self.pending.append((trace, candidate, key))
                 self._checkpoint()
@@ -509,20 +532,22 @@ def without_found_options(trace: Trace, found: Container[str]) -> Trace:
 
 def candidate_to_dict(c: Candidate) -> dict:
     return {"kind": str(c.kind), "request_id": c.request_id, "metric": None if c.metric is None else str(c.metric),
-            "ratio": c.ratio, "after_idle": c.after_idle, "detail": c.detail}
+            "ratio": c.ratio, "after_idle": c.after_idle, "detail": c.detail, "until_s": c.until_s}
 
 
 def candidate_from_dict(d: Mapping[str, Any]) -> Candidate:
     return Candidate(FindingKind(d["kind"]), d.get("request_id"), None if d.get("metric") is None else Metric(d["metric"]),
-                     d.get("ratio"), bool(d.get("after_idle")), d.get("detail", ""))
+                     d.get("ratio"), bool(d.get("after_idle")), d.get("detail", ""), d.get("until_s"))
 
 
 class ConfirmationTarget:
     """The campaign's target as its confirmer sees it: every run goes through ``run`` (see
     :meth:`fuzzer.search.campaign.Campaign._confirmation_run`); a virtual clock to idle on is passed through."""
 
-    def __init__(self, target: Target, run: Callable[[Trace], Awaitable[ExecutionResult]]):
+    def __init__(self, target: Target, run: Callable[[Trace, float | None], Awaitable[ExecutionResult]]):
         self._run = run
+        #: Whether re-runs may be closed early (``cut_s``): not once a cut run left the server busy.
+        self.cuts = True
         self.name = target.name
         idle = getattr(target, "idle", None)
         if idle is not None:
@@ -535,7 +560,13 @@ class ConfirmationTarget:
             self.restarts_left = restarts_left
 
     async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
-        return await self._run(trace)  # the campaign caps each of its executions itself
+        """One run (the campaign caps each of its executions itself, and at ``cut_s`` when earlier)."""
+        cut_s = cut_s if self.cuts else None
+        result = await self._run(trace, cut_s)
+        if cut_s is not None and result.idle_after is False and any(r.outcome is Outcome.CUT for r in result.requests):
+            # What the client closed still runs on the server: each cut would cost its wait and more.
+            self.cuts = False
+        return result
 
     async def aclose(self) -> None:  # the campaign owns the real target
         return None

@@ -1,0 +1,119 @@
+"""A latency candidate's re-runs end soon after its request (fuzzer.search.confirming, CONFIRM_CUT_FACTOR)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import numpy as np
+
+from fuzzer.execution import Outcome
+from fuzzer.oracle import judge
+from fuzzer.oracle.calibrate import calibrate
+from fuzzer.oracle.confirm import confirm
+from fuzzer.search.confirming import (
+    CONFIRM_CUT_FACTOR,
+    CONFIRM_CUT_SLACK_S,
+    ConfirmationTarget,
+    candidate_from_dict,
+    candidate_to_dict,
+    confirmation_cut_s,
+)
+from fuzzer.sim import VirtualTarget
+from fuzzer.sim.triggers import TRIGGERS
+from fuzzer.trace import Trace
+
+
+class _Recording:
+    def __init__(self, inner):
+        self.inner, self.name, self.results, self.cuts = inner, inner.name, [], []
+
+    async def execute(self, trace, *, cut_s=None):
+        self.cuts.append(cut_s)
+        result = await self.inner.execute(trace, cut_s=cut_s)
+        self.results.append(result)
+        return result
+
+
+def _with_a_late_long_stream(trace: Trace) -> Trace:
+    """``trace`` and a stream sent after its last request ends, which runs for seconds more."""
+    last = trace.requests[-1]
+    late = dataclasses.replace(last, id="late", at_ms=600.0, prompt_tokens=64, max_tokens=2000, prefix=None)
+    return dataclasses.replace(trace, requests=(*trace.requests, late))
+
+
+def _setup(pathology: str = "hol-prefix-burst"):
+    target = VirtualTarget(pathologies=(pathology,), seed=3)
+    cal = asyncio.run(calibrate(target, rng=random.Random(0), max_model_len=target.config.max_model_len))
+    trace = _with_a_late_long_stream(TRIGGERS[pathology].trace)
+    first = asyncio.run(target.execute(trace))
+    latency = [c for c in judge.candidates(trace, first, cal) if c.metric is not None]
+    return target, cal, trace, first, latency[0]
+
+
+def test_a_latency_candidate_knows_when_its_request_ended():
+    _, _, trace, first, candidate = _setup()
+    request = next(r for r in first.requests if r.request_id == candidate.request_id)
+    assert candidate.until_s == request.sent_s + request.e2e_s
+    assert confirmation_cut_s(candidate) == CONFIRM_CUT_FACTOR * candidate.until_s + CONFIRM_CUT_SLACK_S
+    assert confirmation_cut_s(candidate) < first.duration_s / 2  # the trace runs on long after it
+    # a checkpoint keeps it (a pending candidate is re-run with the same cut)
+    assert candidate_from_dict(candidate_to_dict(candidate)) == candidate
+    assert confirmation_cut_s(dataclasses.replace(candidate, until_s=None)) is None
+
+
+def test_cut_reruns_reach_the_verdict_the_whole_reruns_reach():
+    target, cal, trace, first, candidate = _setup()
+    cut = _Recording(target)
+    whole = _Recording(VirtualTarget(pathologies=("hol-prefix-burst",), seed=3))
+    asyncio.run(whole.execute(trace))  # the same history as the target the candidate came from
+    whole.results.clear()
+    v_cut = asyncio.run(confirm(cut, trace, candidate, cal, rng=np.random.default_rng(0),
+                                cut_s=confirmation_cut_s(candidate)))
+    v_whole = asyncio.run(confirm(whole, trace, candidate, cal, rng=np.random.default_rng(0)))
+    assert v_cut.is_finding and (v_cut.kind, v_cut.decision) == (v_whole.kind, v_whole.decision)
+    assert v_cut.reproduced == v_whole.reproduced
+    assert all(any(r.outcome is Outcome.CUT for r in res.requests) for res in cut.results)
+    assert sum(r.duration_s for r in cut.results) < sum(r.duration_s for r in whole.results) / 2
+
+
+def test_the_confirmation_target_stops_cutting_once_a_cut_left_the_server_busy():
+    target = VirtualTarget(seed=3)
+    trace = TRIGGERS["kv-reserve-admission"].trace
+    seen = []
+
+    async def run(t, cut_s):
+        seen.append(cut_s)
+        result = await target.execute(t, cut_s=cut_s)
+        return dataclasses.replace(result, idle_after=len(seen) > 1)  # the first cut run left it busy
+
+    confirming = ConfirmationTarget(target, run)
+    asyncio.run(confirming.execute(trace, cut_s=0.5))
+    asyncio.run(confirming.execute(trace, cut_s=0.5))
+    assert seen == [0.5, None] and not confirming.cuts
+    # a cut run that found the server idle again leaves cutting on
+    seen.clear()
+    quiet = ConfirmationTarget(target, lambda t, cut_s: (seen.append(cut_s), target.execute(t, cut_s=cut_s))[1])
+    asyncio.run(quiet.execute(trace, cut_s=0.5))
+    asyncio.run(quiet.execute(trace, cut_s=0.5))
+    assert seen == [0.5, 0.5] and quiet.cuts
+
+
+async def test_a_campaigns_confirmation_reruns_are_cut_and_stored_so():
+    from fuzzer.search.campaign import Campaign
+    from fuzzer.search.settings import Settings
+    from fuzzer.store import Store
+
+    store = Store.memory()
+    target = VirtualTarget(pathologies=("hol-prefix-burst",), seed=3)
+    trace = _with_a_late_long_stream(TRIGGERS["hol-prefix-burst"].trace)
+    await Campaign(target, store, Settings(seed=5, max_execs=4, idle_share=0.0), seeds=[trace],
+                   target_key="sim:test").run()
+    findings = store.list_findings()
+    assert findings and findings[0].kind == "ttft-outlier"
+    confirms = [store.get_execution(i) for i in store.execution_ids(trace_hash=trace.content_hash())]
+    runs = [r for r in confirms if any(q.outcome is Outcome.CUT for q in r.requests)]
+    assert len(runs) == len(confirms) - 1  # every run but the seed's own: the confirmation's re-runs
+    late = [q for r in runs for q in r.requests if q.request_id == "late"]
+    assert late and all(q.outcome is Outcome.CUT for q in late)
