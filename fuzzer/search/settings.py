@@ -18,7 +18,7 @@ from fuzzer.search.pacing import CONFIRM_SHARE, IDLE_SHARE, SEED_SHARE, fuzz_sha
 
 # AFL calibrates a new queue entry with 3-7 runs (CAL_CYCLES); our runs cost seconds, so 2 (the
 # first run and one re-run), done when it is first fuzzed. 3 found the simulator's pathologies in
-# as many or more executions in 31 of 33 paired runs (benchmarks/README.md, "Fuzzing efficiency"):
+# as many or more executions in 33 of 34 paired runs (benchmarks/README.md, stop 38):
 # a third run drops a few more flickering features (0-14 of 25-170 on heldout4), and a feature
 # that flickers but stays in an entry only makes a child showing it less novel.
 STABILITY_RUNS = 2
