@@ -117,3 +117,33 @@ async def test_a_campaigns_confirmation_reruns_are_cut_and_stored_so():
     assert len(runs) == len(confirms) - 1  # every run but the seed's own: the confirmation's re-runs
     late = [q for r in runs for q in r.requests if q.request_id == "late"]
     assert late and all(q.outcome is Outcome.CUT for q in late)
+
+
+def test_a_fleet_workers_confirmation_reruns_are_cut_as_a_campaigns():
+    from fuzzer.fleet.targets import FleetTarget
+    from fuzzer.fleet.worker import Worker
+
+    class _Given(Worker):
+        def __init__(self, spec, target, **options):
+            super().__init__(spec, **options)
+            self._given = target
+
+        async def _open(self):
+            return self._given
+
+    class _Plain(VirtualTarget):
+        info = None
+
+    target = _Plain(pathologies=("hol-prefix-burst",), seed=3)
+    worker = _Given(FleetTarget("a", url="http://127.0.0.1:1"), target, seed=1)
+    try:
+        worker.start()
+        trace = _with_a_late_long_stream(TRIGGERS["hol-prefix-burst"].trace)
+        candidates = [c for c in worker.execute(trace).candidates if c["metric"] is not None]
+        assert candidates and candidates[0]["until_s"] is not None
+        done = worker.confirm(trace, candidates[0])
+        assert done.verdict["decision"] == "different" and done.runs
+        cut = confirmation_cut_s(candidate_from_dict(candidates[0]))
+        assert all(r.duration_s <= cut + 0.05 and any(q.outcome is Outcome.CUT for q in r.requests) for r in done.runs)
+    finally:
+        worker.stop()

@@ -46,7 +46,7 @@ from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
-from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
+from fuzzer.search.confirming import ConfirmationTarget, candidate_from_dict, candidate_to_dict, confirmation_cut_s
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.crashes import crash_needs
 from fuzzer.search.mutators import Limits
@@ -102,6 +102,9 @@ class Worker:
         self._np_rng = np.random.default_rng(seed)
         self._policy = OraclePolicy(**(policy or {}))
         self._futility = futility
+        #: Whether confirmation re-runs may end with their candidate's request (as a campaign's, see
+        #: fuzzer.search.confirming): not once a cut run left this worker's server busy.
+        self._cuts = True
         self._max_age_s = max_age_s
         # Its own event loop on a thread of its own: the actor's calling thread may run Ray's.
         self._loop = asyncio.new_event_loop()
@@ -151,14 +154,18 @@ class Worker:
         start = time.perf_counter()
         runs: list[ExecutionResult] = []
         assert self.calibration is not None
-        target = _Recording(self._target, runs, self._capper(cap))
+        recording = _Recording(self._target, runs, self._capper(cap))
+        target = ConfirmationTarget(recording, lambda t, cut_s: recording.execute(t, cut_s=cut_s))
+        target.cuts = self._cuts
         wanted = candidate_from_dict(candidate)
         if wanted.kind is FindingKind.OPTION_SLOWDOWN:
             verdict = self._run(confirm_option(target, trace, wanted.detail, policy=self._policy,
                                                futility=self._futility))
         else:
             verdict = self._run(confirm(target, trace, wanted, self.calibration, rng=self._np_rng,
-                                        policy=self._policy, futility=self._futility))
+                                        policy=self._policy, futility=self._futility,
+                                        cut_s=confirmation_cut_s(wanted)))
+        self._cuts = target.cuts
         needs: tuple[str, ...] = ()
         restarts_left = getattr(self._target, "restarts_left", None)
         if wanted.kind is FindingKind.CRASH and verdict.is_finding and restarts_left is not None:
@@ -236,8 +243,8 @@ class _Recording:
             self.fresh_start = fresh_start
 
     async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
-        own = self._cut_s(trace)
-        result = await self._target.execute(trace, cut_s=own if own is not None else cut_s)
+        caps = [c for c in (self._cut_s(trace), cut_s) if c is not None]
+        result = await self._target.execute(trace, cut_s=min(caps) if caps else None)
         self._runs.append(result)
         return result
 
