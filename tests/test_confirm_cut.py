@@ -120,22 +120,12 @@ async def test_a_campaigns_confirmation_reruns_are_cut_and_stored_so():
 
 
 def test_a_fleet_workers_confirmation_reruns_are_cut_as_a_campaigns():
+    from test_fleet_option import _Virtual, _Worker
+
     from fuzzer.fleet.targets import FleetTarget
-    from fuzzer.fleet.worker import Worker
 
-    class _Given(Worker):
-        def __init__(self, spec, target, **options):
-            super().__init__(spec, **options)
-            self._given = target
-
-        async def _open(self):
-            return self._given
-
-    class _Plain(VirtualTarget):
-        info = None
-
-    target = _Plain(pathologies=("hol-prefix-burst",), seed=3)
-    worker = _Given(FleetTarget("a", url="http://127.0.0.1:1"), target, seed=1)
+    target = _Virtual(pathologies=("hol-prefix-burst",), seed=3)
+    worker = _Worker(FleetTarget("a", url="http://127.0.0.1:1"), target, seed=1)
     try:
         worker.start()
         trace = _with_a_late_long_stream(TRIGGERS["hol-prefix-burst"].trace)
