@@ -50,7 +50,7 @@ from fuzzer.search.confirming import ConfirmationTarget, candidate_from_dict, ca
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.crashes import crash_needs
 from fuzzer.search.mutators import Limits
-from fuzzer.search.pacing import ScheduleEnds, execution_cut_s
+from fuzzer.search.pacing import ScheduleEnds, earliest_cut_s, execution_cut_s
 from fuzzer.trace import Trace
 
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -243,8 +243,7 @@ class _Recording:
             self.fresh_start = fresh_start
 
     async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
-        caps = [c for c in (self._cut_s(trace), cut_s) if c is not None]
-        result = await self._target.execute(trace, cut_s=min(caps) if caps else None)
+        result = await self._target.execute(trace, cut_s=earliest_cut_s(self._cut_s(trace), cut_s))
         self._runs.append(result)
         return result
 

@@ -57,6 +57,7 @@ from fuzzer.search.pacing import (
     ScheduleEnds,
     ServerTime,
     TimeSpent,
+    earliest_cut_s,
     execution_budget_s,
     execution_cut_s,
 )
@@ -307,8 +308,7 @@ class Campaign:
         """
         while True:
             try:
-                caps = [c for c in (self.execution_cut_s(trace), cut_s) if c is not None]
-                return await self.target.execute(trace, cut_s=min(caps) if caps else None)
+                return await self.target.execute(trace, cut_s=earliest_cut_s(self.execution_cut_s(trace), cut_s))
             except TargetError as e:
                 self._last_server_error = str(e)
                 await self._wait_for_server()

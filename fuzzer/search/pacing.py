@@ -90,6 +90,11 @@ def execution_cut_s(duration_s: float | None, elapsed_s: float, expected_s: floa
     return min(factor * max(budget, expected_s or 0.0), max(budget, duration_s - elapsed_s))
 
 
+def earliest_cut_s(*caps: float | None) -> float | None:
+    """The earliest of the time caps given (None: no cap): an execution's own and a confirmation's."""
+    return min((c for c in caps if c is not None), default=None)
+
+
 class ScheduleEnds:
     """When each trace's FCFS schedule ends (fuzzer.oracle.expectation.schedule_end_s), kept per
     calibration: a campaign's and a fleet worker's execution budget and time cap ask for it before
