@@ -7,6 +7,7 @@ import dataclasses
 import random
 
 import numpy as np
+import pytest
 
 from fuzzer.execution import Outcome
 from fuzzer.oracle import judge
@@ -137,3 +138,50 @@ def test_a_fleet_workers_confirmation_reruns_are_cut_as_a_campaigns():
         assert all(r.duration_s <= cut + 0.05 and any(q.outcome is Outcome.CUT for q in r.requests) for r in done.runs)
     finally:
         worker.stop()
+
+
+def _seeded_long_carrier() -> Trace:
+    """The seeded-sampling-path trigger with its carrier streaming long after the batch it slows."""
+    trace = TRIGGERS["seeded-sampling-path"].trace
+    return trace.with_requests([dataclasses.replace(r, max_tokens=1500) if r.seed is not None else r
+                                for r in trace.requests])
+
+
+async def test_an_option_tests_runs_close_when_the_other_requests_have_ended():
+    from fuzzer.oracle.ablation import confirm_option, others_end_s
+    from fuzzer.search.confirming import option_candidate
+
+    trace = _seeded_long_carrier()
+    first = await VirtualTarget(pathologies=("seeded-sampling-path",), seed=3).execute(trace)
+    candidate = option_candidate(trace, "seed", first)
+    others = [r for r in first.requests if r.request_id != "X"]
+    assert candidate.until_s == max(r.sent_s + r.e2e_s for r in others)
+    cut_s = confirmation_cut_s(candidate)
+    assert cut_s < first.duration_s / 2  # the carrier streams on long after the batch
+    cut = _Recording(VirtualTarget(pathologies=("seeded-sampling-path",), seed=3))
+    whole = _Recording(VirtualTarget(pathologies=("seeded-sampling-path",), seed=3))
+    v_cut = await confirm_option(cut, trace, "seed", cut_s=cut_s)
+    v_whole = await confirm_option(whole, trace, "seed")
+    assert v_cut.is_finding and v_whole.is_finding and v_cut.runs == v_whole.runs == 3
+    assert v_cut.effect == pytest.approx(v_whole.effect, rel=0.05)
+    assert cut.cuts == [cut_s] * 6 and whole.cuts == [None] * 6
+    assert sum(r.duration_s for r in cut.results) < sum(r.duration_s for r in whole.results) / 2
+    # a carrier that ends with the batch, or a request without the option that did not complete: no cut
+    short = trace.with_requests([dataclasses.replace(r, max_tokens=128) for r in trace.requests])
+    assert others_end_s(short, await VirtualTarget(seed=3).execute(short), "seed") is None
+    failed = dataclasses.replace(first, requests=tuple(
+        dataclasses.replace(r, outcome=Outcome.TIMEOUT, e2e_s=None) if r.request_id == "S03" else r
+        for r in first.requests))
+    assert option_candidate(trace, "seed", failed).until_s is None
+    assert option_candidate(trace, "seed").until_s is None  # a pending test of old: whole runs
+
+
+async def test_an_option_test_whose_run_without_the_option_was_cut_runs_whole_from_then_on():
+    from fuzzer.oracle.ablation import confirm_option
+
+    trace = _seeded_long_carrier()
+    target = _Recording(VirtualTarget(pathologies=("seeded-sampling-path",), seed=3))
+    # So short a cap that the batch is still running: the run without the option says nothing.
+    verdict = await confirm_option(target, trace, "seed", cut_s=0.05)
+    assert target.cuts[:2] == [0.05, 0.05] and set(target.cuts[2:]) == {None}
+    assert verdict.is_finding and verdict.runs == 3  # the first pair is no pair

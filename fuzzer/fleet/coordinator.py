@@ -366,7 +366,7 @@ class Coordinator:
             return
         tests, largest = self.option_tests.get(option, (0, 0))
         self.option_tests[option] = (tests + 1, max(largest, overlap))
-        t.confirm.append(Task("confirm", trace, candidate=candidate_to_dict(option_candidate(trace, option)), key=key))
+        t.confirm.append(Task("confirm", trace, candidate=candidate_to_dict(option_candidate(trace, option, result)), key=key))
         self._checkpoint(force=True)
 
     def _next_confirmation(self, t: TargetState) -> Task | None:

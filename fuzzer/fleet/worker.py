@@ -160,7 +160,7 @@ class Worker:
         wanted = candidate_from_dict(candidate)
         if wanted.kind is FindingKind.OPTION_SLOWDOWN:
             verdict = self._run(confirm_option(target, trace, wanted.detail, policy=self._policy,
-                                               futility=self._futility))
+                                               futility=self._futility, cut_s=confirmation_cut_s(wanted)))
         else:
             verdict = self._run(confirm(target, trace, wanted, self.calibration, rng=self._np_rng,
                                         policy=self._policy, futility=self._futility,

@@ -72,13 +72,34 @@ def without_option(trace: Trace, option: str) -> Trace:
     return trace.with_requests([replace(r, **{option: None}) for r in trace.requests])
 
 
-def others_e2e(trace: Trace, result: ExecutionResult, option: str) -> float | None:
+def others_e2e(trace: Trace, result: ExecutionResult, option: str, *, at_least: bool = False) -> float | None:
     """The median e2e of the requests of ``trace`` that do not set ``option`` and completed;
-    None with fewer than MIN_OTHERS of them."""
+    None with fewer than MIN_OTHERS of them.
+
+    A request the run's time cap closed (Outcome.CUT) ran at least to the cap: with ``at_least``
+    its e2e so far counts, and the median is a lower bound (the slow side of a pair: the ratio can
+    only come out smaller); without, any such request makes the median unknown (None)."""
     mine = set(carriers(trace, option))
-    values = [r.e2e_s for r in result.requests
-              if r.request_id not in mine and r.outcome is Outcome.OK and r.e2e_s is not None]
+    others = [r for r in result.requests if r.request_id not in mine]
+    if not at_least and any(r.outcome is Outcome.CUT for r in others):
+        return None
+    values = [r.e2e_s for r in others if r.outcome in (Outcome.OK, Outcome.CUT) and r.e2e_s is not None]
     return statistics.median(values) if len(values) >= MIN_OTHERS else None
+
+
+def others_end_s(trace: Trace, result: ExecutionResult, option: str) -> float | None:
+    """When the last request of ``result`` without ``option`` ended, from its start, if a carrier
+    ended later (a run of the test may then close there, see :func:`confirm_option`); None when
+    some request without it did not complete, or no carrier outlasted them."""
+    mine = set(carriers(trace, option))
+    ends = {r.request_id: r.sent_s + r.e2e_s for r in result.requests
+            if r.outcome is Outcome.OK and r.e2e_s is not None}
+    others = [r.request_id for r in result.requests if r.request_id not in mine]
+    if not others or any(rid not in ends for rid in others):
+        return None
+    last = max(ends[rid] for rid in others)
+    carried = [ends.get(rid) for rid in mine]
+    return last if any(end is None or end > last for end in carried) else None
 
 
 def beside(trace: Trace, result: ExecutionResult, option: str) -> tuple[int, int]:
@@ -143,18 +164,20 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY, *,
 
 async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bool = True,
                    ablated: Trace | None = None, record: Callable[[Trace, ExecutionResult], None] | None = None,
+                   cut_s: float | None = None,
                    ) -> tuple[float | None, float | None, list[tuple[Trace, ExecutionResult]]]:
     """One pair: ``trace`` and its ablation of ``option`` (``ablated``, made when not given), in that order or
-    the other; ``record`` hears of each run as it ends. Returns the other requests' median e2e with and
-    without the option (None: too few completed) and the runs, in the order they ran."""
+    the other, each capped at ``cut_s`` when given; ``record`` hears of each run as it ends. Returns the other
+    requests' median e2e with (at least, when cut) and without the option (None: too few completed, or cut
+    before they ended) and the runs, in the order they ran."""
     ablated = without_option(trace, option) if ablated is None else ablated
     runs = []
     for t in (trace, ablated) if trace_first else (ablated, trace):
-        runs.append((t, await target.execute(t)))
+        runs.append((t, await (target.execute(t) if cut_s is None else target.execute(t, cut_s=cut_s))))
         if record is not None:
             record(*runs[-1])
     # The carriers' ids are the original's in both runs.
-    medians = {t is trace: others_e2e(trace, result, option) for t, result in runs}
+    medians = {t is trace: others_e2e(trace, result, option, at_least=t is trace) for t, result in runs}
     return medians[True], medians[False], runs
 
 
@@ -165,13 +188,21 @@ async def confirm_option(
     *,
     policy: OraclePolicy = DEFAULT_POLICY,
     futility: bool = True,
+    cut_s: float | None = None,
 ) -> Verdict:
-    """Run ``trace`` and its ablation of ``option`` in alternating pairs until decided (see the module doc)."""
+    """Run ``trace`` and its ablation of ``option`` in alternating pairs until decided (see the module doc).
+
+    ``cut_s``: each run's time cap, for a test whose carriers outlast the other requests (the statistic
+    is theirs). A run with the option that the cap closed before all of them ended counts what they ran
+    so far (a lower bound of its slowdown); one without it is then no pair, and the test runs whole."""
     ablated = without_option(trace, option)
     pairs: list[tuple[float, float]] = []
     decision, p, effect = Decision.INSUFFICIENT_DATA, None, math.nan
     for done in range(0, policy.max_runs, 2):
-        with_s, without_s, _ = await run_pair(target, trace, option, trace_first=done % 4 == 0, ablated=ablated)
+        with_s, without_s, _ = await run_pair(target, trace, option, trace_first=done % 4 == 0, ablated=ablated,
+                                              cut_s=cut_s)
+        if without_s is None:
+            cut_s = None
         if with_s is not None and without_s is not None and without_s > 0:
             pairs.append((with_s, without_s))
         decision, p, effect = decide([a / b for a, b in pairs], policy, futility=futility)

@@ -26,6 +26,9 @@ asks. On a slow server a candidate's request often ends long before the trace's 
 (heldout4 with every bug on: an e2e victim done at 25 s of a 65 s trace, re-run three times). A
 server that does not free what the client closed (the executor finds it not idle after a cut run)
 keeps computing it; the confirmation target then stops cutting (:class:`ConfirmationTarget`).
+An option test's runs close the same way after the other requests' end, when its carriers outlasted
+them (the test's statistic is the others' e2e): heldout4's test of ``logprobs`` ran 35 s traces whose
+other requests were done at 5 s, and their ablations 19 s ones.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import numpy as np
 
 from fuzzer.execution import ExecutionResult, Outcome, Target
 from fuzzer.oracle import judge
-from fuzzer.oracle.ablation import carriers, confirm_option, options_of, suspects, without_option
+from fuzzer.oracle.ablation import carriers, confirm_option, options_of, others_end_s, suspects, without_option
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
@@ -72,8 +75,9 @@ CONFIRM_CUT_SLACK_S = 1.0
 
 
 def confirmation_cut_s(candidate: Candidate) -> float | None:
-    """The time cap of a latency candidate's re-runs (None: not a latency, or its end is unknown)."""
-    if candidate.metric is None or candidate.until_s is None:
+    """The time cap of a candidate's re-runs: a latency's, or an option test's whose carriers outlasted the
+    other requests (:func:`option_candidate`); None when its end is unknown."""
+    if candidate.until_s is None:
         return None
     return CONFIRM_CUT_FACTOR * candidate.until_s + CONFIRM_CUT_SLACK_S
 
@@ -211,7 +215,7 @@ class Confirmer:
         """
         # A sampling option slowing everyone first: its victims' latencies are then its doing.
         if not cold and (due := self._option_due(trace, result)) is not None:
-            tested = await self._confirm_option(trace, *due)
+            tested = await self._confirm_option(option_candidate(trace, due[0], result), trace, due[1])
             if tested.is_finding:
                 return tested
         # Latency candidates of a trace with a found option-slowdown's option are confirmed without it.
@@ -257,10 +261,11 @@ class Confirmer:
             return None
         return option_due(suspects(trace, result, self._policy), self.option_tests, self.found, self._policy)
 
-    async def _confirm_option(self, trace: Trace, option: str, overlap: int | None) -> Verdict:
-        """Test ``option`` of ``trace`` against the trace without it; record a finding. At the deadline (or
-        Ctrl-C) the test is kept as pending, as a candidate of kind option-slowdown whose detail is the
-        option; ``overlap`` None: such a pending test, already counted."""
+    async def _confirm_option(self, candidate: Candidate, trace: Trace, overlap: int | None) -> Verdict:
+        """Test the option of ``candidate`` (:func:`option_candidate`) of ``trace`` against the trace without
+        it; record a finding. At the deadline (or Ctrl-C) the test is kept as pending; ``overlap`` None: such
+        a pending test, already counted."""
+        option = candidate.detail
         if overlap is not None:
             self.candidates += 1
             tests, largest = self.option_tests.get(option, (0, 0))
@@ -269,9 +274,9 @@ class Confirmer:
             try:
                 self.confirmations += 1
                 verdict = await confirm_option(self._target, trace, option, policy=self._policy,
-                                               futility=self._futility)
+                                               futility=self._futility, cut_s=confirmation_cut_s(candidate))
             except OutOfTime:
-                self.pending.append((trace, option_candidate(trace, option), option_signature(option)))
+                self.pending.append((trace, candidate, option_signature(option)))
                 self._checkpoint()
                 raise
         if verdict.is_finding:
@@ -362,7 +367,7 @@ class Confirmer:
         if key in self.found:
             return None
         if candidate.kind is FindingKind.OPTION_SLOWDOWN:
-            verdict = await self._confirm_option(trace, candidate.detail, None)
+            verdict = await self._confirm_option(candidate, trace, None)
             self._checkpoint()
             return verdict
         verdict = await self._confirm_candidate(trace, candidate, key, calibration)
@@ -515,10 +520,13 @@ def option_due(suspected: Mapping[str, int], tests: Mapping[str, tuple[int, int]
     return None
 
 
-def option_candidate(trace: Trace, option: str) -> Candidate:
+def option_candidate(trace: Trace, option: str, result: ExecutionResult | None = None) -> Candidate:
     """The test of ``option`` of ``trace`` as a candidate (a pending one, a fleet's task): of kind
-    option-slowdown, naming the first request that carries it, the option its detail."""
-    return Candidate(FindingKind.OPTION_SLOWDOWN, carriers(trace, option)[0], detail=option)
+    option-slowdown, naming the first request that carries it, the option its detail. ``result``: the
+    execution that made it due; when its carriers outlasted the other requests, the test's runs close
+    when those would have ended (``until_s``: when they did there; see :func:`confirmation_cut_s`)."""
+    until_s = None if result is None else others_end_s(trace, result, option)
+    return Candidate(FindingKind.OPTION_SLOWDOWN, carriers(trace, option)[0], detail=option, until_s=until_s)
 
 
 def without_found_options(trace: Trace, found: Container[str]) -> Trace:
