@@ -40,6 +40,21 @@ async def test_finds_the_planted_logprobs_stall_in_the_seed_phase():
     assert store.purposes(campaign_id=summary.campaign_id)["confirm"] >= 3
 
 
+async def test_once_an_option_slowdown_is_found_the_fuzzed_children_go_without_the_option():
+    """The option only slows everyone again (and each run by its slowdown): children are run without it."""
+    store = Store.memory()
+    target = VirtualTarget(pathologies=("logprobs-batch-cost",), seed=2)
+    summary = await _campaign(store, target, [tf.load(CORPUS / "n-logprobs.json")], max_execs=30).run()
+    finding = store.list_findings()[0]
+    assert finding.kind == "option-slowdown" and finding.verdict["ablated"] == "logprobs"
+    rows = store.execution_rows(campaign_id=summary.campaign_id)
+    # the seed, then its test (pairs of the seed and its ablation): every fuzzed child comes after
+    assert [r["purpose"] for r in rows[:7]] == ["seed"] + ["confirm"] * 6
+    fuzzed = [store.get_trace(r["trace_hash"]) for r in rows if r["purpose"] == "fuzz"]
+    assert len(fuzzed) >= 10
+    assert all(r.logprobs is None for t in fuzzed for r in t.requests)
+
+
 async def test_resume_keeps_corpus_findings_and_counts(seed_trace):
     store = Store.memory()
     target = VirtualTarget(pathologies=("hol-prefix-burst",), seed=2)

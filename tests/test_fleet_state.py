@@ -115,3 +115,12 @@ def test_the_coordinator_backs_off_a_found_family_and_strips_a_found_leaks_disco
     t.corpus.add(parent, [Coverage(frozenset({"p"}))])
     child = coordinator._next_task(t).trace
     assert all(r.cancel_after_tokens is None for r in child.requests)
+    # ... and once an option-slowdown of logprobs is, no logprobs (it would only slow everyone again).
+    from fuzzer.oracle.signature import option_signature
+
+    coordinator.found.add(option_signature("logprobs"))
+    t.corpus.add(Trace(requests=(*(Request(id=f"b{i}", at_ms=0, prompt_tokens=64, max_tokens=64) for i in range(4)),
+                                 Request(id="l", at_ms=0, prompt_tokens=64, max_tokens=64, logprobs=5))),
+                 [Coverage(frozenset({"q"}))])
+    children = [coordinator._next_task(t).trace for _ in range(8)]
+    assert all(r.logprobs is None for c in children for r in c.requests)

@@ -55,10 +55,11 @@ from fuzzer.search.confirming import (
     option_candidate,
     option_due,
     recently_rejected,
+    without_found_causes,
     without_found_options,
 )
 from fuzzer.search.crashes import avoiding, tried
-from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats, without_found_leaks
+from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
 from fuzzer.search.settings import ExitReason, Settings, stop_reason
 from fuzzer.store import Store
 from fuzzer.trace import Trace
@@ -280,8 +281,8 @@ class Coordinator:
         parent = t.corpus.choose(self.rng)
         other = t.corpus.choose(self.rng).trace if len(t.corpus) > 1 else None
         child: Child = self.mutator.mutate(parent.trace, self.rng, other)
-        # As a campaign's: a disconnect whose leak is confirmed could only find it again.
-        return Task("fuzz", without_found_leaks(child.trace, self.found), parent=parent.id, operators=child.operators)
+        # As a campaign's: without what a confirmed finding already explains.
+        return Task("fuzz", without_found_causes(child.trace, self.found), parent=parent.id, operators=child.operators)
 
     # --- results ---------------------------------------------------------------------------
 

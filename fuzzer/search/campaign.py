@@ -46,11 +46,11 @@ from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import ConfirmationTarget, Confirmer, OutOfTime
+from fuzzer.search.confirming import ConfirmationTarget, Confirmer, OutOfTime, without_found_causes
 from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.crashes import avoiding
 from fuzzer.search.coverage import Coverage, calibrated
-from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats, without_found_leaks
+from fuzzer.search.mutators import Child, Mutator, NullMutator, OperatorStats
 from fuzzer.search.pacing import (
     AFFORD_TRIES,
     ColdProbes,
@@ -397,9 +397,7 @@ class Campaign:
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""
-        # A disconnect whose leak is confirmed could only find it again, each holding the next
-        # execution at the idle barrier until the leaked work ends.
-        child = replace(child, trace=self._avoiding(without_found_leaks(child.trace, self.confirmer.found)))
+        child = replace(child, trace=self._avoiding(without_found_causes(child.trace, self.confirmer.found)))
         first = await self._execute(child.trace, "fuzz")
         kept = False
         # The null mutator never reads the corpus: re-running its children for stability would
