@@ -40,7 +40,7 @@ async def test_finds_the_planted_logprobs_stall_in_the_seed_phase():
     assert store.purposes(campaign_id=summary.campaign_id)["confirm"] >= 3
 
 
-async def test_once_an_option_slowdown_is_found_the_fuzzed_children_go_without_the_option():
+async def test_an_option_test_settles_its_seed_and_once_found_the_fuzzed_children_go_without_the_option():
     """The option only slows everyone again (and each run by its slowdown): children are run without it."""
     store = Store.memory()
     target = VirtualTarget(pathologies=("logprobs-batch-cost",), seed=2)
@@ -53,6 +53,9 @@ async def test_once_an_option_slowdown_is_found_the_fuzzed_children_go_without_t
     fuzzed = [store.get_trace(r["trace_hash"]) for r in rows if r["purpose"] == "fuzz"]
     assert len(fuzzed) >= 10
     assert all(r.logprobs is None for t in fuzzed for r in t.requests)
+    # The test's three runs of the seed were its stability re-runs: it is not run again for them.
+    assert rows[7]["purpose"] != "stability" and not any(
+        r["purpose"] == "stability" and r["trace_hash"] == finding.trace_hash for r in rows)
 
 
 async def test_resume_keeps_corpus_findings_and_counts(seed_trace):

@@ -39,7 +39,7 @@ from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute import clientlag
 from fuzzer.execute.managed import CrashLoop
 from fuzzer.execute.recovery import backoff
-from fuzzer.execution import ExecutionResult, Target
+from fuzzer.execution import ExecutionResult, Outcome, Target
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import let_idle
@@ -136,6 +136,10 @@ class Campaign:
         self.too_long = self.over_budget = 0
         self._ends = ScheduleEnds()  # expected_duration_s of each trace, under the calibration of the moment
         self._ran_s: dict[str, float] = {}  # trace hash -> its longest execution in this run of the campaign
+        #: Trace hash of a provisional corpus entry -> the coverage of its whole confirmation runs, which
+        #: serve as its stability re-runs (_settle): the main job's logprobs seed was re-run 8.5 s for
+        #: stability after its option test had run it three times.
+        self._confirmed_runs: dict[str, list[Coverage]] = {}
         #: Executions whose client stalled past clientlag.STARVED_S, and the worst stall seen.
         self.client_stalls = 0
         self.worst_client_stall_s = 0.0
@@ -282,6 +286,9 @@ class Campaign:
             # We left the server idle this long on purpose; an HTTP idle barrier only sees its own polls.
             result = replace(result, idle_before_s=idled_s)
         self.server_time.record(purpose, result.duration_s)
+        if purpose == "confirm" and self._unsettled(result.trace_hash) and not any(
+                r.outcome is Outcome.CUT for r in result.requests):
+            self._confirmed_runs.setdefault(result.trace_hash, []).append(self._coverage(trace, result))
         self._ran_s[result.trace_hash] = max(self._ran_s.get(result.trace_hash, 0.0), result.duration_s)
         if (result.client_lag_s or 0.0) > clientlag.STARVED_S:
             self.client_stalls += 1
@@ -417,14 +424,22 @@ class Campaign:
         features = entry.features
         # An entry that carries what a confirmed crash needs is not run again: it would crash.
         reruns = self.settings.stability_runs - 1 if self._avoiding(entry.trace) == entry.trace else 0
+        spare = self._confirmed_runs.pop(entry.hash, [])
         while len(runs) < reruns:
-            self._check_time()
-            runs.append(self._coverage(entry.trace, await self._execute(entry.trace, "stability")))
+            if spare:
+                runs.append(spare.pop(0))
+            else:
+                self._check_time()
+                runs.append(self._coverage(entry.trace, await self._execute(entry.trace, "stability")))
             if runs[-1].features == features:
                 break
             features &= runs[-1].features
         self.corpus.settle(entry.id, runs)
         self._dirty.add(entry.id)
+
+    def _unsettled(self, digest: str) -> bool:
+        """Whether ``digest`` is the trace of a corpus entry not yet settled (its re-runs still to come)."""
+        return any(self.corpus.entries[i].hash == digest for i in self.corpus.provisional if i in self.corpus.entries)
 
     # --- cold probes (fuzzer.search.pacing) -----------------------------------------------------------
 
