@@ -185,3 +185,22 @@ async def test_an_option_test_whose_run_without_the_option_was_cut_runs_whole_fr
     verdict = await confirm_option(target, trace, "seed", cut_s=0.05)
     assert target.cuts[:2] == [0.05, 0.05] and set(target.cuts[2:]) == {None}
     assert verdict.is_finding and verdict.runs == 3  # the first pair is no pair
+
+
+async def test_a_campaigns_option_test_runs_are_cut_after_the_batch():
+    from fuzzer.search.campaign import Campaign
+    from fuzzer.search.settings import Settings
+    from fuzzer.store import Store
+
+    store = Store.memory()
+    trace = _seeded_long_carrier()
+    await Campaign(VirtualTarget(pathologies=("seeded-sampling-path",), seed=3), store,
+                   Settings(seed=5, max_execs=7, idle_share=0.0), seeds=[trace], target_key="sim:test").run()
+    finding = store.list_findings()[0]
+    assert finding.kind == "option-slowdown" and finding.verdict["ablated"] == "seed"
+    rows = store.execution_rows()
+    assert [r["purpose"] for r in rows] == ["seed"] + ["confirm"] * 6
+    tests = [store.get_execution(r["id"]) for r in rows[1:]]
+    carrier = [q for run in tests for q in run.requests if q.request_id == "X"]
+    assert len(carrier) == 6 and all(q.outcome is Outcome.CUT for q in carrier)
+    assert all(run.duration_s < store.get_execution(rows[0]["id"]).duration_s / 2 for run in tests)
