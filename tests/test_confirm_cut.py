@@ -16,6 +16,7 @@ from fuzzer.oracle.confirm import confirm
 from fuzzer.search.confirming import (
     CONFIRM_CUT_FACTOR,
     CONFIRM_CUT_SLACK_S,
+    LEAKY_CUTS,
     ConfirmationTarget,
     candidate_from_dict,
     candidate_to_dict,
@@ -79,26 +80,30 @@ def test_cut_reruns_reach_the_verdict_the_whole_reruns_reach():
     assert sum(r.duration_s for r in cut.results) < sum(r.duration_s for r in whole.results) / 2
 
 
-def test_the_confirmation_target_stops_cutting_once_a_cut_left_the_server_busy():
+def test_the_confirmation_target_stops_cutting_a_trace_whose_cut_left_the_server_busy():
     target = VirtualTarget(seed=3)
     trace = TRIGGERS["kv-reserve-admission"].trace
-    seen = []
+    other = TRIGGERS["hol-prefix-burst"].trace
+    third = TRIGGERS["lifo-admission"].trace
+    seen, leaving_busy = [], {trace.content_hash(), other.content_hash()}
 
     async def run(t, cut_s):
         seen.append(cut_s)
         result = await target.execute(t, cut_s=cut_s)
-        return dataclasses.replace(result, idle_after=len(seen) > 1)  # the first cut run left it busy
+        return dataclasses.replace(result, idle_after=t.content_hash() not in leaving_busy)
 
     confirming = ConfirmationTarget(target, run)
-    asyncio.run(confirming.execute(trace, cut_s=0.5))
-    asyncio.run(confirming.execute(trace, cut_s=0.5))
-    assert seen == [0.5, None] and not confirming.cuts
+    for t in (trace, trace, other, third, other):
+        asyncio.run(confirming.execute(t, cut_s=0.5))
+    # that trace is re-run whole; another is still cut, until LEAKY_CUTS traces left it busy: then none
+    assert LEAKY_CUTS == 2 and seen == [0.5, None, 0.5, None, None]
+    assert confirming.cuts.leaky == leaving_busy and not confirming.cuts.allowed(third)
     # a cut run that found the server idle again leaves cutting on
     seen.clear()
     quiet = ConfirmationTarget(target, lambda t, cut_s: (seen.append(cut_s), target.execute(t, cut_s=cut_s))[1])
     asyncio.run(quiet.execute(trace, cut_s=0.5))
     asyncio.run(quiet.execute(trace, cut_s=0.5))
-    assert seen == [0.5, 0.5] and quiet.cuts
+    assert seen == [0.5, 0.5] and quiet.cuts.allowed(trace)
 
 
 async def test_a_campaigns_confirmation_reruns_are_cut_and_stored_so():

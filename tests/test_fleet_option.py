@@ -135,7 +135,7 @@ def test_a_fleet_tests_a_seed_that_slows_the_batch_before_its_victims_and_rechec
         latency = [args for _, method, args in pool.calls if method == "confirm" and args[1]["metric"] is not None]
         assert latency and all(r.seed is None for args in latency for r in args[0].requests)
         state = store.latest_campaign()["state"]
-        assert state["option_tests"] == {"seed": [1, 16]}
+        assert state["option_tests"]["seed"] == [1, 16]  # tested once (other options of its children may be)
 
 
 def _coordinator(store, settings=None):

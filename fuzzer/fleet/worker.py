@@ -46,7 +46,7 @@ from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
-from fuzzer.search.confirming import ConfirmationTarget, candidate_from_dict, candidate_to_dict, confirmation_cut_s
+from fuzzer.search.confirming import ConfirmationTarget, Cuts, candidate_from_dict, candidate_to_dict, confirmation_cut_s
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.crashes import crash_needs
 from fuzzer.search.mutators import Limits
@@ -103,8 +103,8 @@ class Worker:
         self._policy = OraclePolicy(**(policy or {}))
         self._futility = futility
         #: Whether confirmation re-runs may end with their candidate's request (as a campaign's, see
-        #: fuzzer.search.confirming): not once a cut run left this worker's server busy.
-        self._cuts = True
+        #: fuzzer.search.confirming.Cuts): not for traces whose cut run left this worker's server busy.
+        self._cuts = Cuts()
         self._max_age_s = max_age_s
         # Its own event loop on a thread of its own: the actor's calling thread may run Ray's.
         self._loop = asyncio.new_event_loop()
@@ -155,8 +155,7 @@ class Worker:
         runs: list[ExecutionResult] = []
         assert self.calibration is not None
         recording = _Recording(self._target, runs, self._capper(cap))
-        target = ConfirmationTarget(recording, lambda t, cut_s: recording.execute(t, cut_s=cut_s))
-        target.cuts = self._cuts
+        target = ConfirmationTarget(recording, lambda t, cut_s: recording.execute(t, cut_s=cut_s), self._cuts)
         wanted = candidate_from_dict(candidate)
         if wanted.kind is FindingKind.OPTION_SLOWDOWN:
             verdict = self._run(confirm_option(target, trace, wanted.detail, policy=self._policy,
@@ -165,7 +164,6 @@ class Worker:
             verdict = self._run(confirm(target, trace, wanted, self.calibration, rng=self._np_rng,
                                         policy=self._policy, futility=self._futility,
                                         cut_s=confirmation_cut_s(wanted)))
-        self._cuts = target.cuts
         needs: tuple[str, ...] = ()
         restarts_left = getattr(self._target, "restarts_left", None)
         if wanted.kind is FindingKind.CRASH and verdict.is_finding and restarts_left is not None:
