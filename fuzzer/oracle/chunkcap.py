@@ -42,6 +42,14 @@ CAP_EXTRA_STEPS = 3
 #: gives it, and the noise margin more: a cap that costs less than that makes no candidate either.
 #: Caps below this many tokens a step are not looked for (the stream would be long).
 MIN_CAP_TOKENS = 64
+#: ... and a cap is what lets other requests in beside a long prompt: a short prompt of WITNESS_TOKENS
+#: (sent one stream step after the long one reached the engine) must get its first token at least
+#: WITNESS_STEPS of the stream's steps before the long prompt does, in every run. On heldout3 with
+#: every bug on, a prefill in twice an uncapped engine's steps was measured as a cap of 3072 tokens
+#: while short prompts still waited for the whole prefill (as the server does clean): the bound
+#: then let them in beside it, and two ttft-outliers (8.5x, 48x) were false.
+WITNESS_TOKENS = 32
+WITNESS_STEPS = 2
 #: The token budget probe: a prompt of at most this many tokens (and at least two assumed budgets;
 #: halved while the calibrated model says its prefill would take longer than BUDGET_PROBE_MAX_S)
 #: beside a decoding stream, BUDGET_REPEATS times ...
@@ -93,7 +101,7 @@ async def token_budget(target: Target, cal: Calibration, longest: int, documente
         trace, sent, got = await _beside_a_stream(target, model, assumption, prompts, f"calibration-budget-{run}")
         if got is None:
             return 0
-        s, burst = got
+        s, burst, _ = got
         arrived = min(p.sent_s for p in burst) + model.frontend_s(each)
         first = max(p.sent_s + p.ttft_s for p in burst)
         times = [s.sent_s + t for t in s.token_times_s]
@@ -171,25 +179,28 @@ async def prefill_step_floor(target: Target, cal: Calibration) -> float:
 
 
 async def _beside_a_stream(target: Target, model: StepModel, assumption: SchedulerAssumption,
-                           prompts: tuple[int, ...], name: str):
+                           prompts: tuple[int, ...], name: str, witness: bool = False):
     """Run a short stream ("cs") and, once it decodes, prompts of ``prompts`` tokens sent together ("cl",
-    "cl1", ...); returns the trace, the send times and (stream, [prompt results]), the latter None
-    when any failed or had no token."""
+    "cl1", ...), and with ``witness`` a short prompt ("cw") sent one stream step after they reach the
+    engine; returns the trace, the send times and (stream, [prompt results], the witness's result or
+    None), the latter None when any failed or had no token."""
     step = model.step_s(0, 1, 16)
     lead_s = idle_expectation(16, 2, model, assumption).ttft_s + 8 * step
     longs = [Request(id="cl" if i == 0 else f"cl{i}", at_ms=round(lead_s * 1000.0, 3), prompt_tokens=n, max_tokens=2)
              for i, n in enumerate(prompts)]
+    witnesses = [Request(id="cw", at_ms=round((lead_s + model.frontend_s(max(prompts)) + step) * 1000.0, 3),
+                         prompt_tokens=WITNESS_TOKENS, max_tokens=2)] if witness else []
     trace = Trace(requests=(
         Request(id="cs", at_ms=0.0, prompt_tokens=16, max_tokens=math.ceil(sum(prompts) / MIN_CAP_TOKENS) + 32),
-        *longs,
+        *longs, *witnesses,
     ), name=name)
     result = await target.execute(trace)
     got = {r.request_id: r for r in result.requests}
-    s, burst = got.get("cs"), [got.get(r.id) for r in longs]
+    s, burst, w = got.get("cs"), [got.get(r.id) for r in longs], got.get("cw")
     if s is None or s.outcome.failed or not s.token_times_s or any(
-            p is None or p.outcome.failed or p.ttft_s is None for p in burst):
+            p is None or p.outcome.failed or p.ttft_s is None for p in [*burst, *([w] if witness else [])]):
         return trace, {}, None
-    return trace, {r.request_id: r.sent_s for r in result.requests}, (s, burst)
+    return trace, {r.request_id: r.sent_s for r in result.requests}, (s, burst, w)
 
 
 def _longest_step(trace: Trace, sent: Mapping[str, float], model: StepModel, assumption: SchedulerAssumption,
@@ -211,7 +222,9 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
     times the steps an uncapped engine needs and CAP_EXTRA_STEPS more, and its TTFT is the
     candidate factor times the uncapped schedule's and the noise margin more, it is then the largest
     cap under which the schedule explains the quicker run's TTFT (no larger than the prompt
-    over the steps counted). Where a cap costs the prompt little (prefill time dominated by tokens,
+    over the steps counted), and a short prompt sent beside it got its first token well before it (see
+    WITNESS_STEPS: more steps alone may be a server's own, and a cap's bound lets later requests in
+    beside a long prompt). Where a cap costs the prompt little (prefill time dominated by tokens,
     not steps) it is the prompt over the fewest steps counted: it changes a TTFT little, but not
     how many prompts prefill at once, each holding KV blocks, nor so the preemptions.
     """
@@ -226,15 +239,19 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
     runs: list[tuple[float, int, dict[str, float], Trace]] = []
     slow = True
     for run in range(CAP_REPEATS):
-        trace, sent, got = await _beside_a_stream(target, model, assumption, (prompt,), f"calibration-cap-{run}")
+        trace, sent, got = await _beside_a_stream(target, model, assumption, (prompt,), f"calibration-cap-{run}",
+                                                  witness=True)
         if got is None:
             return 0
-        s, (p,) = got
+        s, (p,), w = got
         arrived = p.sent_s + model.frontend_s(prompt)
         first = p.sent_s + p.ttft_s + step / 2.0
         steps = sum(1 for t in s.token_times_s if arrived < s.sent_s + t <= first)
         if s.sent_s + s.token_times_s[-1] < first or steps < max(CAP_EVIDENCE * uncapped, uncapped + CAP_EXTRA_STEPS):
             return 0  # the stream ended first (no count), or no more steps than an uncapped engine's
+        after = sum(1 for t in s.token_times_s if w.sent_s + w.ttft_s < s.sent_s + t <= first)
+        if after < WITNESS_STEPS:
+            return 0  # the short prompt waited for the long one's prefill: its steps are not a cap's
         slow = slow and p.ttft_s >= CANDIDATE_FACTOR * _probe_ttft(trace, sent, model, assumption, 0) + margin_s
         runs.append((p.ttft_s, steps, sent, trace))
     if not slow:
