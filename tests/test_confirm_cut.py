@@ -1,4 +1,4 @@
-"""A latency candidate's re-runs end soon after its request (fuzzer.search.confirming, CONFIRM_CUT_FACTOR)."""
+"""A latency candidate's re-runs end soon after its request (fuzzer.search.cuts, CONFIRM_CUT_FACTOR)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,8 @@ from fuzzer.execution import Outcome
 from fuzzer.oracle import judge
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.confirm import confirm
-from fuzzer.search.confirming import (
-    CONFIRM_CUT_FACTOR,
-    CONFIRM_CUT_SLACK_S,
-    LEAKY_CUTS,
-    ConfirmationTarget,
-    candidate_from_dict,
-    candidate_to_dict,
-    confirmation_cut_s,
-)
+from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
+from fuzzer.search.cuts import CONFIRM_CUT_FACTOR, CONFIRM_CUT_SLACK_S, LEAKY_CUTS, ConfirmationTarget, confirmation_cut_s
 from fuzzer.sim import VirtualTarget
 from fuzzer.sim.triggers import TRIGGERS
 from fuzzer.trace import Trace

@@ -46,7 +46,8 @@ from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
-from fuzzer.search.confirming import ConfirmationTarget, Cuts, candidate_from_dict, candidate_to_dict, confirmation_cut_s
+from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
+from fuzzer.search.cuts import ConfirmationTarget, Cuts, confirmation_cut_s
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.crashes import crash_needs
 from fuzzer.search.mutators import Limits
@@ -103,7 +104,7 @@ class Worker:
         self._policy = OraclePolicy(**(policy or {}))
         self._futility = futility
         #: Whether confirmation re-runs may end with their candidate's request (as a campaign's, see
-        #: fuzzer.search.confirming.Cuts): not for traces whose cut run left this worker's server busy.
+        #: fuzzer.search.cuts.Cuts): not for traces whose cut run left this worker's server busy.
         self._cuts = Cuts()
         self._max_age_s = max_age_s
         # Its own event loop on a thread of its own: the actor's calling thread may run Ray's.

@@ -46,7 +46,8 @@ from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import ConfirmationTarget, Confirmer, OutOfTime, without_found_causes
+from fuzzer.search.confirming import Confirmer, OutOfTime, without_found_causes
+from fuzzer.search.cuts import ConfirmationTarget
 from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.crashes import avoiding
 from fuzzer.search.coverage import Coverage, calibrated
@@ -136,9 +137,7 @@ class Campaign:
         self.too_long = self.over_budget = 0
         self._ends = ScheduleEnds()  # expected_duration_s of each trace, under the calibration of the moment
         self._ran_s: dict[str, float] = {}  # trace hash -> its longest execution in this run of the campaign
-        #: Trace hash of a provisional corpus entry -> the coverage of its whole confirmation runs, which
-        #: serve as its stability re-runs (_settle): the main job's logprobs seed was re-run 8.5 s for
-        #: stability after its option test had run it three times.
+        #: Trace hash of an unsettled corpus entry -> the coverage of its whole confirmation runs: its stability re-runs.
         self._confirmed_runs: dict[str, list[Coverage]] = {}
         #: Executions whose client stalled past clientlag.STARVED_S, and the worst stall seen.
         self.client_stalls = 0
@@ -286,7 +285,7 @@ class Campaign:
             # We left the server idle this long on purpose; an HTTP idle barrier only sees its own polls.
             result = replace(result, idle_before_s=idled_s)
         self.server_time.record(purpose, result.duration_s)
-        if purpose == "confirm" and self._unsettled(result.trace_hash) and not any(
+        if purpose == "confirm" and self.corpus.unsettled(result.trace_hash) and not any(
                 r.outcome is Outcome.CUT for r in result.requests):
             self._confirmed_runs.setdefault(result.trace_hash, []).append(self._coverage(trace, result))
         self._ran_s[result.trace_hash] = max(self._ran_s.get(result.trace_hash, 0.0), result.duration_s)
@@ -436,10 +435,6 @@ class Campaign:
             features &= runs[-1].features
         self.corpus.settle(entry.id, runs)
         self._dirty.add(entry.id)
-
-    def _unsettled(self, digest: str) -> bool:
-        """Whether ``digest`` is the trace of a corpus entry not yet settled (its re-runs still to come)."""
-        return any(self.corpus.entries[i].hash == digest for i in self.corpus.provisional if i in self.corpus.entries)
 
     # --- cold probes (fuzzer.search.pacing) -----------------------------------------------------------
 

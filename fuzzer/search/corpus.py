@@ -148,6 +148,12 @@ class Corpus:
             self.provisional.add(entry.id)
         return entry
 
+    def unsettled(self, digest: str) -> bool:
+        """Whether ``digest`` is the trace of an entry not yet settled: its stability re-runs are to come (a
+        whole confirmation run of it is one: the README's main job re-ran its logprobs seed 8.5 s after
+        the option test had run it three times)."""
+        return any(self.entries[i].hash == digest for i in self.provisional if i in self.entries)
+
     def settle(self, entry_id: int, runs: Iterable[Coverage]) -> Entry:
         """Re-runs of a provisional entry: keep only the features seen in every run, lowest scores."""
         entry = self.entries[entry_id]
