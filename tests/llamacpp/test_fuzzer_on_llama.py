@@ -86,9 +86,11 @@ async def test_replay_of_corpus_traces_builds_prompts_of_the_exact_length_the_se
 
 
 async def test_metrics_are_sampled_with_slots_queueing_and_kv_usage(llama_server):
-    # Six requests on four slots: two are deferred (waiting) until a slot frees.
+    # Six requests on four slots: two are deferred (waiting) until a slot frees. Outputs long enough
+    # that the four overlap for many 20 ms scrapes on a loaded machine (at 48 tokens a CI run under
+    # load sampled at most 2 running).
     trace = trace_format.from_dict({"requests": [
-        {"id": f"r{i}", "at_ms": i, "prompt_tokens": 400, "max_tokens": 48} for i in range(SLOTS + 2)
+        {"id": f"r{i}", "at_ms": i, "prompt_tokens": 400, "max_tokens": 160} for i in range(SLOTS + 2)
     ]})
     async with HttpTarget(llama_server.base_url, metrics_interval_s=0.02, rng=random.Random(2)) as target:
         result = await target.execute(trace)
