@@ -90,13 +90,13 @@ def test_the_confirmation_target_stops_cutting_a_trace_whose_cut_left_the_server
         asyncio.run(confirming.execute(t, cut_s=0.5))
     # that trace is re-run whole; another is still cut, until LEAKY_CUTS traces left it busy: then none
     assert LEAKY_CUTS == 2 and seen == [0.5, None, 0.5, None, None]
-    assert confirming.cuts.leaky == leaving_busy and not confirming.cuts.allowed(third)
+    assert confirming.cuts.leaky == leaving_busy and not confirming.cuts.allowed(third.content_hash())
     # a cut run that found the server idle again leaves cutting on
     seen.clear()
     quiet = ConfirmationTarget(target, lambda t, cut_s: (seen.append(cut_s), target.execute(t, cut_s=cut_s))[1])
     asyncio.run(quiet.execute(trace, cut_s=0.5))
     asyncio.run(quiet.execute(trace, cut_s=0.5))
-    assert seen == [0.5, 0.5] and quiet.cuts.allowed(trace)
+    assert seen == [0.5, 0.5] and quiet.cuts.allowed(trace.content_hash())
 
 
 async def test_a_campaigns_confirmation_reruns_are_cut_and_stored_so():

@@ -173,7 +173,7 @@ async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bo
     ablated = without_option(trace, option) if ablated is None else ablated
     runs = []
     for t in (trace, ablated) if trace_first else (ablated, trace):
-        runs.append((t, await (target.execute(t) if cut_s is None else target.execute(t, cut_s=cut_s))))
+        runs.append((t, await target.execute(t, cut_s=cut_s)))
         if record is not None:
             record(*runs[-1])
     # The carriers' ids are the original's in both runs.

@@ -52,8 +52,9 @@ class Cuts:
 
     leaky: set[str] = field(default_factory=set)
 
-    def allowed(self, trace: Trace) -> bool:
-        return len(self.leaky) < LEAKY_CUTS and trace.content_hash() not in self.leaky
+    def allowed(self, digest: str) -> bool:
+        """Whether the trace of hash ``digest`` may be cut."""
+        return len(self.leaky) < LEAKY_CUTS and digest not in self.leaky
 
 
 class ConfirmationTarget:
@@ -77,10 +78,11 @@ class ConfirmationTarget:
 
     async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
         """One run (the campaign caps each of its executions itself, and at ``cut_s`` when earlier)."""
-        cut_s = cut_s if self.cuts.allowed(trace) else None
+        digest = trace.content_hash()
+        cut_s = cut_s if self.cuts.allowed(digest) else None
         result = await self._run(trace, cut_s)
         if cut_s is not None and result.idle_after is False and any(r.outcome is Outcome.CUT for r in result.requests):
-            self.cuts.leaky.add(trace.content_hash())  # what the client closed still runs on the server
+            self.cuts.leaky.add(digest)  # what the client closed still runs on the server
         return result
 
     async def aclose(self) -> None:  # the campaign owns the real target
