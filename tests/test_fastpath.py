@@ -105,6 +105,9 @@ class _Transport:
     def close(self):
         self.closed = True
 
+    def get_extra_info(self, name):
+        return None
+
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(responses())
@@ -277,6 +280,45 @@ async def test_connections_are_reused_dropped_when_stale_and_refusals_are_client
     with pytest.raises(aiohttp.ClientOSError):
         await _post(refused, wire)
     assert fastpath.usable("http://h:1/v1") and not fastpath.usable("https://h") and not fastpath.usable("http://[::1]:8")
+
+
+async def test_a_connection_the_server_closed_while_the_loop_was_busy_is_not_reused():
+    """A server's keep-alive timer closes an idle connection while the client's loop is busy (CI:
+    llama-server and the fuzzer sharing 2 cores): the next request must not be written on it."""
+    import socket
+    import threading
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+
+    def serve() -> None:  # one response per connection, then closed at once (a 0 s keep-alive timer)
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            data = b""
+            while not data.endswith(b"{}"):
+                data += conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            time.sleep(0.05)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    pool = fastpath.Pool(url, clock=time.monotonic, read_timeout_s=2, total_timeout_s=5, keepalive_s=60)
+    wire = fastpath.encode_post(URL(url + "/v1/completions"), {"Content-Type": "application/json"}, b"{}")
+    try:
+        assert await _post(pool, wire) == (200, b"{}")
+        time.sleep(0.3)  # the loop is blocked: it has not seen the server's close yet
+        assert await _post(pool, wire) == (200, b"{}")
+        assert len(accepted) == 2
+    finally:
+        pool.close()
+        listener.close()
 
 
 @pytest.mark.parametrize(

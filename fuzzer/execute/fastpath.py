@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 from typing import Any, Callable
 
 import aiohttp
@@ -62,6 +63,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: "Pool"):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        self.fd = -1
         self.closed = False
         self.idle_since = 0.0
         self._reset()
@@ -87,6 +89,18 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        self.fd = sock.fileno() if sock is not None else -1
+
+    def dropped(self) -> bool:
+        """Whether the idle connection's socket is readable now: the server closed it (or sent what
+        nobody asked for), and the event loop, busy elsewhere, has not yet seen it. Reusing it would
+        fail the next request before its first byte (ServerDisconnected)."""
+        if self.fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -424,7 +438,8 @@ class Pool:
         """The most recently used idle connection still fit to use, or None."""
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and not conn.transport.is_closing() and self.clock() - conn.idle_since <= self._keepalive_s:  # type: ignore[union-attr]
+            if (not conn.closed and not conn.transport.is_closing()  # type: ignore[union-attr]
+                    and self.clock() - conn.idle_since <= self._keepalive_s and not conn.dropped()):
                 return conn
             conn.close()
         return None
@@ -440,8 +455,11 @@ class Pool:
     def _release(self, conn: _Connection, *, clean: bool) -> None:
         self._active.discard(conn)
         if clean and conn.complete and conn.keep_alive and not conn.closed:
+            # Idle since its last byte arrived: the server's keep-alive timer started when it wrote
+            # it, and a release the busy loop runs late must not make the connection look fresher.
+            last = conn.last
             conn._reset()
-            conn.idle_since = self.clock()
+            conn.idle_since = last
             self._idle.append(conn)
         else:
             conn.close()
