@@ -191,6 +191,10 @@ def test_cold_probe_rate_learns_and_drops_once_found():
     # over HTTP an idle costs wall time: not affordable beyond the share
     assert not ColdProbes(idle_spent_s=20.0).affordable(10.0, elapsed_s=100.0, horizon_s=None, share=0.1)
     assert ColdProbes().affordable(10.0, elapsed_s=0.0, horizon_s=600.0, share=0.1)
+    # a probe is due only while the share affords its idle and a cold arm's (3 runs): 40 s of idling
+    assert not ColdProbes().due(rng, 10.0, elapsed_s=0.0, horizon_s=180.0, share=0.1, confirm_idles=3)
+    assert ColdProbes().due(rng, 10.0, elapsed_s=0.0, horizon_s=400.0, share=0.1, confirm_idles=3)
+    assert ColdProbes().due(rng, 10.0, elapsed_s=0.0, horizon_s=180.0, share=0.1)
     assert ColdProbes.from_dict(probes.to_dict()) == probes
 
 

@@ -446,7 +446,8 @@ class Campaign:
         if not self.corpus.entries or self.settings.idle_share <= 0:
             return False
         return self.probes.due(self.rng, self._idle_cost_s(), elapsed_s=self._clock() - self._started,
-                               horizon_s=self.settings.duration_s, share=self.settings.idle_share)
+                               horizon_s=self.settings.duration_s, share=self.settings.idle_share,
+                               confirm_idles=self.settings.policy.min_runs)
 
     async def _cold_probe(self) -> None:
         """Leave the server idle until it may be cold, run a corpus trace, and examine that run."""

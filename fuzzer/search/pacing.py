@@ -16,7 +16,9 @@ the trace warm and after idle periods, as for any cold-start candidate).
 * Idling costs nothing on virtual time (the target advances its clock) but real
   wall time over HTTP, so the wall seconds slept on purpose (probes and the cold arms
   of confirmation) may take at most ``idle_share`` of the campaign's wall time, counted
-  against its planned duration when it has one.
+  against its planned duration when it has one; a probe comes only while that share
+  affords it and the cold arm that would confirm a cold start it shows (no probe in a
+  3-minute campaign: 18 s of 40).
 
 Execution budget and time cap. With a --duration, a mutant whose FCFS bound would keep the
 server busy past its share of the campaign is mutated again, and every execution has a time
@@ -143,9 +145,13 @@ class ColdProbes:
         return self.idle_spent_s + idle_cost_s <= share * span
 
     def due(self, rng: random.Random, idle_cost_s: float, *, elapsed_s: float, horizon_s: float | None,
-            share: float = IDLE_SHARE) -> bool:
-        """Whether the next fuzz iteration should be a cold probe."""
-        if share <= 0 or not self.affordable(idle_cost_s, elapsed_s=elapsed_s, horizon_s=horizon_s, share=share):
+            share: float = IDLE_SHARE, confirm_idles: int = 0) -> bool:
+        """Whether the next fuzz iteration should be a cold probe: only while the share affords the probe's
+        idle period and the ``confirm_idles`` of a cold arm that would confirm what it finds (a 3-minute
+        campaign's 18 s cannot: its probe and the first cold run were 11% of the README's main job, and a
+        cold-start it showed could never have been confirmed)."""
+        cost = idle_cost_s * (1 + confirm_idles)
+        if share <= 0 or not self.affordable(cost, elapsed_s=elapsed_s, horizon_s=horizon_s, share=share):
             return False
         return self.probes == 0 or rng.random() < self.rate()
 
