@@ -34,7 +34,8 @@ async def test_finds_the_planted_logprobs_stall_in_the_seed_phase():
     assert finding.kind == "option-slowdown" and finding.verdict["ablated"] == "logprobs"
     k, n = map(int, finding.reproduced.split("/"))
     assert n >= 3 and k >= 2
-    assert finding.slowdown > 5
+    # every run with logprobs closed at 4x the batch without it: the slowdown is a lower bound, and says so
+    assert finding.slowdown > 4 and "lower bound" in finding.verdict["detail"]
     assert (finding.id, finding.kind) in summary.new_findings
     # every confirmation run is stored with the campaign, under its purpose
     assert store.purposes(campaign_id=summary.campaign_id)["confirm"] >= 3
@@ -53,7 +54,7 @@ async def test_an_option_test_settles_its_seed_and_once_found_the_fuzzed_childre
     fuzzed = [store.get_trace(r["trace_hash"]) for r in rows if r["purpose"] == "fuzz"]
     assert len(fuzzed) >= 10
     assert all(r.logprobs is None for t in fuzzed for r in t.requests)
-    # The test's three runs of the seed were its stability re-runs: it is not run again for them.
+    # The seed carries the option found: it is not run again for stability (each run would take the slowdown).
     assert rows[7]["purpose"] != "stability" and not any(
         r["purpose"] == "stability" and r["trace_hash"] == finding.trace_hash for r in rows)
 

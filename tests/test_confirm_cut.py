@@ -162,8 +162,12 @@ async def test_an_option_tests_runs_close_when_the_other_requests_have_ended():
     v_whole = await confirm_option(whole, trace, "seed")
     assert v_cut.is_finding and v_whole.is_finding and v_cut.runs == v_whole.runs == 3
     assert v_cut.effect == pytest.approx(v_whole.effect, rel=0.05)
-    assert cut.cuts == [cut_s] * 6 and whole.cuts == [None] * 6
-    assert sum(r.duration_s for r in cut.results) < sum(r.duration_s for r in whole.results) / 2
+    # pairs (without, with), (with, without), (without, with): each run with it is capped at cut_s, or at
+    # CAP_FACTOR x when the batch ended without it where that is earlier (a 2x slowdown does not reach it)
+    with_it = (1, 2, 5)
+    assert [cut.cuts[i] for i in (0, 3, 4)] == [cut_s] * 3 and max(cut.cuts[i] for i in with_it) <= cut_s
+    assert [whole.cuts[i] for i in (0, 3, 4)] == [None] * 3 and None not in [whole.cuts[i] for i in with_it]
+    assert all(cut.results[i].duration_s <= cut_s + 0.01 for i in with_it) and first.duration_s > 2 * cut_s
     # a carrier that ends with the batch, or a request without the option that did not complete: no cut
     short = trace.with_requests([dataclasses.replace(r, max_tokens=128) for r in trace.requests])
     assert others_end_s(short, await VirtualTarget(seed=3).execute(short), "seed") is None
@@ -181,8 +185,30 @@ async def test_an_option_test_whose_run_without_the_option_was_cut_runs_whole_fr
     target = _Recording(VirtualTarget(pathologies=("seeded-sampling-path",), seed=3))
     # So short a cap that the batch is still running: the run without the option says nothing.
     verdict = await confirm_option(target, trace, "seed", cut_s=0.05)
-    assert target.cuts[:2] == [0.05, 0.05] and set(target.cuts[2:]) == {None}
+    assert target.cuts[:2] == [0.05, 0.05] and target.cuts[2:5] == [None] * 3
     assert verdict.is_finding and verdict.runs == 3  # the first pair is no pair
+
+
+async def test_an_option_tests_runs_with_it_close_at_four_times_the_batch_without_it():
+    from fuzzer.oracle.ablation import CAP_FACTOR, confirm_option, ended_s, without_option
+    from fuzzer.sim.config import SimConfig
+
+    trace = TRIGGERS["seeded-sampling-path"].trace
+    def target():
+        return _Recording(VirtualTarget(config=SimConfig(seeded_row_sample_s=4e-3), pathologies=("seeded-sampling-path",), seed=3))
+    capped, alone = target(), target()
+    verdict = await confirm_option(capped, trace, "seed")
+    first = await alone.execute(trace)
+    ended = ended_s(trace, await alone.execute(without_option(trace, "seed")), "seed")
+    # each run with the seed takes far more than 4x the batch without it: those after a run without it close
+    assert first.duration_s > 2 * CAP_FACTOR * ended
+    # pairs (without, with), (with, without), (without, with): every run with it closes
+    assert [capped.cuts[i] for i in (0, 3, 4)] == [None] * 3
+    assert [capped.cuts[i] for i in (1, 2, 5)] == [pytest.approx(CAP_FACTOR * ended, rel=0.2)] * 3
+    assert all(capped.results[i].duration_s < first.duration_s / 2 for i in (1, 2, 5))
+    assert verdict.is_finding and verdict.runs == 3 and verdict.reproduced == 3
+    assert "lower bound" in verdict.detail and "in 3 pair(s)" in verdict.detail
+    assert 0.9 * CAP_FACTOR <= verdict.effect < first.duration_s / ended  # a lower bound
 
 
 async def test_a_campaigns_option_test_runs_are_cut_after_the_batch():
