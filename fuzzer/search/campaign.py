@@ -421,9 +421,8 @@ class Campaign:
         """
         runs: list[Coverage] = []
         features = entry.features
-        # An entry that carries what a confirmed crash needs is not run again: it would crash. Nor one that
-        # carries a found option or leak: each re-run would take the slowdown's time (or wait out the leaked
-        # work) to show it again, and its children go without it (the option test's runs with it are cut).
+        # Not run again: an entry that carries what a confirmed crash needs (it would crash), a found option or
+        # leak (each run would take the slowdown's time again; its children go without it).
         again = self._avoiding(entry.trace) == entry.trace == without_found_causes(entry.trace, self.confirmer.found)
         reruns = self.settings.stability_runs - 1 if again else 0
         spare = self._confirmed_runs.pop(entry.hash, [])
