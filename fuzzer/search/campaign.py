@@ -416,9 +416,8 @@ class Campaign:
     async def _settle(self, entry: Entry) -> None:
         """Re-run a provisional entry before it is first fuzzed, so its flickering features drop out.
 
-        Up to ``stability_runs`` runs in all, and only while they disagree (AFL extends
-        calibration for variable inputs; runs that agree are stable enough).
-        """
+        Up to ``stability_runs`` runs in all, and only while they disagree (AFL extends calibration for
+        variable inputs; runs that agree are stable enough)."""
         runs: list[Coverage] = []
         features = entry.features
         # Not run again: an entry that carries what a confirmed crash needs (it would crash), a found option or
