@@ -59,6 +59,64 @@ class _KillingTarget:
                                requests=())
 
 
+class _WedgingTarget:
+    """Serves until ``wedge`` is set, then every request times out without a byte until the server restarts;
+    ``hang`` makes only the given trace's requests time out (the server itself still answers)."""
+
+    name = "http://127.0.0.1:1"
+    info = None
+
+    def __init__(self, server: _FakeServer):
+        self.server, self.wedge, self.hang, self.probes = server, False, None, 0
+
+    async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
+        from fuzzer.execution import Outcome, RequestResult
+
+        self.probes += trace.name == "wedge-probe"
+        if self.server.restarts and self.wedge == "until-restart":
+            self.wedge = False
+        stuck = bool(self.wedge) or trace == self.hang
+        requests = tuple(RequestResult(
+            request_id=r.id, x_request_id=r.id, scheduled_s=0.0, sent_s=0.0,
+            outcome=(Outcome.CUT if trace.name == "wedge-probe" else Outcome.TIMEOUT) if stuck else Outcome.OK,
+            ttft_s=None if stuck else 0.1, first_event_s=None if stuck else 0.1, token_times_s=() if stuck else (0.1,),
+            e2e_s=None if stuck else 0.1, prompt_tokens=r.prompt_tokens, completion_tokens=0 if stuck else 1,
+            http_status=None if stuck else 200) for r in trace.requests)
+        return ExecutionResult(trace_hash=trace.content_hash(), target=self.name, started_at=0.0, duration_s=60.0,
+                               requests=requests)
+
+
+def test_a_server_that_lives_but_serves_nothing_is_started_again_and_a_hang_of_one_trace_is_not():
+    server = _FakeServer(max_restarts=2)
+    inner = _WedgingTarget(server)
+
+    async def sleep(s: float) -> None:
+        pass
+
+    target = ManagedTarget(inner, server, sleep=sleep, clock=lambda: 0.0)
+    trace = Trace(requests=(Request(id="a", at_ms=0, prompt_tokens=8, max_tokens=2),
+                            Request(id="b", at_ms=5, prompt_tokens=8, max_tokens=2)))
+
+    async def main() -> None:
+        inner.hang = trace  # this trace hangs; a probe is served: no restart
+        result = await target.execute(trace)
+        assert inner.probes == 1 and not any("wedged" in w for w in result.warnings) and server.restarts == 0
+        inner.hang, inner.wedge = None, "until-restart"
+        result = await target.execute(trace)
+        assert inner.probes == 2 and result.warnings[-1].startswith("server wedged: no request of this execution")
+        assert server.restarts == 0  # started again before the next execution
+        result = await target.execute(trace)
+        assert server.restarts == 1 and [r.outcome.value for r in result.requests] == ["ok", "ok"]
+        assert inner.probes == 2  # a served execution costs no probe
+        inner.wedge = True  # wedges again and again: a crash loop, one clear message
+        for _ in range(2):
+            await target.execute(trace)
+        with pytest.raises(CrashLoop, match="died 3 times"):
+            await target.execute(trace)
+
+    asyncio.run(main())
+
+
 def test_a_deaths_error_line_is_quoted_when_exit_noise_buried_it():
     from fuzzer.execute.launch import last_error_line
 

@@ -5,6 +5,12 @@ When an execution ends with the server dead, the execution's warnings say so and
 last lines of its log (a ``crash`` finding quotes them); the next execution first starts the
 server again, after a backoff. More than ``max_restarts`` deaths within ``window_s`` is a
 crash loop: :class:`CrashLoop` stops whatever runs with one clear message.
+
+A server can also live and serve nothing: a held-out vLLM-like server whose planted bug leaked its
+KV cache hung every request of its last ten executions (60 s each, a third of a 30-minute campaign).
+When no request of an execution got a byte and one timed out, a one-token probe follows; when it
+gets no token either (within WEDGE_PROBE_S), the server is *wedged*: the execution's warnings say so
+and it is started again, counted as a death (a server that keeps wedging is a crash loop).
 """
 
 from __future__ import annotations
@@ -17,14 +23,24 @@ from typing import Awaitable, Callable
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute.launch import ManagedServer
 from fuzzer.execute.recovery import backoff
-from fuzzer.execution import ExecutionResult, Target
-from fuzzer.trace import Trace
+from fuzzer.execution import ExecutionResult, Outcome, Target
+from fuzzer.trace import Request, Trace
 
 #: Deaths within WINDOW_S before the server counts as crash-looping: LaunchSpec.max_restarts.
 WINDOW_S = 600.0
 #: Log lines quoted in an execution that killed the server.
 LOG_LINES = 20
 SERVER_DIED = "server died"
+SERVER_WEDGED = "server wedged"
+#: How long the probe of a server that may be wedged waits for its one token.
+WEDGE_PROBE_S = 15.0
+_PROBE = Trace(requests=(Request(id="wedge-probe", at_ms=0.0, prompt_tokens=8, max_tokens=1),), name="wedge-probe")
+
+
+def wedged_run(result: ExecutionResult) -> bool:
+    """Whether no request of ``result`` got a byte of its reply and one timed out (the server may be wedged)."""
+    return any(r.outcome is Outcome.TIMEOUT for r in result.requests) and not any(
+        r.outcome is Outcome.OK or r.first_event_s is not None for r in result.requests)
 
 
 def server_death(result: ExecutionResult) -> str | None:
@@ -62,6 +78,8 @@ class ManagedTarget:
         self.name = target.name
         self.restarts = 0
         self.fresh_starts = 0
+        #: The server lives but served nothing (:func:`wedged_run` and a failed probe): restarted next.
+        self._wedged = False
 
     def __getattr__(self, name: str):  # info, kv_cache, ...: the HTTP target's
         return getattr(self._target, name)
@@ -79,9 +97,26 @@ class ManagedTarget:
             result = await self._target.execute(trace, cut_s=cut_s)
         if not self.server.alive:
             result = replace(result, warnings=result.warnings + (self.death_note(),))
+        elif wedged_run(result) and not await self._answers():
+            result = replace(result, warnings=result.warnings + (self._unwedge(),))
         else:
             self._waits = backoff()  # it ran an execution and lives: the next death waits 1 s again
         return result
+
+    async def _answers(self) -> bool:
+        """Whether the server serves a one-token request within WEDGE_PROBE_S."""
+        try:
+            probe = await self._target.execute(_PROBE, cut_s=WEDGE_PROBE_S)
+        except TargetError:
+            return False
+        return any(r.outcome is Outcome.OK for r in probe.requests)
+
+    def _unwedge(self) -> str:
+        """Mark the live server that serves nothing for a restart (as a death); the execution's note."""
+        note = (f"{SERVER_WEDGED}: no request of this execution got a byte and a one-token probe got none in "
+                f"{WEDGE_PROBE_S:g} s; the launched server lives but serves nothing, and is started again")
+        self._wedged = True
+        return note
 
     def death_note(self) -> str:
         status = self.server.died_with
@@ -94,8 +129,8 @@ class ManagedTarget:
                f"({self.server.log_path}):\n{lines}{above}"
 
     async def ensure_up(self) -> None:
-        """Start the server again when it died (backoff); raise CrashLoop when it keeps dying."""
-        if self.server.alive:
+        """Start the server again when it died or wedged (backoff); raise CrashLoop when it keeps dying."""
+        if self.server.alive and not self._wedged:
             return
         now = self._clock()
         self._deaths.append(now)
@@ -108,16 +143,18 @@ class ManagedTarget:
                 f"(last log line: {last[-1] if last else 'none'}; log: {self.server.log_path})"
             )
         wait = next(self._waits)
-        self._on_restart(f"the launched server died (status {self.server.died_with}); starting it again in {wait:g} s")
+        why = "serves nothing (wedged)" if self._wedged else f"died (status {self.server.died_with})"
+        self._on_restart(f"the launched server {why}; starting it again in {wait:g} s")
         await self._sleep(wait)
         await self.server.restart()
+        self._wedged = False
         self.restarts += 1
 
     def restarts_left(self) -> int:
         """Deaths the server may still have within the window before :meth:`ensure_up` stops on a crash
         loop (a server that is down now counts as one)."""
         now = self._clock()
-        recent = sum(now - t <= self._window_s for t in self._deaths) + (0 if self.server.alive else 1)
+        recent = sum(now - t <= self._window_s for t in self._deaths) + (0 if self.server.alive and not self._wedged else 1)
         return max(0, self._max_restarts - recent)
 
     async def fresh_start(self) -> None:
