@@ -322,3 +322,22 @@ async def test_over_the_share_a_failure_of_a_found_kind_waits_and_a_leak_does_no
     await confirmer.examine(second, await target.execute(second), await _calibration())
     assert target.executions - before == 1 and [w.candidate.kind for w in confirmer.waiting] == [FindingKind.HANG]
     assert {FindingKind.LEAK, FindingKind.CRASH} <= AT_ONCE and FindingKind.HANG not in AT_ONCE
+
+
+async def test_a_kind_never_found_is_confirmed_though_the_same_execution_shows_a_found_failure():
+    # heldout5 (every bug): a seed's hang of a found kind waited, and its itl-stall and ttft-outliers, kinds
+    # never found, were never confirmed: the execution's one candidate had been the failure.
+    from fuzzer.execution import Outcome
+
+    store = Store.memory()
+    target = PaperTarget(fail={"h": Outcome.TIMEOUT}, fail_every_run=True, stall_s={"v": 0.4}, seed=1)
+    target._idle_s = 0.5
+    confirmer = _sharing_confirmer(store, target, lambda: False)
+    hang_only = Trace(requests=(Request(id="h", at_ms=0, prompt_tokens=64, max_tokens=8),))
+    await confirmer.examine(hang_only, await target.execute(hang_only), await _calibration())
+    assert [f.kind for f in store.list_findings()] == ["hang"]
+    both = Trace(requests=(Request(id="o", at_ms=0, prompt_tokens=32, max_tokens=8),
+                           Request(id="h", at_ms=2, prompt_tokens=64, max_tokens=8), *_shapes(1)[0].requests))
+    store.put_trace(both)
+    await confirmer.examine(both, await target.execute(both), await _calibration())
+    assert sorted(f.kind for f in store.list_findings()) == ["hang", "itl-stall"]
