@@ -200,11 +200,10 @@ class Confirmer:
         # Latency candidates of a trace with a found option-slowdown's option are confirmed without it.
         plain = without_found_options(trace, self.found)
         sighted: set[str] = set()  # a found family is sighted once per execution, however many victims show it
-        # A kind never found first: a failure of a found kind waiting must not hide it (heldout5, every bug:
-        # a seed's known hang waited, and its itl-stall and ttft-outliers, never found, went unconfirmed).
-        found_first = sorted(judge.candidates(trace, result, calibration, self._policy), key=lambda c: not self._new_kind(c))
+        # A candidate of a found kind that waits does not end the look: a kind never found may follow (heldout5,
+        # every bug: a seed's known hang waited, and its itl-stall and ttft-outliers, never found, went unconfirmed).
         waited = False
-        for candidate in found_first:
+        for candidate in judge.candidates(trace, result, calibration, self._policy):
             if (result.trace_hash, str(candidate.kind)) in self.found_on:
                 continue  # another victim of a finding of this trace, warm or after idle (see WAITING_MAX)
             judged = plain if candidate.metric is not None else trace
