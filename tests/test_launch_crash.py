@@ -14,6 +14,7 @@ from launch_support import dying_command, marker, servers_with
 from test_launch import FUZZ
 
 from fuzzer.execute.managed import CrashLoop, ManagedTarget
+from fuzzer.execute.recovery import HEALTH_PROBE
 from fuzzer.execution import ExecutionResult
 from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
@@ -72,13 +73,13 @@ class _WedgingTarget:
     async def execute(self, trace: Trace, *, cut_s: float | None = None) -> ExecutionResult:
         from fuzzer.execution import Outcome, RequestResult
 
-        self.probes += trace.name == "wedge-probe"
+        self.probes += trace.name == HEALTH_PROBE.name
         if self.server.restarts and self.wedge == "until-restart":
             self.wedge = False
         stuck = bool(self.wedge) or trace == self.hang
         requests = tuple(RequestResult(
             request_id=r.id, x_request_id=r.id, scheduled_s=0.0, sent_s=0.0,
-            outcome=(Outcome.CUT if trace.name == "wedge-probe" else Outcome.TIMEOUT) if stuck else Outcome.OK,
+            outcome=(Outcome.CUT if trace.name == HEALTH_PROBE.name else Outcome.TIMEOUT) if stuck else Outcome.OK,
             ttft_s=None if stuck else 0.1, first_event_s=None if stuck else 0.1, token_times_s=() if stuck else (0.1,),
             e2e_s=None if stuck else 0.1, prompt_tokens=r.prompt_tokens, completion_tokens=0 if stuck else 1,
             http_status=None if stuck else 200) for r in trace.requests)

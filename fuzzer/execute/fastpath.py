@@ -63,7 +63,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: "Pool"):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.fd = -1
+        self._poll: Any = None  # select.poll() on the socket, made once (dropped() runs at dispatch)
         self.closed = False
         self.idle_since = 0.0
         self._reset()
@@ -90,17 +90,15 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
-        self.fd = sock.fileno() if sock is not None else -1
+        if sock is not None:
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), select.POLLIN)
 
     def dropped(self) -> bool:
         """Whether the idle connection's socket is readable now: the server closed it (or sent what
         nobody asked for), and the event loop, busy elsewhere, has not yet seen it. Reusing it would
         fail the next request before its first byte (ServerDisconnected)."""
-        if self.fd < 0:
-            return False
-        poller = select.poll()
-        poller.register(self.fd, select.POLLIN)
-        return bool(poller.poll(0))
+        return self._poll is not None and bool(self._poll.poll(0))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -22,9 +22,9 @@ from typing import Awaitable, Callable
 
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute.launch import ManagedServer
-from fuzzer.execute.recovery import backoff
+from fuzzer.execute.recovery import HEALTH_PROBE, backoff
 from fuzzer.execution import ExecutionResult, Outcome, Target
-from fuzzer.trace import Request, Trace
+from fuzzer.trace import Trace
 
 #: Deaths within WINDOW_S before the server counts as crash-looping: LaunchSpec.max_restarts.
 WINDOW_S = 600.0
@@ -34,7 +34,6 @@ SERVER_DIED = "server died"
 SERVER_WEDGED = "server wedged"
 #: How long the probe of a server that may be wedged waits for its one token.
 WEDGE_PROBE_S = 15.0
-_PROBE = Trace(requests=(Request(id="wedge-probe", at_ms=0.0, prompt_tokens=8, max_tokens=1),), name="wedge-probe")
 
 
 def wedged_run(result: ExecutionResult) -> bool:
@@ -106,7 +105,7 @@ class ManagedTarget:
     async def _answers(self) -> bool:
         """Whether the server serves a one-token request within WEDGE_PROBE_S."""
         try:
-            probe = await self._target.execute(_PROBE, cut_s=WEDGE_PROBE_S)
+            probe = await self._target.execute(HEALTH_PROBE, cut_s=WEDGE_PROBE_S)
         except TargetError:
             return False
         return any(r.outcome is Outcome.OK for r in probe.requests)

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Iterator
 
 from fuzzer.errors import TargetError
 from fuzzer.execution import ExecutionResult, Target
-from fuzzer.trace import Trace
+from fuzzer.trace import Request, Trace
 
 #: Waiting for a server that went down: first wait, growth factor, longest wait.
 BACKOFF_FIRST_S = 1.0
@@ -23,6 +23,8 @@ BACKOFF_MAX_S = 60.0
 #: How long a :class:`PatientTarget` waits for its server before giving up. A supervised
 #: server restarts in tens of seconds; a large model takes minutes to load.
 DEFAULT_PATIENCE_S = 300.0
+#: One token for an 8-token prompt: whether a server serves at all (after a crash, or when it may be wedged).
+HEALTH_PROBE = Trace(requests=(Request(id="health", at_ms=0, prompt_tokens=8, max_tokens=1),), name="health-probe")
 
 
 def backoff() -> Iterator[float]:

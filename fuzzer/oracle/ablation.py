@@ -130,14 +130,12 @@ def others_end_s(trace: Trace, result: ExecutionResult, option: str) -> float | 
     """When the last request of ``result`` without ``option`` ended, from its start, if a carrier
     ended later (a run of the test may then close there, see :func:`confirm_option`); None when
     some request without it did not complete, or no carrier outlasted them."""
-    mine = set(carriers(trace, option))
+    last = ended_s(trace, result, option)
+    if last is None:
+        return None
     ends = {r.request_id: r.sent_s + r.e2e_s for r in result.requests
             if r.outcome is Outcome.OK and r.e2e_s is not None}
-    others = [r.request_id for r in result.requests if r.request_id not in mine]
-    if not others or any(rid not in ends for rid in others):
-        return None
-    last = max(ends[rid] for rid in others)
-    carried = [ends.get(rid) for rid in mine]
+    carried = [ends.get(rid) for rid in carriers(trace, option)]
     return last if any(end is None or end > last for end in carried) else None
 
 
@@ -217,7 +215,7 @@ async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bo
         runs.append((t, await target.execute(t, cut_s=option_cap_s(ended, cut_s) if t is trace else cut_s)))
         if record is not None:
             record(*runs[-1])
-        if t is ablated:
+        if t is ablated and not trace_first:  # the run with it comes next
             ended = later_end(ended, trace, runs[-1][1], option)
     # The carriers' ids are the original's in both runs.
     medians = {t is trace: others_e2e(trace, result, option, at_least=t is trace) for t, result in runs}

@@ -38,7 +38,7 @@ import numpy as np
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute import clientlag
 from fuzzer.execute.managed import CrashLoop
-from fuzzer.execute.recovery import backoff
+from fuzzer.execute.recovery import HEALTH_PROBE, backoff
 from fuzzer.execution import ExecutionResult, Outcome, Target
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
@@ -64,7 +64,7 @@ from fuzzer.search.pacing import (
 )
 from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, stop_reason
 from fuzzer.store import Store
-from fuzzer.trace import Request, Trace
+from fuzzer.trace import Trace
 
 # Checkpoint the campaign state at least every this many executions even when nothing changed,
 # so a resumed campaign repeats little.
@@ -509,11 +509,10 @@ class Campaign:
         self._phase, self._server = Phase.RECOVER, "down"
         self._down_since = start if self._down_since is None else self._down_since
         self._emit()
-        probe = Trace(requests=(Request(id="health", at_ms=0, prompt_tokens=8, max_tokens=1),), name="health-probe")
         waits = backoff()
         while self._should_stop() is None:
             try:
-                result = await self.target.execute(probe)
+                result = await self.target.execute(HEALTH_PROBE)
                 if not result.failures:
                     self._down_since, self._server = None, "up"
                     break
