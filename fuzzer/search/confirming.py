@@ -441,8 +441,9 @@ class Confirmer:
         return finding_id
 
 
-#: Kinds confirmed at once, found or not (see the module doc).
-AT_ONCE = frozenset({FindingKind.LEAK, FindingKind.CRASH, FindingKind.OPTION_SLOWDOWN, FindingKind.SLO_VIOLATION})
+#: Candidates of these kinds are confirmed at once, found or not (see the module doc; option tests and
+#: SLO checks take their own paths).
+AT_ONCE = frozenset({FindingKind.LEAK, FindingKind.CRASH})
 
 
 class Families:
