@@ -299,9 +299,35 @@ def test_futility_on_a_failure_candidate_that_does_not_recur():
     clean = _warm()
     v = asyncio.run(confirm(clean, BURST, cand, _calibration(), rng=_rng(), futility=True))
     assert clean.executions == 1 and v.decision is Decision.SAME and v.kind is None
+    # Two failures in two re-runs decide it: a third, failing or not, leaves it DIFFERENT (quorum a half).
     failing = _warm(fail={"small": Outcome.HTTP_ERROR})
     v = asyncio.run(confirm(failing, BURST, cand, _calibration(), rng=_rng(), futility=True))
+    assert v.is_finding and v.reproduction == "2/2" and failing.executions == 2
+    # without futility (``fuzz replay``) the plan is kept
+    failing = _warm(fail={"small": Outcome.HTTP_ERROR})
+    v = asyncio.run(confirm(failing, BURST, cand, _calibration(), rng=_rng()))
     assert v.is_finding and v.reproduction == "3/3" and failing.executions == 3
+
+
+def test_a_failure_whose_first_two_reruns_split_is_decided_by_the_third():
+    class Split(PaperTarget):
+        """Fails ``small`` in its first run, and in its third when ``third``: never in its second."""
+
+        def __init__(self, third: bool, **kw):
+            super().__init__(**kw)
+            self.third = third
+
+        def run(self, trace):
+            fails = self.executions == 0 or (self.executions == 2 and self.third)
+            self.fail = {"small": Outcome.HTTP_ERROR} if fails else {}
+            return super().run(trace)
+
+    cand = Candidate(FindingKind.ERROR, "small", detail=Outcome.HTTP_ERROR.value)
+    for third, decision in ((True, Decision.DIFFERENT), (False, Decision.UNSTABLE)):
+        target = Split(third, seed=2)
+        target._idle_s = 0.5
+        v = asyncio.run(confirm(target, BURST, cand, _calibration(), rng=_rng(), futility=True))
+        assert target.executions == 3 and v.runs == 3 and v.decision is decision
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from fuzzer.oracle.judge import (
     Candidate,
     RequestReport,
     after_idle,
+    count_decision,
     count_verdict,
     crashed,
     judge,
@@ -225,10 +226,11 @@ def _reports(
 async def _confirm_failure(target: Target, trace: Trace, candidate: Candidate, policy: OraclePolicy,
                            futility: bool = False) -> Verdict:
     results = [await target.execute(trace)]
-    if not (futility and candidate.kind is not FindingKind.CRASH
-            and not shows_failure(candidate.kind, results[0], candidate.request_id)):
-        results += [await target.execute(trace) for _ in range(policy.min_runs - 1)]
-    hits = [shows_failure(candidate.kind, r, candidate.request_id) for r in results]
+    hits = [shows_failure(candidate.kind, results[0], candidate.request_id)]
+    if not (futility and candidate.kind is not FindingKind.CRASH and not hits[0]):
+        while len(results) < policy.min_runs and not (futility and _count_settled(sum(hits), len(hits), policy)):
+            results.append(await target.execute(trace))
+            hits.append(shows_failure(candidate.kind, results[-1], candidate.request_id))
     extra = {"outcome": candidate.detail} if candidate.request_id else {}
     sig = signature(candidate.kind, trace, candidate.request_id, **extra)
     if len(results) == 1:  # futility: the first re-run did not fail that way
@@ -238,6 +240,17 @@ async def _confirm_failure(target: Target, trace: Trace, candidate: Candidate, p
                               "sequential confirmation stopped there")
     return count_verdict(candidate.kind, candidate.request_id, sum(hits), len(hits), sig,
                           detail=candidate.detail, quorum=policy.failure_quorum)
+
+
+def _count_settled(k: int, n: int, policy: OraclePolicy) -> bool:
+    """Whether ``k`` failures in ``n`` re-runs already decide the count test over ``policy.min_runs``: the
+    runs left, all failing or none, would give the same decision (2 of 2 is DIFFERENT whatever a third
+    shows at a quorum of a half), so under futility they are not made."""
+    left = policy.min_runs - n
+    if n < 2 or left <= 0:
+        return left <= 0
+    total, quorum = n + left, policy.failure_quorum
+    return count_decision(k, total, quorum) is count_decision(k + left, total, quorum)
 
 
 # --- replay: run, judge, confirm -------------------------------------------------------------

@@ -519,19 +519,20 @@ _FAILURE_METHOD = "reproduction count over re-executions"
 _ORDER_METHOD = "reproduction count of an ordering inversion over re-executions (FCFS order of first tokens)"
 
 
+def count_decision(k: int, n: int, quorum: float = FAILURE_QUORUM) -> Decision:
+    """The count test's decision for a failure seen in ``k`` of ``n`` re-runs."""
+    if n < 2:
+        return Decision.INSUFFICIENT_DATA
+    if k >= 2 and k / n >= quorum:
+        return Decision.DIFFERENT
+    return Decision.SAME if k == 0 else Decision.UNSTABLE
+
+
 def count_verdict(
     kind: FindingKind, request_id: str | None, k: int, n: int, sig: str, *, detail: str = "",
     quorum: float = FAILURE_QUORUM,
 ) -> Verdict:
-    if n < 2:
-        decision = Decision.INSUFFICIENT_DATA
-    elif k >= 2 and k / n >= quorum:
-        decision = Decision.DIFFERENT
-    elif k == 0:
-        decision = Decision.SAME
-    else:
-        decision = Decision.UNSTABLE
-    return Verdict(kind=kind, decision=decision, method=_FAILURE_METHOD, request_id=request_id,
+    return Verdict(kind=kind, decision=count_decision(k, n, quorum), method=_FAILURE_METHOD, request_id=request_id,
                    reproduced=k, runs=n, n_sample=n, signature=sig, detail=detail)
 
 
