@@ -116,3 +116,27 @@ def test_seeds_are_kept_even_without_novelty():
     assert seed is not None and len(c) == 2
     assert c.add_forced(t2, [cov("a")]) is None  # never twice
     c._check_invariants()
+
+
+def test_a_short_campaign_weighs_server_time_against_its_execution_budget():
+    from fuzzer.search.corpus import CHEAP_S
+    from fuzzer.search.pacing import cheap_s, execution_budget_s
+
+    # The README's 3-minute job: a 9 s budget, so 3 s is cheap; 10 minutes and more keep CHEAP_S.
+    assert cheap_s(180.0) == execution_budget_s(180.0) / 3 == 3.0
+    assert cheap_s(600.0) == cheap_s(1800.0) == cheap_s(None) == CHEAP_S
+    c = Corpus()
+    slow = c.add(generate(random.Random(1)), [cov("a")])
+    fast = c.add(generate(random.Random(2)), [cov("b")])
+    costs = {slow.id: 6.0, fast.id: 1.0}
+
+    def fast_share(cheap: float) -> float:
+        picks = []
+        for i in range(600):
+            picks.append(c.choose(random.Random(i), cost=lambda e: costs[e.id], cheap_s=cheap).id)
+            slow.n_fuzz = fast.n_fuzz = 0
+        return picks.count(fast.id) / len(picks)
+
+    # 6 s against 1 s: (1 + 0.6) / (1 + 0.1) at 10 s, (1 + 2) / (1 + 1/3) at 3 s.
+    assert c.energy(fast, 1.0, 3.0) / c.energy(slow, 6.0, 3.0) > 2.2 > 1.5 > c.energy(fast, 1.0) / c.energy(slow, 6.0)
+    assert fast_share(cheap_s(180.0)) > fast_share(cheap_s(1800.0)) + 0.08

@@ -58,6 +58,7 @@ from fuzzer.search.pacing import (
     ScheduleEnds,
     ServerTime,
     TimeSpent,
+    cheap_s,
     earliest_cut_s,
     execution_budget_s,
     execution_cut_s,
@@ -347,7 +348,7 @@ class Campaign:
             child = Child(NullMutator(self.settings.limits).mutate(Trace(requests=()), self.rng).trace, ("generate",))
             await self._try(child, None)
             return
-        parent = self.corpus.choose(self.rng, cost=self._entry_cost)
+        parent = self.corpus.choose(self.rng, cost=self._entry_cost, cheap_s=cheap_s(self.settings.duration_s))
         if self.settings.mutator != "null" and parent.id in self.corpus.provisional:
             await self._settle(parent)
         self._dirty.add(parent.id)

@@ -213,21 +213,24 @@ class Corpus:
     def favoured(self) -> frozenset[int]:
         return frozenset(self.top_rated.values())
 
-    def energy(self, entry: Entry, cost_s: float = 0.0) -> float:
-        """AFL-fast-like energy; ``cost_s``: the entry's expected server time (0: unknown)."""
-        e = 1.0 / (1.0 + math.log2(1 + entry.n_fuzz)) / (1.0 + max(0.0, cost_s) / CHEAP_S)
+    def energy(self, entry: Entry, cost_s: float = 0.0, cheap_s: float = CHEAP_S) -> float:
+        """AFL-fast-like energy; ``cost_s``: the entry's expected server time (0: unknown), weighed
+        against ``cheap_s`` (CHEAP_S, less in a short campaign: fuzzer.search.pacing.cheap_s)."""
+        e = 1.0 / (1.0 + math.log2(1 + entry.n_fuzz)) / (1.0 + max(0.0, cost_s) / cheap_s)
         if entry.id in self.favoured:
             e *= FAVOURED_ENERGY
         if entry.since_find >= STALE_AFTER:
             e *= STALE_ENERGY
         return e
 
-    def choose(self, rng: random.Random, cost: Callable[[Entry], float] | None = None) -> Entry:
-        """An entry to fuzz, by energy (``cost``: an entry's expected server time, when known)."""
+    def choose(self, rng: random.Random, cost: Callable[[Entry], float] | None = None,
+               cheap_s: float = CHEAP_S) -> Entry:
+        """An entry to fuzz, by energy (``cost``: an entry's expected server time, when known; ``cheap_s``:
+        see :meth:`energy`)."""
         if not self.entries:
             raise ValueError("the corpus is empty")
         ids = sorted(self.entries)
-        weights = [self.energy(self.entries[i], cost(self.entries[i]) if cost else 0.0) for i in ids]
+        weights = [self.energy(self.entries[i], cost(self.entries[i]) if cost else 0.0, cheap_s) for i in ids]
         entry = self.entries[rng.choices(ids, weights=weights)[0]]
         entry.n_fuzz += 1
         entry.since_find += 1
