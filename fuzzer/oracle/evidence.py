@@ -50,13 +50,21 @@ def thrash(
     before, three confirmed false; none after). The engine's count is left unjudged: the model's
     ping-pong is not the engine's to the preemption. With a prefix cache a re-admitted request finds
     its blocks and takes them all at once (vLLM counts them against the free ones), and the same server
-    preempted as the model did.
+    preempted as the model did. And never within THRASH_RATIO of the model's count
+    (fuzzer.oracle.policy): an error in the count is not thrash.
     """
     a = calibration.assumption
     if a.kv_blocks is None or not a.prefix_caching:
         return False
-    excess = preemptions(result) - expected_preemptions(trace, calibration.model, a, result)
-    return excess > policy.thrash_excess_per_request * len(result.requests)
+    expected = expected_preemptions(trace, calibration.model, a, result)
+    return thrashing(preemptions(result), expected, len(result.requests), policy)
+
+
+def thrashing(seen: int, expected: int, requests: int, policy: OraclePolicy = DEFAULT_POLICY) -> bool:
+    """Whether ``seen`` preemptions in an execution of ``requests`` requests, where the KV-aware schedule
+    makes ``expected``, are thrash: more than THRASH_EXCESS_PER_REQUEST beyond it per request, and
+    at least THRASH_RATIO times it (fuzzer.oracle.policy)."""
+    return seen - expected > policy.thrash_excess_per_request * requests and seen >= policy.thrash_ratio * expected
 
 
 def bounds(
