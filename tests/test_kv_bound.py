@@ -224,7 +224,8 @@ def test_thrash_is_a_multiple_of_the_models_count_not_an_error_in_it():
     assert not thrashing(14, 4, 35)  # stop 36's clean server: 0.29 more per request
     # Planted bugs: heldout6's 9 and 24 where the model said none, heldout5's 139 where it said 5.
     assert thrashing(9, 0, 8) and thrashing(24, 0, 19) and thrashing(139, 5, 26)
-    assert thrashing(23, 11, 13)  # twice the model's count and 0.92 more per request
+    assert not thrashing(31, 17, 21)  # its clean campaign's highest: 1.8x
+    assert thrashing(34, 11, 13)  # three times the model's count and 1.8 more per request
 
 
 def test_without_a_prefix_cache_preemptions_beyond_the_model_are_not_thrash():
