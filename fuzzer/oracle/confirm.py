@@ -246,11 +246,8 @@ def _count_settled(k: int, n: int, policy: OraclePolicy) -> bool:
     """Whether ``k`` failures in ``n`` re-runs already decide the count test over ``policy.min_runs``: the
     runs left, all failing or none, would give the same decision (2 of 2 is DIFFERENT whatever a third
     shows at a quorum of a half), so under futility they are not made."""
-    left = policy.min_runs - n
-    if n < 2 or left <= 0:
-        return left <= 0
-    total, quorum = n + left, policy.failure_quorum
-    return count_decision(k, total, quorum) is count_decision(k + left, total, quorum)
+    runs, quorum = policy.min_runs, policy.failure_quorum
+    return count_decision(k, runs, quorum) is count_decision(k + runs - n, runs, quorum)
 
 
 # --- replay: run, judge, confirm -------------------------------------------------------------
