@@ -1,5 +1,6 @@
 """The model-free order check (fuzzer/oracle/order.py): a request FCFS serves first, served after
-a later one with no less work, is a finding whatever the step model says; and nothing else is.
+a later one with no less work (or any later one, where admissions stop at the first request that
+cannot be scheduled), is a finding whatever the step model says; and nothing else is.
 
 Executions are written by hand (times in seconds from t0), so each rule is seen alone.
 """
@@ -27,8 +28,15 @@ from fuzzer.trace import Request, Trace
 
 
 @functools.cache
-def _calibration():
+def _stopping():
     return asyncio.run(calibrate(PaperTarget(seed=99), rng=random.Random(0), clock=lambda: 0.0))
+
+
+def _calibration():
+    """The calibration of an FCFS engine not known to stop its admissions at a blocked request
+    (SGLang's): a later request passes only with no less work."""
+    cal = _stopping()
+    return cal.with_assumption(replace(cal.assumption, admission_stops=False))
 
 
 #: A (128 tokens) is sent 50 ms before B (1024 tokens), a blocker long before both.
@@ -115,6 +123,58 @@ def test_more_output_work_or_preemption_or_a_full_kv_cache_excuses_the_order():
     assert inversions(TRACE, _execution(a_first=1.5), cal, preempted=True) == {}
     full = (MetricSample(0.5, {"kv_usage": 0.97}),)
     assert inversions(TRACE, _execution(a_first=1.5, samples=full), cal, preempted=False) == {}
+
+
+def _smaller_later(a_tokens: int = 1024, b_tokens: int = 128, **a_fields) -> Trace:
+    return Trace(requests=(TRACE.requests[0],
+                           replace(TRACE.requests[1], prompt_tokens=a_tokens, max_tokens=64, **a_fields),
+                           replace(TRACE.requests[2], prompt_tokens=b_tokens)))
+
+
+def test_where_admissions_stop_at_a_blocked_request_no_later_request_may_pass():
+    # A (1024 tokens, 64 out) sent 50 ms before B (128 tokens, 8 out): B has less work, so only an engine
+    # whose admissions stop at the first request they cannot schedule (vLLM v1) is held to serving A first.
+    stopping, trace = _stopping(), _smaller_later()
+    assert stopping.assumption.admission_stops
+    found = inversions(trace, _execution(a_first=1.5, trace=trace), stopping, preempted=False)
+    assert set(found) == {"A"} and found["A"].overtakers == ("B",)
+    assert inversions(trace, _execution(a_first=1.5, trace=trace), _calibration(), preempted=False) == {}
+    # Same step (10 ms apart) or served first: not an inversion either way.
+    assert inversions(trace, _execution(a_first=1.01, trace=trace), stopping, preempted=False) == {}
+    # Preemptions still excuse it.
+    assert inversions(trace, _execution(a_first=1.5, trace=trace), stopping, preempted=True) == {}
+
+
+def test_a_capped_prefill_or_more_sequences_lets_a_smaller_later_request_pass():
+    stopping = _stopping()
+    capped = stopping.with_assumption(replace(stopping.assumption, long_prefill_threshold=512))
+    longer, within = _smaller_later(1024), _smaller_later(400)
+    assert inversions(longer, _execution(a_first=1.5, trace=longer), capped, preempted=False) == {}
+    assert set(inversions(within, _execution(a_first=1.5, trace=within), capped, preempted=False)) == {"A"}
+    # A chat prompt within the cap may not be once its template is added.
+    chat = _smaller_later(480, api="chat")
+    assert inversions(chat, _execution(a_first=1.5, trace=chat), capped, preempted=False) == {}
+    fan = _smaller_later(n=2)
+    assert inversions(fan, _execution(a_first=1.5, trace=fan), stopping, preempted=False) == {}
+
+
+def test_a_smaller_later_request_must_be_sent_after_the_earlier_ones_extra_tokenization():
+    # 1 ms a token in the frontend: A's 896 extra tokens take 0.9 s more than B's to reach the engine.
+    stopping, trace = _stopping(), _smaller_later()
+    slow = stopping.with_model(replace(stopping.model, frontend_token_s=1e-3, frontend_slack_s=0.0))
+    assert inversions(trace, _execution(a_first=1.5, trace=trace), slow, preempted=False) == {}
+    late = _execution(a_first=2.5, b_first=2.0, b_sent=1.05, trace=trace)
+    assert set(inversions(trace, late, slow, preempted=False)) == {"A"}
+
+
+def test_admission_stops_is_vllms_and_an_old_calibration_does_not_assume_it():
+    assert assumption_for("vllm", adapter("vllm").scheduler_defaults).admission_stops
+    assert not assumption_for("sglang", adapter("sglang").scheduler_defaults).admission_stops
+    assert not assumption_for("llamacpp", adapter("llamacpp").scheduler_defaults).admission_stops
+    stored = _stopping().assumption.to_dict()
+    assert stored["admission_stops"] is True
+    del stored["admission_stops"]
+    assert not type(_stopping().assumption).from_dict(stored).admission_stops
 
 
 def test_engines_not_documented_as_fcfs_are_not_held_to_arrival_order():

@@ -216,6 +216,9 @@ _VLLM = Adapter(
         # v1/core/sched/scheduler.py: the newest running request is popped first and a preempted one
         # is prepended to the waiting queue; nothing waiting is admitted in a step that preempted.
         "preempted_first": True,
+        # v1/core/sched/scheduler.py: the waiting loop breaks at the first request without token budget,
+        # KV blocks or a seat, and a request admitted with a partial chunk leaves no budget behind it.
+        "admission_stops": True,
         # entrypoints/utils.py (with_cancellation): the handler is cancelled when the client
         # disconnects and the request aborted in the engine core, between steps.
         "aborts_on_disconnect": True,

@@ -482,7 +482,9 @@ def order_verdict(
         detail=(f"overtaken in {k}/{n} runs; in the median one its {median.order.describe()}; "
                 f"its TTFT was {median.ratio:.2f}x its FCFS bound over the calibrated step costs"),
         evidence=("the order of first tokens in the executions themselves, no step model: FCFS serves a "
-                  "request that reached the engine first with no more work no later than one that came after it"),
+                  "request that reached the engine first no later than one that came after it with no less work "
+                  "(or any later one, where admissions stop at the first request that cannot be scheduled and "
+                  "its prefill is not capped per step)"),
         overtakers=tuple(sorted({name for o in hit if o.order is not None for name in o.order.overtakers})),
     )
 

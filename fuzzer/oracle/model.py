@@ -162,6 +162,14 @@ class SchedulerAssumption:
     #: then (fuzzer.oracle.paper, ABORT_AFTER_S). False where not assumed: a disconnected request is
     #: served to its end on paper, and work a server keeps doing for a client gone shows only as a leak.
     aborts_on_disconnect: bool = True
+    #: The engine's admissions of a step stop at the first waiting request it cannot schedule (no
+    #: token budget left, no KV blocks, no seat: vLLM v1's FCFS waiting loop breaks there), and
+    #: a request admitted with part of its prompt ends them too, so no later request is admitted
+    #: before an earlier one, whatever their sizes: a later request gets its first token no
+    #: earlier than an earlier one whose prefill is not capped per step
+    #: (``long_prefill_threshold``) and has no more sequences (fuzzer.oracle.order). False where
+    #: not documented (SGLang's and TGI's admission are not held to it).
+    admission_stops: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
@@ -181,6 +189,8 @@ class SchedulerAssumption:
             order += ", frontend in arrival order"
         if self.arrival_order and self.preempted_first:
             order += ", newest preempted first and re-queued first"
+        if self.arrival_order and self.admission_stops:
+            order += ", admissions stop at the first request that cannot be scheduled"
         cap = ""
         if self.long_prefill_threshold:
             cap = (f", at most {self.long_prefill_threshold} prompt tokens per request per step beside others "
@@ -204,13 +214,14 @@ class SchedulerAssumption:
             "long_prefill_threshold": self.long_prefill_threshold,
             "preempted_first": self.preempted_first,
             "aborts_on_disconnect": self.aborts_on_disconnect,
+            "admission_stops": self.admission_stops,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SchedulerAssumption:
-        # A calibration stored before preempted_first (or aborts_on_disconnect) existed does not say: the
-        # rule it gates stays off.
-        return cls(**{"preempted_first": False, "aborts_on_disconnect": False,
+        # A calibration stored before preempted_first (or aborts_on_disconnect, admission_stops) existed
+        # does not say: the rule it gates stays off.
+        return cls(**{"preempted_first": False, "aborts_on_disconnect": False, "admission_stops": False,
                       **{k: data[k] for k in cls.__dataclass_fields__ if k in data}})
 
 
@@ -267,4 +278,5 @@ def assumption_for(
     preempted_first = arrival_order and bool(defaults.get("preempted_first"))
     return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order, frontend_fifo=True,
                                preempted_first=preempted_first,
-                               aborts_on_disconnect=bool(defaults.get("aborts_on_disconnect")))
+                               aborts_on_disconnect=bool(defaults.get("aborts_on_disconnect")),
+                               admission_stops=arrival_order and bool(defaults.get("admission_stops")))

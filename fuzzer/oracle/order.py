@@ -1,10 +1,16 @@
-"""The model-free order check: a request served after one that arrived later with no more work.
+"""The model-free order check: a request served after one that arrived later.
 
 Under first-come-first-served admission with a per-step token budget (vLLM's ``fcfs`` policy,
 ARCHITECTURE.md, "Engines"), a request A that reached the engine before a request B, and that
 needs no more of the engine than B (fewer or as many uncached prompt tokens, no larger
 ``max_tokens``, no more sequences), is admitted no later than B and finishes its prefill no
-later than B's: its first token cannot come after B's. When an execution shows A's first
+later than B's: its first token cannot come after B's. On an engine whose admissions stop at
+the first waiting request they cannot schedule (vLLM v1: no budget, KV blocks or seat left
+ends them, and a prompt admitted in part takes the rest of the budget;
+``SchedulerAssumption.admission_stops``) that holds whatever B's size, as long as A's prefill
+is not capped per step (its prompt within ``long_prefill_threshold``, where one is assumed:
+a capped long prompt takes several steps while a short one passes it in one) and A has no more
+sequences: B is admitted in A's last prefill step at the earliest. When an execution shows A's first
 token clearly after B's, the scheduler decided an order FCFS never gives, and A paid for it:
 that is what a head-of-line or ordering bug is, whatever the step costs were. No step model
 decides it, so machine load and model error cannot be read as a scheduler pathology here.
@@ -14,7 +20,8 @@ What keeps the check to what FCFS really guarantees (each a reason not to call a
 - Only engines whose documented policy is FCFS by arrival (``SchedulerAssumption.arrival_order``);
   llama.cpp's slots and TGI's batching are not held to it.
 - A surely reached the engine first: sent at least ``policy.order_reach_s`` before B. B, with
-  at least A's tokens, takes at least as long in the frontend. The client's own stalls do not
+  at least A's tokens, takes at least as long in the frontend; a B with fewer is sent that much
+  and the calibrated frontend time of A's extra tokens (``StepModel.frontend_s``) later. The client's own stalls do not
   widen this: send times are stamped by the one event loop that then writes the request, and a
   stall holds back every send behind it, so requests leave in the order and at least at the
   spacing stamped (a stall delays what the client *receives*, hence the lead below).
@@ -82,7 +89,7 @@ class Inversion:
         first, *others = self.overtakers
         also = f" (and after {', '.join(others)})" if others else ""
         return (f"first token {self.lead_s * 1000:.0f} ms after that of {first}{also}, sent at least "
-                f"{self.gap_s * 1000:.0f} ms later with no less work")
+                f"{self.gap_s * 1000:.0f} ms later")
 
 
 def inversions(
@@ -98,7 +105,18 @@ def inversions(
     planned = {r.id: r for r in trace.requests}
     timed = [(planned[r.request_id], r) for r in result.requests
              if r.request_id in planned and _first_token(r) is not None]
-    reach = policy.order_reach_s
+    assumption, model = calibration.assumption, calibration.model
+    stops = assumption.admission_stops
+
+    def reach(a_req: Request, b_req: Request) -> float | None:
+        """How much later than A request B must be sent to have passed it against FCFS (None: it may pass)."""
+        if no_more_work(a_req, b_req, trace.prefixes):
+            return policy.order_reach_s
+        if stops and first_served(a_req, b_req, assumption.long_prefill_threshold):
+            tokens = _template(a_req, b_req) + a_req.prompt_tokens
+            return policy.order_reach_s + max(0.0, model.frontend_s(tokens) - model.frontend_s(b_req.prompt_tokens))
+        return None
+
     lead = policy.min_margin_s + (result.client_lag_s or 0.0)
     found: dict[str, Inversion] = {}
     for a_req, a in timed:
@@ -110,11 +128,12 @@ def inversions(
         over = [
             (b_first, b_req.id, b.sent_s - a.sent_s)
             for b_req, b in timed
-            if b.sent_s - a.sent_s >= reach
+            if b.sent_s > a.sent_s
             and (b_first := _first_token(b)) is not None
             and a_first - b_first >= lead
             and before <= b_first + lead
-            and no_more_work(a_req, b_req, trace.prefixes)
+            and (need := reach(a_req, b_req)) is not None
+            and b.sent_s - a.sent_s >= need
         ]
         if over:
             over.sort()
@@ -131,9 +150,24 @@ def no_more_work(a: Request, b: Request, prefixes: Mapping[str, int]) -> bool:
     long_prefill_token_threshold) a few tokens more can cost a whole step more.
     """
     cached = prefixes.get(b.prefix, 0) if b.prefix else 0
-    template = CHAT_TEMPLATE_TOKENS if a.api == "chat" and b.api != "chat" else 0
-    return (a.prompt_tokens + template <= b.prompt_tokens - cached and a.max_tokens <= b.max_tokens
+    return (a.prompt_tokens + _template(a, b) <= b.prompt_tokens - cached and a.max_tokens <= b.max_tokens
             and a.n <= b.n)
+
+
+def first_served(a: Request, b: Request, cap: int) -> bool:
+    """On an engine whose admissions stop at the first request they cannot schedule, is ``a`` (sent
+    first) served its first token no later than ``b``, whatever their sizes?
+
+    Unless a per-step cap on its prompt tokens (``cap``, 0: none) makes its prefill take steps in
+    which ``b`` is admitted and prefilled (its whole prompt counted: its cached prefix may not be),
+    or it has more sequences than ``b`` (its first choice may wait for seats its others take).
+    """
+    return a.n <= b.n and not (cap and a.prompt_tokens + _template(a, b) > cap)
+
+
+def _template(a: Request, b: Request) -> int:
+    """Tokens ``a``'s chat template may add over ``b``'s prompt (0 unless only ``a`` is a chat request)."""
+    return CHAT_TEMPLATE_TOKENS if a.api == "chat" and b.api != "chat" else 0
 
 
 def kv_full(result: ExecutionResult) -> bool:
