@@ -129,7 +129,10 @@ async def test_a_stale_calibration_is_measured_again_under_its_assumption_and_sa
     # With nothing stored it measures under the target's defaults, and says there was nothing.
     told.clear()
     fresh = await reuse_or_calibrate(PaperTarget(), None, rng=draws, on_measure=told.append)
-    assert told == [None] and fresh.assumption == SchedulerAssumption()
+    # (This target reports no context length: the cap probe's prompt would not fit, so the cap is not known.)
+    unknown = replace(SchedulerAssumption(), admission_stops=False,
+                      source=f"{SchedulerAssumption().source}; long-prefill cap not known")
+    assert told == [None] and fresh.assumption == unknown
 
 
 async def test_a_failed_refresh_keeps_the_stale_calibration_only_when_asked():
@@ -328,6 +331,11 @@ async def test_a_token_budget_larger_than_the_assumed_one_is_measured():
     large = PaperTarget(assumption=SchedulerAssumption(token_budget=8192))
     cal = await calibrate(large, rng=random.Random(1), clock=lambda: 0.0)
     assert cal.assumption.token_budget == 8192 and "token budget measured" in cal.assumption.source
+    # The budget goes into the fit's assumption: a server that keeps no prefix keeps that finding too
+    # (the budget and the cap once replaced the fit's assumption with the one before the fit).
+    bare = PaperTarget(noise=0.01, assumption=SchedulerAssumption(token_budget=8192, prefix_caching=False))
+    cal = await calibrate(bare, rng=random.Random(1), clock=lambda: 0.0)
+    assert cal.assumption.token_budget == 8192 and cal.assumption.prefix_caching is False, cal.assumption
     # Controls: a server at the assumed budget keeps it (and the probe costs it one run); a budget
     # the user names stands.
     default = PaperTarget()

@@ -171,3 +171,19 @@ def test_more_steps_than_assumed_are_no_cap_when_a_short_prompt_still_waits_for_
     cal = asyncio.run(calibrate(VirtualTarget(capped, seed=4), assumption=named, rng=random.Random(4),
                                 max_model_len=capped.max_model_len))
     assert 0 < cal.assumption.long_prefill_threshold < 2048
+
+
+@pytest.mark.parametrize("pathologies, stops", [((), True), (("decode-starvation",), False),
+                                                (("unchunked-prefill",), False)])
+def test_a_stream_starved_beside_the_cap_probe_leaves_the_cap_unknown(pathologies, stops):
+    # heldout7 with every bug on (stop 42): its long prompts skip the cap and the decodes, so the cap
+    # probe's stream got no token while the prompt prefilled: no cap seen, yet its 512-token cap let
+    # short requests pass capped mid-length ones legitimately. The order check holds a later request of
+    # any size to FCFS only where the probe saw the steps an uncapped engine takes (admission_stops).
+    config = SimConfig(**GPU_LIKE)
+    cal = asyncio.run(calibrate(VirtualTarget(config, pathologies=pathologies, seed=4), rng=random.Random(4),
+                                max_model_len=config.max_model_len))
+    assert cal.assumption.long_prefill_threshold == 0
+    assert cal.assumption.admission_stops is stops, cal.assumption
+    assert ("long-prefill cap not known" in cal.assumption.source) is not stops
+    assert ("admissions stop at the first request" in cal.assumption.describe()) is stops

@@ -28,14 +28,21 @@ from fuzzer.trace import Request, Trace
 
 
 @functools.cache
-def _stopping():
+def _calibrated():
     return asyncio.run(calibrate(PaperTarget(seed=99), rng=random.Random(0), clock=lambda: 0.0))
+
+
+def _stopping():
+    """The calibration of an engine whose admissions stop at the first request they cannot schedule
+    (vLLM v1's, its long-prefill cap known)."""
+    cal = _calibrated()
+    return cal.with_assumption(replace(cal.assumption, admission_stops=True))
 
 
 def _calibration():
     """The calibration of an FCFS engine not known to stop its admissions at a blocked request
     (SGLang's): a later request passes only with no less work."""
-    cal = _stopping()
+    cal = _calibrated()
     return cal.with_assumption(replace(cal.assumption, admission_stops=False))
 
 

@@ -278,15 +278,18 @@ async def calibrate(
         kind = getattr(getattr(target, "info", None), "kind", None)
         choices = adapters.ADAPTERS[kind].scheduler_defaults.get("max_num_batched_tokens", ()) if kind in adapters.ADAPTERS else ()
         found = await token_budget(target, cal, longest, tuple(choices) if isinstance(choices, (tuple, list)) else ())
-        if found:
-            assumption = replace(assumption, token_budget=found, source=f"{assumption.source}; token budget measured")
-            cal = replace(cal, assumption=assumption)
+        if found:  # on the fit's assumption (it may have found no prefix caching)
+            cal = replace(cal, assumption=replace(cal.assumption, token_budget=found,
+                                                  source=f"{cal.assumption.source}; token budget measured"))
     if measure_cap and not assumption.long_prefill_threshold:  # a user's (or an earlier measurement's) cap stands
         found = await chunk_cap(target, cal, longest)
         if found:
-            assumption = replace(assumption, long_prefill_threshold=found,
-                                 source=f"{assumption.source}; long-prefill cap measured")
-            cal = replace(cal, assumption=assumption)
+            cal = replace(cal, assumption=replace(cal.assumption, long_prefill_threshold=found,
+                                                  source=f"{cal.assumption.source}; long-prefill cap measured"))
+        elif found is None and cal.assumption.admission_stops:
+            # A cap the probe could not rule out would let a later short request pass a long one legitimately.
+            cal = replace(cal, assumption=replace(cal.assumption, admission_stops=False,
+                                                  source=f"{cal.assumption.source}; long-prefill cap not known"))
     return cal
 
 

@@ -211,8 +211,9 @@ def _longest_step(trace: Trace, sent: Mapping[str, float], model: StepModel, ass
     return max((d for r in trace.requests if r.id != "cs" for _, d in paper[r.id].chunk_steps), default=0.0)
 
 
-async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
-    """The long-prefill cap the target applies: prompt tokens per request per step beside others (0: none seen).
+async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int | None:
+    """The long-prefill cap the target applies: prompt tokens per request per step beside others; 0 when
+    the probe showed none, None when it could not tell.
 
     A short stream decodes, then a prompt of CAP_PROBE_BUDGETS token budgets arrives, CAP_REPEATS
     times. A cap shows twice: every step gives the stream a token, so its tokens between the
@@ -227,12 +228,19 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
     beside a long prompt). Where a cap costs the prompt little (prefill time dominated by tokens,
     not steps) it is the prompt over the fewest steps counted: it changes a TTFT little, but not
     how many prompts prefill at once, each holding KV blocks, nor so the preemptions.
+
+    No cap (0) needs a run whose stream counted the steps an uncapped engine needs, and at most
+    CAP_EXTRA_STEPS more: a stream that got fewer was starved (a server that leaves decodes out
+    while a long prompt prefills, or one that computes it in fewer steps than the budget says),
+    and one that got more without a cap's evidence shows something else. Then (and when
+    the model is too short for the probe, or a probe failed) the cap is not known: None, and the
+    order check does not assume that a later request of any size waits (``admission_stops``).
     """
     model, assumption = cal.model, cal.assumption
     budget = assumption.token_budget
     prompt = min(CAP_PROBE_BUDGETS * budget, longest)
     if prompt < 2 * budget:
-        return 0  # the model is too short for a prompt of several chunks
+        return None  # the model is too short for a prompt of several chunks
     uncapped = math.ceil(prompt / max(1, budget - 1))
     step = model.step_s(0, 1, 16)
     margin_s = NOISE_MARGINS * cal.noise_s.get(Metric.TTFT, 0.0)
@@ -242,16 +250,20 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
         trace, sent, got = await _beside_a_stream(target, model, assumption, (prompt,), f"calibration-cap-{run}",
                                                   witness=True)
         if got is None:
-            return 0
+            return None
         s, (p,), w = got
         arrived = p.sent_s + model.frontend_s(prompt)
         first = p.sent_s + p.ttft_s + step / 2.0
         steps = sum(1 for t in s.token_times_s if arrived < s.sent_s + t <= first)
-        if s.sent_s + s.token_times_s[-1] < first or steps < max(CAP_EVIDENCE * uncapped, uncapped + CAP_EXTRA_STEPS):
-            return 0  # the stream ended first (no count), or no more steps than an uncapped engine's
+        if s.sent_s + s.token_times_s[-1] < first:
+            return None  # the stream ended first: no count
+        if uncapped <= steps <= uncapped + CAP_EXTRA_STEPS:
+            return 0  # the steps an uncapped engine takes, the stream decoding in each
+        if steps < max(CAP_EVIDENCE * uncapped, uncapped + CAP_EXTRA_STEPS):
+            return None  # fewer (a starved stream) or more without a cap's evidence
         after = sum(1 for t in s.token_times_s if w.sent_s + w.ttft_s < s.sent_s + t <= first)
         if after < WITNESS_STEPS:
-            return 0  # the short prompt waited for the long one's prefill: its steps are not a cap's
+            return None  # the short prompt waited for the long one's prefill: its steps are not a cap's
         slow = slow and p.ttft_s >= CANDIDATE_FACTOR * _probe_ttft(trace, sent, model, assumption, 0) + margin_s
         runs.append((p.ttft_s, steps, sent, trace))
     if not slow:
@@ -266,7 +278,7 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int:
     if (1 + BUDGET_TOLERANCE) * _probe_ttft(trace, sent, model, assumption, lo) < ttft - margin_s:
         # Even the smallest cap the steps allow does not explain it, by more than the envelope's drift: not
         # a cap (without the drift a cap of 64 tokens, the smallest looked for, was measured or not by the noise).
-        return 0
+        return None
     while hi - lo > 1:  # the schedule's TTFT falls as the cap grows
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if _probe_ttft(trace, sent, model, assumption, mid) >= ttft - margin_s else (lo, mid)
