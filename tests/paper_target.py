@@ -32,7 +32,9 @@ class PaperTarget:
       idle at least ``cold_after_s`` (a cold start);
     - ``fail``: request id -> Outcome it ends with; ``leak``: idle_after is False;
     - ``seeded_slowdown``: every token gap of every request is this many times longer in a trace
-      where some request has a sampling seed (one seeded row slows the batch, vllm-omni#6178).
+      where some request has a sampling seed and some has none (one seeded row slows the batch,
+      vllm-omni#6178; seeded rows alone take the per-row path at no extra cost); with
+      ``seeded_alone``, seeded rows alone are that much slower too (the option's own cost).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class PaperTarget:
         leak: bool = False,
         assumption: SchedulerAssumption | None = None,
         seeded_slowdown: float = 1.0,
+        seeded_alone: bool = False,
     ):
         self.name = "paper://known-model"
         self.model = model
@@ -66,6 +69,7 @@ class PaperTarget:
         self.leak = leak
         self.assumption = assumption or SchedulerAssumption()
         self.seeded_slowdown = seeded_slowdown
+        self.seeded_alone = seeded_alone
         self.executions = 0
         #: A freshly started server has been idle "for ever".
         self._idle_s = 3600.0
@@ -80,7 +84,8 @@ class PaperTarget:
         idle_before = self._idle_s
         cold = idle_before >= self.cold_after_s
         paper = paper_schedule(trace, self.model, self.assumption)
-        slowdown = self.seeded_slowdown if any(r.seed is not None for r in trace.requests) else 1.0
+        seeded = {r.seed is not None for r in trace.requests}
+        slowdown = self.seeded_slowdown if seeded == {True, False} or (self.seeded_alone and True in seeded) else 1.0
         results = []
         for r in trace.requests:
             p = paper[r.id]

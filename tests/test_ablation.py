@@ -57,10 +57,25 @@ async def test_a_seed_that_slows_the_batch_is_an_option_slowdown_and_a_harmless_
     assert verdict.is_finding and verdict.kind is FindingKind.OPTION_SLOWDOWN and verdict.ablated == "seed"
     assert 1.7 < verdict.effect < 1.9 and verdict.runs == 3 and verdict.reproduced == 3
     assert verdict.request_id == "carrier" and verdict.signature == option_signature("seed")
-    assert verdict.observed_s > verdict.expected_s and slow.executions == 6
+    # Three pairs, and after the first the carrier alone with and without its seed (its own cost: none here).
+    assert verdict.observed_s > verdict.expected_s and slow.executions == 6 + 2
     harmless = PaperTarget(seeded_slowdown=1.0, seed=1)
     same = await confirm_option(harmless, trace, "seed")
     assert not same.is_finding and same.decision is Decision.SAME and harmless.executions == 2
+
+
+async def test_an_option_that_slows_its_own_rows_as_much_as_the_batch_is_its_real_cost():
+    # heldout7 (stop 42), clean: its sampler charges each logprob to its row, and eight rows of 20
+    # logprobs made every shared step, so the others' e2e, 1.95x: the carriers' own work, which FCFS
+    # with the engine's real costs gives everyone who shares their steps. Their cost alone sets the bar.
+    trace = _seeded_batch()
+    own = PaperTarget(seeded_slowdown=1.8, seeded_alone=True, seed=1)
+    verdict = await confirm_option(own, trace, "seed")
+    assert not verdict.is_finding and verdict.decision is Decision.SAME, verdict.detail
+    assert "cost its carriers alone 1.7" in verdict.detail or "cost its carriers alone 1.8" in verdict.detail
+    assert verdict.threshold == pytest.approx(1.25 * 1.8, rel=0.05)
+    assert decide([1.95, 1.93, 1.97], OraclePolicy(), own=1.8)[0] is Decision.SAME
+    assert decide([3.0, 2.9, 3.1], OraclePolicy(), own=1.8)[0] is Decision.DIFFERENT  # beyond it: the batch pays
 
 
 async def test_a_slowdown_below_the_candidate_factor_is_tested_and_found_once_by_the_campaign():

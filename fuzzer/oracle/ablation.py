@@ -15,7 +15,13 @@ requests in the runs without it, a lower bound past that) and takes, per run, th
 option. Per pair it has the ratio of the two; on the log ratios a one-sided t interval at the
 policy's alpha decides: DIFFERENT when the slowdown is significant, the geometric mean ratio
 reaches ``policy.option_factor`` and most pairs do, SAME when the interval lies below that factor, and one pair
-far below it stops at once (sequential futility). No model is involved: a campaign tests a trace
+far below it stops at once (sequential futility). The factor is over what the option costs its own
+rows: the carriers alone, with and without it, run once each once a pair shows a slowdown
+(:func:`own_ratio`), and every
+step the others share with them is that much longer under FCFS with the engine's real costs (on a
+held-out server whose sampler charges each logprob to its row, eight rows of 20 logprobs made the
+others' e2e 1.95x without any batch-wide cost: a confirmed false finding). The factor is
+``policy.option_factor`` times that ratio where it is above 1. No model is involved: a campaign tests a trace
 when enough requests, and most of those without the option, ran beside a carrier for half their
 span or more (:func:`suspects`), a few times per option, each test on a larger batch than the last
 (fuzzer.search.confirming). On two held-out servers the tests of traces whose carriers were short
@@ -168,17 +174,19 @@ def suspects(trace: Trace, result: ExecutionResult, policy: OraclePolicy = DEFAU
 
 
 def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY, *,
-           futility: bool = True) -> tuple[Decision, float | None, float]:
+           futility: bool = True, own: float = 1.0) -> tuple[Decision, float | None, float]:
     """(decision, one-sided p of no slowdown, geometric mean ratio) of the pairs' ratios so far; one
-    pair far below the factor is SAME only under ``futility``."""
+    pair far below the factor is SAME only under ``futility``. ``own``: the option's cost to its
+    carriers alone (:func:`own_ratio`); the factor is ``policy.option_factor`` over it."""
     if not ratios:
         return Decision.INSUFFICIENT_DATA, None, math.nan
+    factor = policy.option_factor * max(1.0, own)
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     effect = math.exp(mean)
-    limit = math.log(policy.option_factor)
+    limit = math.log(factor)
     if len(logs) == 1:
-        far_below = futility and effect < 1.0 + FUTILITY_SHARE * (policy.option_factor - 1.0)
+        far_below = futility and effect < 1.0 + FUTILITY_SHARE * (factor - 1.0)
         return (Decision.SAME if far_below else Decision.UNKNOWN), None, effect
     sd = statistics.stdev(logs)
     if sd == 0.0:
@@ -191,12 +199,30 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY, *,
         low, high = mean - q * se, mean + q * se
     # ... and most pairs each at the factor: on vLLM's CPU build a few wild pairs (one run of a pair
     # slowed by the host) gave geometric means of 1.3-1.6x with 1-2 of 5 pairs at 1.25x.
-    most = 2 * sum(r >= policy.option_factor for r in ratios) > len(ratios)
+    most = 2 * sum(r >= factor for r in ratios) > len(ratios)
     if len(logs) >= policy.min_runs and low > 0.0 and mean >= limit and most:
         return Decision.DIFFERENT, p, effect
     if len(logs) >= policy.min_runs and high < limit:
         return Decision.SAME, p, effect
     return Decision.UNKNOWN, p, effect
+
+
+def carriers_alone(trace: Trace, option: str) -> Trace:
+    """The requests of ``trace`` that set ``option``, at their times, without the others."""
+    return trace.with_requests([r for r in trace.requests if getattr(r, option) is not None])
+
+
+async def own_ratio(target: Target, trace: Trace, option: str, cut_s: float | None = None) -> float:
+    """How much longer the carriers of ``option`` take with it than without it when they run alone (their
+    median e2e, one run each; 1.0 when either run has none complete): what the option costs its own rows."""
+    alone = carriers_alone(trace, option)
+    medians = []
+    for t in (alone, without_option(alone, option)):
+        result = await target.execute(t, cut_s=cut_s)
+        values = [r.e2e_s for r in result.requests if r.outcome is Outcome.OK and r.e2e_s is not None]
+        medians.append(statistics.median(values) if values else None)
+    with_s, without_s = medians
+    return with_s / without_s if with_s is not None and without_s else 1.0
 
 
 async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bool = True,
@@ -237,6 +263,7 @@ async def confirm_option(
     is theirs). A run with the option that the cap closed before all of them ended counts what they ran
     so far (a lower bound of its slowdown); one without it is then no pair, and the test runs whole."""
     ablated = without_option(trace, option)
+    own: float | None = None  # measured once a pair shows a slowdown (SAME under 1.0 is SAME over any)
     pairs: list[tuple[float, float]] = []
     decision, p, effect = Decision.INSUFFICIENT_DATA, None, math.nan
     ended: float | None = None
@@ -252,26 +279,32 @@ async def confirm_option(
         if with_s is not None and without_s is not None and without_s > 0:
             pairs.append((with_s, without_s))
             bounds += any(t is trace and capped(trace, result, option) for t, result in runs)
-        decision, p, effect = decide([a / b for a, b in pairs], policy, futility=futility)
+        ratios = [a / b for a, b in pairs]
+        decision, p, effect = decide(ratios, policy, futility=futility, own=own or 1.0)
+        if own is None and ratios and decision is not Decision.SAME:
+            own = await own_ratio(target, trace, option, cut_s)
+            decision, p, effect = decide(ratios, policy, futility=futility, own=own)
         if decision in (Decision.DIFFERENT, Decision.SAME):
             break
     if len(pairs) < 2 and decision is not Decision.SAME:
         decision = Decision.INSUFFICIENT_DATA
-    return _verdict(trace, option, pairs, decision, p, effect, policy, bounds)
+    return _verdict(trace, option, pairs, decision, p, effect, policy, bounds, own or 1.0)
 
 
 def _verdict(trace: Trace, option: str, pairs: list[tuple[float, float]], decision: Decision, p: float | None,
-             effect: float, policy: OraclePolicy, bounds: int = 0) -> Verdict:
+             effect: float, policy: OraclePolicy, bounds: int = 0, own: float = 1.0) -> Verdict:
     mine = carriers(trace, option)
     others = len(trace.requests) - len(mine)
     with_s = statistics.median(a for a, _ in pairs) if pairs else None
     without_s = statistics.median(b for _, b in pairs) if pairs else None
-    reproduced = sum(a >= policy.option_factor * b for a, b in pairs)
+    factor = policy.option_factor * max(1.0, own)
+    reproduced = sum(a >= factor * b for a, b in pairs)
     if with_s is not None and without_s is not None:
         detail = (f"with {option} on {', '.join(mine)}, the other {others} requests' median e2e was "
                   f"{effect:.2f}x that of the same trace without it ({with_s * 1000:.0f} ms vs "
                   f"{without_s * 1000:.0f} ms; {len(pairs)} alternating pair(s), {reproduced} at least "
-                  f"{policy.option_factor:g}x); the option changes no token work")
+                  f"{factor:.3g}x); the option changes no token work, and cost its carriers alone "
+                  f"{own:.2f}x")
         if bounds:
             detail += (f"; in {bounds} pair(s) the run with it was closed before the others ended (a lower "
                        f"bound: the slowdown is at least this)")
@@ -280,7 +313,7 @@ def _verdict(trace: Trace, option: str, pairs: list[tuple[float, float]], decisi
     return Verdict(
         kind=FindingKind.OPTION_SLOWDOWN if decision is not Decision.SAME else None,
         decision=decision, method=METHOD, request_id=mine[0] if mine else None, metric=Metric.E2E,
-        p_value=p, effect=None if math.isnan(effect) else effect, threshold=policy.option_factor,
+        p_value=p, effect=None if math.isnan(effect) else effect, threshold=factor,
         n_sample=len(pairs), n_baseline=len(pairs), reproduced=reproduced, runs=len(pairs),
         observed_s=with_s, expected_s=without_s, idle_s=without_s,
         assumption=f"{option} changes no token work: the baseline is the server without it",
