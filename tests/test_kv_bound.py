@@ -250,6 +250,27 @@ def test_without_a_prefix_cache_preemptions_beyond_the_model_are_not_thrash():
     assert not kv_pressure(storm) and kv_pressure(storm, prefix_caching=False)
 
 
+def test_a_request_whose_choices_outgrow_the_cache_leaves_the_count_unjudged():
+    # Stop 42: heldout7's clean configuration (512 blocks of 32 tokens, prompt blocks cached only) served
+    # a request of eight 3072-token choices: its sequences preempted each other 556 times where the model
+    # made 21, and the KV-unaware bound thrash brings gave five false itl-stall candidates (2.2-8.9x).
+    from fuzzer.execution import MetricSample
+    from fuzzer.oracle.evidence import outgrows_cache
+
+    cal = _calibration()
+    trace = _kv_fill()
+    result = VirtualTarget(seed=2).run(trace)
+    model = expected_preemptions(trace, cal.model, cal.assumption, result)
+    storm = dataclasses.replace(result, samples=(MetricSample(0.0, {"preemptions": 0.0}),
+                                                 MetricSample(1.0, {"preemptions": 3 * model + 4.4 * len(trace.requests)})))
+    assert not outgrows_cache(trace, 2560, 16) and thrash(trace, storm, cal)
+    fan = Request(id="fan", at_ms=0.0, prompt_tokens=400, max_tokens=3072, n=12)  # 12 x 217 blocks > 2560
+    assert outgrows_cache(Trace(requests=(fan,)), 2560, 16)
+    assert not outgrows_cache(Trace(requests=(dataclasses.replace(fan, n=11),)), 2560, 16)  # 11 x 217 fits
+    wide = trace.with_requests([*trace.requests, fan])
+    assert not thrash(wide, storm, cal)
+
+
 # --- where the capacity comes from --------------------------------------------------------------
 
 
