@@ -158,3 +158,29 @@ async def test_an_option_is_tested_before_its_victims_and_explains_them_once_fou
     reruns = target.traces[before + 1:]
     assert reruns and all(r.seed is None for t in reruns for r in t.requests)
     assert [f.kind for f in store.list_findings()] == ["option-slowdown"]
+
+
+async def test_the_carriers_own_cost_is_one_rows_times_their_rows_so_a_batch_wide_cost_still_shows():
+    # The README's main job (stop 42): the simulator's logprobs-batch-cost charges every sequence of the
+    # batch for the logprobs of n > 1 requests, so the seed trace's carrier (eight choices, 20 logprobs)
+    # alone ran 20x slower with them: its own choices pay the batch-wide cost too. One row alone shows
+    # what the option costs a row; the carrier's eight rows may add eight times that to a step.
+    from pathlib import Path
+
+    from fuzzer.oracle.ablation import own_ratio
+    from fuzzer.sim import VirtualTarget
+    from fuzzer.trace import load
+
+    trace = load(Path(__file__).resolve().parent.parent / "corpus" / "n-logprobs.json")
+    assert [(r.n, r.logprobs) for r in trace.requests if r.logprobs] == [(8, 20)]
+    buggy = VirtualTarget(pathologies=("logprobs-batch-cost",), seed=3)
+    assert await own_ratio(buggy, trace, "logprobs") < 1.25
+    verdict = await confirm_option(buggy, trace, "logprobs")
+    assert verdict.is_finding and verdict.kind is FindingKind.OPTION_SLOWDOWN, verdict.detail
+    clean = VirtualTarget(seed=3)
+    assert not (await confirm_option(clean, trace, "logprobs")).is_finding
+    # A per-row cost: one row 1.2x alone, three rows may make a step 1.6x.
+    rows = _seeded_batch().with_requests([*_seeded_batch().requests[:-1],
+                                         replace(_seeded_batch().requests[-1], n=3)])
+    assert await own_ratio(PaperTarget(seeded_slowdown=1.2, seeded_alone=True, noise=0.0), rows, "seed") \
+        == pytest.approx(1.6, rel=0.05)

@@ -16,12 +16,12 @@ option. Per pair it has the ratio of the two; on the log ratios a one-sided t in
 policy's alpha decides: DIFFERENT when the slowdown is significant, the geometric mean ratio
 reaches ``policy.option_factor`` and most pairs do, SAME when the interval lies below that factor, and one pair
 far below it stops at once (sequential futility). The factor is over what the option costs its own
-rows: the carriers alone, with and without it, run once each once a pair shows a slowdown
-(:func:`own_ratio`), and every
-step the others share with them is that much longer under FCFS with the engine's real costs (on a
-held-out server whose sampler charges each logprob to its row, eight rows of 20 logprobs made the
-others' e2e 1.95x without any batch-wide cost: a confirmed false finding). The factor is
-``policy.option_factor`` times that ratio where it is above 1. No model is involved: a campaign tests a trace
+rows: one carrier row alone, with and without it, runs once each once a pair shows a slowdown, and
+each of the carriers' rows may add to a step what the option added to that row's
+(:func:`own_ratio`): every step the others share with them is that much longer under FCFS with the
+engine's real costs (on a held-out server whose sampler charges each logprob to its row, eight rows
+of 20 logprobs made the others' e2e 1.95x without any batch-wide cost: a confirmed false finding).
+The factor is ``policy.option_factor`` times that ratio where it is above 1. No model is involved: a campaign tests a trace
 when enough requests, and most of those without the option, ran beside a carrier for half their
 span or more (:func:`suspects`), a few times per option, each test on a larger batch than the last
 (fuzzer.search.confirming). On two held-out servers the tests of traces whose carriers were short
@@ -207,22 +207,30 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY, *,
     return Decision.UNKNOWN, p, effect
 
 
-def carriers_alone(trace: Trace, option: str) -> Trace:
-    """The requests of ``trace`` that set ``option``, at their times, without the others."""
-    return trace.with_requests([r for r in trace.requests if getattr(r, option) is not None])
+def one_row(trace: Trace, option: str) -> Trace:
+    """The first request of ``trace`` that sets ``option``, alone, with one choice, sent at once."""
+    first = next(r for r in trace.requests if getattr(r, option) is not None)
+    return trace.with_requests([replace(first, n=1, at_ms=0.0)])
 
 
 async def own_ratio(target: Target, trace: Trace, option: str, cut_s: float | None = None) -> float:
-    """How much longer the carriers of ``option`` take with it than without it when they run alone (their
-    median e2e, one run each; 1.0 when either run has none complete): what the option costs its own rows."""
-    alone = carriers_alone(trace, option)
-    medians = []
-    for t in (alone, without_option(alone, option)):
+    """The slowdown the carriers' own rows of ``option`` explain in a step: one carrier row alone is run
+    with it and without it (:func:`one_row`, one run each), and each of the carriers' rows (their choices,
+    in all) adds what it cost that row: 1 + rows x (its e2e ratio - 1), 1.0 when a run did not complete.
+
+    A bound from above for a batch that shares steps with the carriers (its steps are no shorter than one
+    row's alone). One row, not the carriers as they are: a cost that grows with the rows beside it (the
+    batch-wide bug the test looks for) would show among a carrier's own choices too."""
+    probe = one_row(trace, option)
+    e2e = []
+    for t in (probe, without_option(probe, option)):
         result = await target.execute(t, cut_s=cut_s)
-        values = [r.e2e_s for r in result.requests if r.outcome is Outcome.OK and r.e2e_s is not None]
-        medians.append(statistics.median(values) if values else None)
-    with_s, without_s = medians
-    return with_s / without_s if with_s is not None and without_s else 1.0
+        e2e.append(next((r.e2e_s for r in result.requests if r.outcome is Outcome.OK and r.e2e_s), None))
+    with_s, without_s = e2e
+    if with_s is None or without_s is None:
+        return 1.0
+    rows = sum(r.n for r in trace.requests if getattr(r, option) is not None)
+    return 1.0 + rows * max(0.0, with_s / without_s - 1.0)
 
 
 async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bool = True,
