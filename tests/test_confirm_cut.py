@@ -22,13 +22,20 @@ from fuzzer.trace import Trace
 
 class _Recording:
     def __init__(self, inner):
-        self.inner, self.name, self.results, self.cuts = inner, inner.name, [], []
+        self.inner, self.name, self.results, self.cuts, self.traces = inner, inner.name, [], [], []
 
     async def execute(self, trace, *, cut_s=None):
         self.cuts.append(cut_s)
+        self.traces.append(trace)
         result = await self.inner.execute(trace, cut_s=cut_s)
         self.results.append(result)
         return result
+
+    def paired(self):
+        """(cuts, results) of an option test's pairs: its runs of one carrier row alone (its own cost,
+        fuzzer.oracle.ablation.own_ratio) left out."""
+        keep = [i for i, t in enumerate(self.traces) if len(t.requests) > 1]
+        return [self.cuts[i] for i in keep], [self.results[i] for i in keep]
 
 
 def _with_a_late_long_stream(trace: Trace) -> Trace:
@@ -165,9 +172,13 @@ async def test_an_option_tests_runs_close_when_the_other_requests_have_ended():
     # pairs (without, with), (with, without), (without, with): each run with it is capped at cut_s, or at
     # CAP_FACTOR x when the batch ended without it where that is earlier (a 2x slowdown does not reach it)
     with_it = (1, 2, 5)
-    assert [cut.cuts[i] for i in (0, 3, 4)] == [cut_s] * 3 and max(cut.cuts[i] for i in with_it) <= cut_s
-    assert [whole.cuts[i] for i in (0, 3, 4)] == [None] * 3 and None not in [whole.cuts[i] for i in with_it]
-    assert all(cut.results[i].duration_s <= cut_s + 0.01 for i in with_it) and first.duration_s > 2 * cut_s
+    (cuts, results), (whole_cuts, _) = cut.paired(), whole.paired()
+    assert [cuts[i] for i in (0, 3, 4)] == [cut_s] * 3 and max(cuts[i] for i in with_it) <= cut_s
+    assert [whole_cuts[i] for i in (0, 3, 4)] == [None] * 3 and None not in [whole_cuts[i] for i in with_it]
+    assert all(results[i].duration_s <= cut_s + 0.01 for i in with_it) and first.duration_s > 2 * cut_s
+    # the carrier row alone (its own cost) runs whole: at most OWN_TOKENS tokens, not its long stream
+    assert all(len(t.requests) == 1 and t.requests[0].max_tokens <= 64 for t, c in zip(cut.traces, cut.cuts)
+               if c is None and len(t.requests) == 1)
     # a carrier that ends with the batch, or a request without the option that did not complete: no cut
     short = trace.with_requests([dataclasses.replace(r, max_tokens=128) for r in trace.requests])
     assert others_end_s(short, await VirtualTarget(seed=3).execute(short), "seed") is None
@@ -185,7 +196,8 @@ async def test_an_option_test_whose_run_without_the_option_was_cut_runs_whole_fr
     target = _Recording(VirtualTarget(pathologies=("seeded-sampling-path",), seed=3))
     # So short a cap that the batch is still running: the run without the option says nothing.
     verdict = await confirm_option(target, trace, "seed", cut_s=0.05)
-    assert target.cuts[:2] == [0.05, 0.05] and target.cuts[2:5] == [None] * 3
+    cuts, _ = target.paired()
+    assert cuts[:2] == [0.05, 0.05] and cuts[2:5] == [None] * 3
     assert verdict.is_finding and verdict.runs == 3  # the first pair is no pair
 
 
@@ -203,9 +215,10 @@ async def test_an_option_tests_runs_with_it_close_at_four_times_the_batch_withou
     # each run with the seed takes far more than 4x the batch without it: those after a run without it close
     assert first.duration_s > 2 * CAP_FACTOR * ended
     # pairs (without, with), (with, without), (without, with): every run with it closes
-    assert [capped.cuts[i] for i in (0, 3, 4)] == [None] * 3
-    assert [capped.cuts[i] for i in (1, 2, 5)] == [pytest.approx(CAP_FACTOR * ended, rel=0.2)] * 3
-    assert all(capped.results[i].duration_s < first.duration_s / 2 for i in (1, 2, 5))
+    cuts, results = capped.paired()
+    assert [cuts[i] for i in (0, 3, 4)] == [None] * 3
+    assert [cuts[i] for i in (1, 2, 5)] == [pytest.approx(CAP_FACTOR * ended, rel=0.2)] * 3
+    assert all(results[i].duration_s < first.duration_s / 2 for i in (1, 2, 5))
     assert verdict.is_finding and verdict.runs == 3 and verdict.reproduced == 3
     assert "lower bound" in verdict.detail and "in 3 pair(s)" in verdict.detail
     assert 0.9 * CAP_FACTOR <= verdict.effect < first.duration_s / ended  # a lower bound
@@ -223,8 +236,10 @@ async def test_a_campaigns_option_test_runs_are_cut_after_the_batch():
     finding = store.list_findings()[0]
     assert finding.kind == "option-slowdown" and finding.verdict["ablated"] == "seed"
     rows = store.execution_rows()
-    assert [r["purpose"] for r in rows] == ["seed"] + ["confirm"] * 6
-    tests = [store.get_execution(r["id"]) for r in rows[1:]]
+    # Three pairs, and the carrier row alone twice with and without its seed (its own cost, 64 tokens).
+    assert [r["purpose"] for r in rows] == ["seed"] + ["confirm"] * (6 + 4)
+    runs = [store.get_execution(r["id"]) for r in rows[1:]]
+    tests = [run for run in runs if len(run.requests) > 1]
     carrier = [q for run in tests for q in run.requests if q.request_id == "X"]
     assert len(carrier) == 6 and all(q.outcome is Outcome.CUT for q in carrier)
     assert all(run.duration_s < store.get_execution(rows[0]["id"]).duration_s / 2 for run in tests)

@@ -51,8 +51,10 @@ OPTIONS = ("seed", "logprobs")
 MIN_OTHERS = 3
 #: A request ran beside a carrier when this share of its span overlaps a carrier's (:func:`beside`).
 COVER_SHARE = 0.5
-#: Pairs of runs of one carrier row alone, with and without the option, that measure its own cost.
+#: Pairs of runs of one carrier row alone, with and without the option, that measure its own cost, each
+#: of at most this many tokens (its steps' gaps are what they measure).
 OWN_PAIRS = 2
+OWN_TOKENS = 64
 #: One pair whose ratio is below 1 plus this share of the factor's excess stops the test (sequential
 #: futility: 1.125x for a 1.25x factor; the clean servers' pairs were 1.00-1.06x).
 FUTILITY_SHARE = 0.5
@@ -210,9 +212,11 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY, *,
 
 
 def one_row(trace: Trace, option: str) -> Trace:
-    """The first request of ``trace`` that sets ``option``, alone, with one choice, streamed, sent at once."""
+    """The first request of ``trace`` that sets ``option``, alone, with one choice of at most OWN_TOKENS
+    tokens, streamed, sent at once."""
     first = next(r for r in trace.requests if getattr(r, option) is not None)
-    return trace.with_requests([replace(first, n=1, at_ms=0.0, stream=True)])
+    return trace.with_requests([replace(first, n=1, at_ms=0.0, stream=True, max_tokens=min(first.max_tokens, OWN_TOKENS),
+                                        cancel_after_tokens=None, disconnect_after_ms=None)])
 
 
 def _step_s(result: ExecutionResult) -> float | None:
@@ -225,7 +229,7 @@ def _step_s(result: ExecutionResult) -> float | None:
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 and times[-1] > times[0] else r.e2e_s
 
 
-async def own_ratio(target: Target, trace: Trace, option: str, cut_s: float | None = None) -> float:
+async def own_ratio(target: Target, trace: Trace, option: str) -> float:
     """The slowdown the carriers' own rows of ``option`` explain in a step: one carrier row alone is run
     with it and without it (:func:`one_row`, one run each), and each of the carriers' rows (their choices,
     in all) adds what it cost that row's steps (its mean token gap, :func:`_step_s`): 1 + rows x (the
@@ -241,8 +245,7 @@ async def own_ratio(target: Target, trace: Trace, option: str, cut_s: float | No
     rows = sum(r.n for r in trace.requests if getattr(r, option) is not None)
     ratios = []
     for _ in range(OWN_PAIRS):
-        with_s, without_s = [_step_s(await target.execute(t, cut_s=cut_s))
-                             for t in (probe, without_option(probe, option))]
+        with_s, without_s = [_step_s(await target.execute(t)) for t in (probe, without_option(probe, option))]
         if with_s is not None and without_s:
             ratios.append(with_s / without_s)
     return 1.0 + rows * max(0.0, max(ratios) - 1.0) if ratios else 1.0
@@ -305,7 +308,7 @@ async def confirm_option(
         ratios = [a / b for a, b in pairs]
         decision, p, effect = decide(ratios, policy, futility=futility, own=own or 1.0)
         if own is None and ratios and decision is not Decision.SAME:
-            own = await own_ratio(target, trace, option, cut_s)
+            own = await own_ratio(target, trace, option)
             decision, p, effect = decide(ratios, policy, futility=futility, own=own)
         if decision in (Decision.DIFFERENT, Decision.SAME):
             break
