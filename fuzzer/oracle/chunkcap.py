@@ -38,6 +38,8 @@ CAP_REPEATS = 2
 #: and its arrival at the engine: a busy API server hands it over late) ...
 CAP_EVIDENCE = 2.0
 CAP_EXTRA_STEPS = 3
+#: No cap: at most this many steps more than an uncapped engine's (one at an edge of the window).
+NO_CAP_EXTRA_STEPS = 1
 #: ... and the prompt's TTFT is the oracle's candidate factor times what the uncapped schedule
 #: gives it, and the noise margin more: a cap that costs less than that makes no candidate either.
 #: Caps below this many tokens a step are not looked for (the stream would be long).
@@ -230,9 +232,12 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int | Non
     how many prompts prefill at once, each holding KV blocks, nor so the preemptions.
 
     No cap (0) needs a run whose stream counted the steps an uncapped engine needs, and at most
-    CAP_EXTRA_STEPS more: a stream that got fewer was starved (a server that leaves decodes out
-    while a long prompt prefills, or one that computes it in fewer steps than the budget says),
-    and one that got more without a cap's evidence shows something else. Then (and when
+    NO_CAP_EXTRA_STEPS more, and whose short prompt did not pass the long one: a stream that got
+    fewer was starved (a server that leaves decodes out while a long prompt prefills, or one that
+    computes it in fewer steps than the budget says), one that got more without a cap's evidence
+    shows something else, and a short prompt that passed shows a cap the steps could not measure
+    (heldout8: a 1024-token cap and a 3072-token budget took 6 steps where the assumed budget
+    takes 4; read as no cap, short requests passing long ones were two false ttft-outliers). Then (and when
     the model is too short for the probe, or a probe failed) the cap is not known: None, and the
     order check does not assume that a later request of any size waits (``admission_stops``).
     """
@@ -257,11 +262,11 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int | Non
         steps = sum(1 for t in s.token_times_s if arrived < s.sent_s + t <= first)
         if s.sent_s + s.token_times_s[-1] < first:
             return None  # the stream ended first: no count
-        if uncapped <= steps <= uncapped + CAP_EXTRA_STEPS:
-            return 0  # the steps an uncapped engine takes, the stream decoding in each
-        if steps < max(CAP_EVIDENCE * uncapped, uncapped + CAP_EXTRA_STEPS):
-            return None  # fewer (a starved stream) or more without a cap's evidence
         after = sum(1 for t in s.token_times_s if w.sent_s + w.ttft_s < s.sent_s + t <= first)
+        if uncapped <= steps <= uncapped + NO_CAP_EXTRA_STEPS and after < WITNESS_STEPS:
+            return 0  # the steps an uncapped engine takes, the stream decoding in each, and no one passed
+        if steps < max(CAP_EVIDENCE * uncapped, uncapped + CAP_EXTRA_STEPS):
+            return None  # fewer (a starved stream), or more (or a short prompt passed) without a cap's evidence
         if after < WITNESS_STEPS:
             return None  # the short prompt waited for the long one's prefill: its steps are not a cap's
         slow = slow and p.ttft_s >= CANDIDATE_FACTOR * _probe_ttft(trace, sent, model, assumption, 0) + margin_s
