@@ -168,8 +168,10 @@ async def test_over_the_share_a_found_kinds_candidate_waits_and_a_new_kinds_does
     # A kind never found is confirmed at once, whatever the share.
     await confirmer.examine(stall, await target.execute(stall), await _calibration())
     assert [f.kind for f in store.list_findings()] == ["itl-stall"]
-    # A second itl-stall of another family (a seeded trace) waits while the share says no ...
-    seeded = Trace(requests=(*stall.requests, Request(id="s", at_ms=30, prompt_tokens=8, max_tokens=4, seed=1)))
+    # A second itl-stall of another family (a trace with a client that times out; a seeded one is confirmed
+    # without its seed, here the first trace again) waits while the share says no ...
+    seeded = Trace(requests=(*stall.requests, Request(id="s", at_ms=30, prompt_tokens=8, max_tokens=4,
+                                                      disconnect_after_ms=5000.0)))
     assert family(_stall_kind(), seeded, "v") != family(_stall_kind(), stall, "v")
     before = target.executions
     store.put_trace(seeded)  # the campaign stores every execution's trace before examining it
@@ -201,12 +203,14 @@ async def test_waiting_candidates_are_confirmed_new_family_first_then_the_worst(
     await confirmer.examine(first, await target.execute(first), await _calibration())
     found_family = store.list_findings()[0].details["family"]
     # Three more stalls wait: two of the found family (w stalls three times as long as x), one of a
-    # new family (a seeded trace), seen last and stalled least.
+    # new family (a client that times out; a seeded trace is judged without its seed), seen last and
+    # stalled least.
     same_w = Trace(requests=(Request(id="o", at_ms=0, prompt_tokens=64, max_tokens=8),
                              Request(id="w", at_ms=5, prompt_tokens=256, max_tokens=32)))
     same_x = Trace(requests=(Request(id="o", at_ms=0, prompt_tokens=512, max_tokens=8),
                              Request(id="x", at_ms=5, prompt_tokens=256, max_tokens=32)))
-    new_x = Trace(requests=(*same_x.requests, Request(id="s", at_ms=9, prompt_tokens=8, max_tokens=4, seed=3)))
+    new_x = Trace(requests=(*same_x.requests, Request(id="s", at_ms=9, prompt_tokens=8, max_tokens=4,
+                                                      disconnect_after_ms=5000.0)))
     assert family(_stall_kind(), same_w, "w") == family(_stall_kind(), same_x, "x") == found_family
     assert family(_stall_kind(), new_x, "x") != found_family
     confirmer.families.pass_over = lambda fam, sighted: False  # no back-off in this test: only the ranking

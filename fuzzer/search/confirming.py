@@ -35,7 +35,7 @@ import numpy as np
 
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
-from fuzzer.oracle.ablation import carriers, confirm_option, options_of, others_end_s, suspects, without_option
+from fuzzer.oracle.ablation import OPTIONS, carriers, confirm_option, options_of, others_end_s, suspects, without_option
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
@@ -197,8 +197,8 @@ class Confirmer:
             tested = await self._confirm_option(option_candidate(trace, due[0], result), trace, due[1])
             if tested.is_finding:
                 return tested
-        # Latency candidates of a trace with a found option-slowdown's option are confirmed without it.
-        plain = without_found_options(trace, self.found)
+        # Latency candidates of a trace with a sampling option are confirmed without it (without_options).
+        plain = without_options(trace)
         sighted: set[str] = set()  # a found family is sighted once per execution, however many victims show it
         # A candidate of a found kind that waits does not end the look: a kind never found may follow (heldout5,
         # every bug: a seed's known hang waited, and its itl-stall and ttft-outliers, never found, went unconfirmed).
@@ -207,6 +207,8 @@ class Confirmer:
             if (result.trace_hash, str(candidate.kind)) in self.found_on:
                 continue  # another victim of a finding of this trace, warm or after idle (see WAITING_MAX)
             judged = plain if candidate.metric is not None else trace
+            if judged is not trace:
+                self._store.put_trace(judged)  # a waiting or pending candidate names its trace by hash
             warm_key = signature(candidate.kind, judged, candidate.request_id)
             if cold and candidate.metric is not None and candidate.after_idle:
                 key = signature(FindingKind.COLD_START, judged)
@@ -537,6 +539,19 @@ def without_found_options(trace: Trace, found: Container[str]) -> Trace:
     candidates are confirmed (the option's victims are its doing). A campaign's and a fleet's."""
     for option in options_of(trace):
         if option_signature(option) in found:
+            trace = without_option(trace, option)
+    return trace
+
+
+def without_options(trace: Trace) -> Trace:
+    """``trace`` without any sampling option (fuzzer.oracle.ablation.OPTIONS): where its latency candidates
+    are confirmed, a campaign's and a fleet's. An option changes no token work but costs its own rows real
+    time (a sampler's logprobs), which the bound does not model: heldout7's clean configuration charged each
+    logprob to its row, and beside eight choices of 20 logprobs the other requests were confirmed as eight
+    false e2e- and ttft-outliers (5-940x). A slowdown that is not the option's shows without it; one the
+    option brings everyone beyond its own rows' cost is the option test's (fuzzer.oracle.ablation)."""
+    for option in OPTIONS:
+        if any(getattr(r, option) is not None for r in trace.requests):
             trace = without_option(trace, option)
     return trace
 
