@@ -114,7 +114,7 @@ def test_a_fleet_tests_a_seed_that_slows_the_batch_before_its_victims_and_rechec
         trace = _seeded_batch()
         summary, pool = _fleet(store, {"a": (_Paper(seeded_slowdown=2.5, seed=1), "k"),
                                        "b": (_Paper(seeded_slowdown=2.5, seed=2), "k")},
-                               Settings(max_execs=16, seed=1, limits=LIMITS), [trace])
+                               Settings(max_execs=24, seed=1, limits=LIMITS), [trace])  # with the own-cost probes
         findings = store.list_findings()
         assert summary.reason is ExitReason.MAX_EXECS
         assert [f.kind for f in findings] == ["option-slowdown"], [(f.kind, f.details) for f in findings]

@@ -45,7 +45,7 @@ from fuzzer.fleet.pool import WorkerLost
 from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, to_state
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.fleet.worker import TimeCap
-from fuzzer.oracle.ablation import options_of, suspects, without_option
+from fuzzer.oracle.ablation import one_row, options_of, suspects, without_option
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.signature import family, option_signature, signature
 from fuzzer.oracle.verdict import Verdict
@@ -411,9 +411,10 @@ class Coordinator:
     def _confirmed(self, t: TargetState, task: Task, done) -> None:
         option = _option_of(task)
         ran = {task.trace.content_hash(): task.trace}
-        if option is not None:  # the test's other runs are of the trace without the option
-            ablated = without_option(task.trace, option)
-            ran[ablated.content_hash()] = ablated
+        if option is not None:  # the test's other runs: the trace without the option, and one carrier row alone
+            probe = one_row(task.trace, option)
+            for other in (without_option(task.trace, option), probe, without_option(probe, option)):
+                ran[other.content_hash()] = other
         if done.crash_needs or any(run.trace_hash not in ran for run in done.runs):
             ran |= {x.content_hash(): x for x in tried(task.trace)}  # what a confirmed crash needs: its tries
         for run in done.runs:
