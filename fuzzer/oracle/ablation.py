@@ -151,10 +151,11 @@ def others_end_s(trace: Trace, result: ExecutionResult, option: str) -> float | 
 
 def beside(trace: Trace, result: ExecutionResult, option: str) -> tuple[int, int]:
     """(requests that ran beside one with ``option``, completed requests without it) in ``result``: a
-    request ran beside when at least COVER_SHARE of its span (send to last byte) overlaps a carrier's."""
+    request ran beside when at least COVER_SHARE of its span (send to last byte; to the cap for one the
+    run's time cap closed) overlaps a carrier's."""
     mine = set(carriers(trace, option))
     spans = {r.request_id: (r.sent_s, r.sent_s + r.e2e_s) for r in result.requests
-             if r.outcome is Outcome.OK and r.sent_s is not None and r.e2e_s is not None}
+             if r.outcome in (Outcome.OK, Outcome.CUT) and r.sent_s is not None and r.e2e_s is not None}
     theirs = [spans[i] for i in mine if i in spans]
     others = [span for rid, span in spans.items() if rid not in mine]
     near = 0
