@@ -16,13 +16,13 @@ option. Per pair it has the ratio of the two; on the log ratios a one-sided t in
 policy's alpha decides: DIFFERENT when the slowdown is significant, the geometric mean ratio
 reaches ``policy.option_factor`` and most pairs do, SAME when the interval lies below that factor, and one pair
 far below it stops at once (sequential futility). The factor is over what the option costs its own
-rows: one carrier row alone, with and without it, runs once each once a pair shows a slowdown, and
+rows: one carrier row alone, with and without it, runs twice each once a pair shows a slowdown, and
 each of the carriers' rows may add to a step what the option added to that row's
 (:func:`own_ratio`): every step the others share with them is that much longer under FCFS with the
 engine's real costs (on a held-out server whose sampler charges each logprob to its row, eight rows
 of 20 logprobs made the others' e2e 1.95x without any batch-wide cost: a confirmed false finding).
-The factor is ``policy.option_factor`` times that ratio where it is above 1. No model is involved: a campaign tests a trace
-when enough requests, and most of those without the option, ran beside a carrier for half their
+The factor is ``policy.option_factor`` times that ratio where it is above 1. No model is involved: a
+campaign tests a trace when enough requests, and most of those without the option, ran beside a carrier for half their
 span or more (:func:`suspects`), a few times per option, each test on a larger batch than the last
 (fuzzer.search.confirming). On two held-out servers the tests of traces whose carriers were short
 (64 tokens beside 1024-token streams) came back SAME at 1.12x and 1.18x on planted 2x and 1.5x
@@ -216,7 +216,8 @@ def one_row(trace: Trace, option: str) -> Trace:
     """The first request of ``trace`` that sets ``option``, alone, with one choice of at most OWN_TOKENS
     tokens, streamed, sent at once."""
     first = next(r for r in trace.requests if getattr(r, option) is not None)
-    return trace.with_requests([replace(first, n=1, at_ms=0.0, stream=True, max_tokens=min(first.max_tokens, OWN_TOKENS),
+    return trace.with_requests([replace(first, n=1, at_ms=0.0, stream=True,
+                                        max_tokens=min(first.max_tokens, OWN_TOKENS),
                                         cancel_after_tokens=None, disconnect_after_ms=None)])
 
 
@@ -232,7 +233,7 @@ def _step_s(result: ExecutionResult) -> float | None:
 
 async def own_ratio(target: Target, trace: Trace, option: str) -> float:
     """The slowdown the carriers' own rows of ``option`` explain in a step: one carrier row alone is run
-    with it and without it (:func:`one_row`, one run each), and each of the carriers' rows (their choices,
+    with it and without it (:func:`one_row`, OWN_PAIRS pairs of runs), and each of the carriers' rows (their choices,
     in all) adds what it cost that row's steps (its mean token gap, :func:`_step_s`): 1 + rows x (the
     ratio of its gaps - 1), the larger of OWN_PAIRS pairs' (a noisy pair understates it as often as
     not), 1.0 when no pair completed.
