@@ -178,6 +178,12 @@ def suspects(trace: Trace, result: ExecutionResult, policy: OraclePolicy = DEFAU
     return out
 
 
+def option_bar(policy: OraclePolicy, own: float) -> float:
+    """The slowdown an option-slowdown needs: ``policy.option_factor`` over the option's own cost ``own``
+    (:func:`own_ratio`; below 1, none)."""
+    return policy.option_factor * max(1.0, own)
+
+
 def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY, *,
            futility: bool = True, own: float = 1.0) -> tuple[Decision, float | None, float]:
     """(decision, one-sided p of no slowdown, geometric mean ratio) of the pairs' ratios so far; one
@@ -185,7 +191,7 @@ def decide(ratios: Sequence[float], policy: OraclePolicy = DEFAULT_POLICY, *,
     carriers alone (:func:`own_ratio`); the factor is ``policy.option_factor`` over it."""
     if not ratios:
         return Decision.INSUFFICIENT_DATA, None, math.nan
-    factor = policy.option_factor * max(1.0, own)
+    factor = option_bar(policy, own)
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     effect = math.exp(mean)
@@ -325,7 +331,7 @@ def _verdict(trace: Trace, option: str, pairs: list[tuple[float, float]], decisi
     others = len(trace.requests) - len(mine)
     with_s = statistics.median(a for a, _ in pairs) if pairs else None
     without_s = statistics.median(b for _, b in pairs) if pairs else None
-    factor = policy.option_factor * max(1.0, own)
+    factor = option_bar(policy, own)
     reproduced = sum(a >= factor * b for a, b in pairs)
     if with_s is not None and without_s is not None:
         detail = (f"with {option} on {', '.join(mine)}, the other {others} requests' median e2e was "

@@ -207,8 +207,6 @@ class Confirmer:
             if (result.trace_hash, str(candidate.kind)) in self.found_on:
                 continue  # another victim of a finding of this trace, warm or after idle (see WAITING_MAX)
             judged = plain if candidate.metric is not None else trace
-            if judged is not trace:
-                self._store.put_trace(judged)  # a waiting or pending candidate names its trace by hash
             warm_key = signature(candidate.kind, judged, candidate.request_id)
             if cold and candidate.metric is not None and candidate.after_idle:
                 key = signature(FindingKind.COLD_START, judged)
@@ -227,6 +225,8 @@ class Confirmer:
             fam = family(candidate.kind, judged, candidate.request_id, self._kv_tokens) if key == warm_key else None
             if fam is not None and self.families.pass_over(fam, sighted):
                 continue
+            if judged is not trace:
+                self._store.put_trace(judged)  # confirmed or waiting, it is named by its hash (pending, waiting)
             if self._due is None or cold or candidate.kind in AT_ONCE or self._new_kind(candidate):
                 self.candidates += 1
                 return await self._confirm_candidate(judged, candidate, key, calibration, fam)
@@ -544,8 +544,8 @@ def without_found_options(trace: Trace, found: Container[str]) -> Trace:
 
 
 def without_options(trace: Trace) -> Trace:
-    """``trace`` without any sampling option (fuzzer.oracle.ablation.OPTIONS): where its latency candidates
-    are confirmed, a campaign's and a fleet's. An option changes no token work but costs its own rows real
+    """``trace`` without any sampling option (fuzzer.oracle.ablation.OPTIONS): where a campaign confirms its
+    latency candidates (a fleet's coordinator does not yet). An option changes no token work but costs its own rows real
     time (a sampler's logprobs), which the bound does not model: heldout7's clean configuration charged each
     logprob to its row, and beside eight choices of 20 logprobs the other requests were confirmed as eight
     false e2e- and ttft-outliers (5-940x). A slowdown that is not the option's shows without it; one the
