@@ -135,7 +135,7 @@ def test_a_fleet_tests_a_seed_that_slows_the_batch_before_its_victims_and_rechec
         latency = [args for _, method, args in pool.calls if method == "confirm" and args[1]["metric"] is not None]
         assert latency and all(r.seed is None for args in latency for r in args[0].requests)
         state = store.latest_campaign()["state"]
-        assert state["option_tests"]["seed"] == [1, 16]  # tested once (other options of its children may be)
+        assert state["option_tests"]["a"]["seed"] == [1, 16]  # tested once (other options of its children may be)
 
 
 def _coordinator(store, settings=None):
@@ -160,9 +160,9 @@ def _run(coordinator, name, trace, target):
 
 
 def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_the_counts(store):
-    """At most option_tests times, each on a batch option_growth times larger than the largest
-    tested, never twice at once; a test that came back SAME is no rejection (the counts decide);
-    a resumed fleet takes the counts up."""
+    """At most option_tests times on each target, each on a batch option_growth times larger than the
+    largest tested there, never twice at once on one target; a test that came back SAME is no rejection
+    (the counts decide); a resumed fleet takes the counts up."""
     coordinator = _coordinator(store)
     a, b = coordinator.targets["a"], coordinator.targets["b"]
     target = PaperTarget(seed=3)
@@ -171,9 +171,9 @@ def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_t
     assert task.kind == "confirm" and task.key == option_signature("seed")
     assert (task.candidate["kind"], task.candidate["request_id"], task.candidate["detail"]) == (
         "option-slowdown", "carrier", "seed")
-    assert coordinator.option_tests == {"seed": (1, 16)}
-    _run(coordinator, "b", _seeded_batch(rows=40), target)  # queued on a already: not again, not counted
-    assert not b.confirm and coordinator.option_tests == {"seed": (1, 16)}
+    assert coordinator.option_tests == {"a": {"seed": (1, 16)}}
+    _run(coordinator, "a", _seeded_batch(rows=40), target)  # queued on a already: not again, not counted
+    assert len(a.confirm) == 1 and coordinator.option_tests == {"a": {"seed": (1, 16)}}
     # It came back SAME.
     a.confirm.clear()
     same = Verdict(None, Decision.SAME, "test", request_id="carrier")
@@ -182,22 +182,76 @@ def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_t
     _run(coordinator, "a", _seeded_batch(rows=20), target)  # not 1.5 x 16 requests beside it
     assert not a.confirm
     _run(coordinator, "a", _seeded_batch(rows=24), target)
-    assert [t.key for t in a.confirm] == [option_signature("seed")] and coordinator.option_tests == {"seed": (2, 24)}
+    assert [t.key for t in a.confirm] == [option_signature("seed")] and coordinator.option_tests == {"a": {"seed": (2, 24)}}
     coordinator._checkpoint(force=True)
     resumed = _coordinator(store)
-    assert resumed.option_tests == {"seed": (2, 24)}
+    assert resumed.option_tests == {"a": {"seed": (2, 24)}}
     assert [t.candidate["kind"] for t in resumed.targets["a"].confirm] == ["option-slowdown"]
 
 
-def test_latency_candidates_queued_before_their_options_slowdown_was_found_are_confirmed_without_it(store):
+def test_an_options_tests_are_counted_per_target(store):
+    """One target's SAME spends none of another's tests, even of its kind (the fleet test of stop 43: the
+    seed trace's test ran on the clean simulator first, and the planted one's per-row logprobs were never
+    tested on a batch it slowed); an older fleet's checkpoint (counts per option) is taken up by each."""
+    coordinator = _coordinator(store)
+    a, b = coordinator.targets["a"], coordinator.targets["b"]
+    target = PaperTarget(seed=3)
+    _run(coordinator, "a", _seeded_batch(), target)
+    [task] = a.confirm
+    coordinator._inflight[object()] = ("a", a.confirm.popleft())  # under way on a
+    _run(coordinator, "a", _seeded_batch(rows=40), target)  # not twice at once on a
+    assert not a.confirm
+    _run(coordinator, "b", _seeded_batch(), target)  # the same batch: b's first test
+    assert [t.key for t in b.confirm] == [option_signature("seed")]
+    assert coordinator.option_tests == {"a": {"seed": (1, 16)}, "b": {"seed": (1, 16)}}
+    coordinator._checkpoint(force=True)
+    assert _coordinator(store).option_tests == coordinator.option_tests
+    old = store.latest_campaign()
+    store.save_campaign(old["id"], state={**old["state"], "option_tests": {"seed": [2, 24]}}, status=old["status"])
+    resumed = _coordinator(store)
+    assert resumed.option_tests == {"a": {"seed": (2, 24)}, "b": {"seed": (2, 24)}}
+
+
+def test_an_option_confirmed_on_two_targets_at_once_is_one_finding_with_both_outcomes(store):
+    """Each target tests an option itself: one found while the other's test was under way is recorded
+    there as its re-check; one still queued elsewhere gives way to the finding's re-check."""
+    coordinator = _coordinator(store)
+    a, b = coordinator.targets["a"], coordinator.targets["b"]
+    target = PaperTarget(seed=3)
+    for name in ("a", "b"):
+        _run(coordinator, name, _seeded_batch(), target)
+    tests = {"a": a.confirm.popleft(), "b": b.confirm.popleft()}
+    found = Verdict(FindingKind.OPTION_SLOWDOWN, Decision.DIFFERENT, "test", request_id="carrier",
+                    signature=option_signature("seed"), reproduced=3, runs=3)
+    done = SimpleNamespace(runs=[], verdict=found.to_dict(), crash_needs=())
+    coordinator._confirmed(a, tests["a"], done)
+    assert [t.kind for t in b.confirm] == ["recheck"]
+    coordinator._confirmed(b, tests["b"], done)  # b's own test was under way: it is b's re-check
+    [finding] = store.list_findings()
+    assert finding.details["targets"] == {"a": "3/3", "b": "3/3"} and not b.confirm
+    # A test still queued when its option was found elsewhere is not run: the re-check is.
+    b.confirm.extend([tests["b"], Task("recheck", tests["b"].trace, candidate=tests["b"].candidate,
+                                       key=tests["b"].key, finding_id=finding.id, origin="a")])
+    assert coordinator._next_task(b).kind == "recheck"
+
+
+def test_latency_candidates_are_confirmed_without_the_options_of_their_trace(store):
+    """As in a campaign (fuzzer.search.confirming.without_options), whether the option was found or not:
+    one seen now, and one an older fleet's checkpoint queued on the trace as it ran."""
     coordinator = _coordinator(store)
     a = coordinator.targets["a"]
     trace = _seeded_batch()
-    store.put_trace(trace)
     victim = {"kind": str(FindingKind.E2E_OUTLIER), "request_id": "row3", "metric": "e2e", "ratio": 2.5,
               "after_idle": False, "detail": ""}
+    store.put_trace(trace)
+    coordinator._executed(a, Task("fuzz", trace, operators=("x",)), SimpleNamespace(
+        result=PaperTarget(seed=3).run(trace), coverage=Coverage(frozenset({"f"})), candidates=[victim]))
+    seen = [t for t in a.confirm if t.candidate["metric"] is not None]
+    assert [t.candidate["request_id"] for t in seen] == ["row3"], a.confirm
+    assert all(r.seed is None for r in seen[0].trace.requests)
+    assert store.get_trace(seen[0].trace.content_hash()) == seen[0].trace  # a checkpoint names it by hash
+    a.confirm.clear()
     a.confirm.append(Task("confirm", trace, candidate=victim, key="k-seeded"))
-    coordinator.found.add(option_signature("seed"))
     task = coordinator._next_task(a)
     assert task.candidate == victim and task.key != "k-seeded"
     assert all(r.seed is None for r in task.trace.requests)

@@ -16,9 +16,9 @@ the campaign's database: every execution is stored with the id of the target it 
   (a campaign confirms it one way at a time).
 - As in a campaign, a sampling option (seed, logprobs) that enough requests ran beside is tested
   against the same trace without it (fuzzer.oracle.ablation) before the execution's latency
-  candidates: a confirmation of kind ``option-slowdown``, a few times per option on growing
-  batches (the counts are checkpointed), never once found. Once found, latency candidates of
-  traces carrying the option (queued ones too) are confirmed on the trace without it.
+  candidates: a confirmation of kind ``option-slowdown``, a few times per option and target on growing
+  batches (the counts are checkpointed), never once found. Latency candidates of a trace carrying
+  an option are confirmed on the trace without it (fuzzer.search.confirming.without_options).
 - With ``--duration`` every task goes with a :class:`~fuzzer.fleet.worker.TimeCap`: its worker caps
   each run as a campaign caps its executions (confirmation runs too).
 - A worker (or its node) that dies is detected when its task is collected: its target is
@@ -35,6 +35,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -45,7 +46,7 @@ from fuzzer.fleet.pool import WorkerLost
 from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, to_state
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.fleet.worker import TimeCap
-from fuzzer.oracle.ablation import one_row, options_of, suspects, without_option
+from fuzzer.oracle.ablation import one_row, suspects, without_option
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.signature import family, option_signature, signature
 from fuzzer.oracle.verdict import Verdict
@@ -56,7 +57,7 @@ from fuzzer.search.confirming import (
     option_due,
     recently_rejected,
     without_found_causes,
-    without_found_options,
+    without_options,
 )
 from fuzzer.search.crashes import avoiding, tried
 from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
@@ -124,8 +125,10 @@ class Coordinator:
         self.found: set[str] = {f.signature for f in store.list_findings()}
         #: The back-off of found families, as a campaign's (fuzzer.search.confirming.Families).
         self.families = Families(store.list_findings())
-        #: Sampling option -> (times tested against its ablation, the most requests beside it in a test).
-        self.option_tests: dict[str, tuple[int, int]] = {}
+        #: Target -> sampling option -> (times tested against its ablation there, the most requests beside it in
+        #: a test): one target's SAME says nothing of another's per-row sampler (a kind's targets may differ in
+        #: what a kind does not name: a build, a flag, the hardware).
+        self.option_tests: dict[str, dict[str, tuple[int, int]]] = {}
         #: Traits that confirmed crashes need (fuzzer.search.crashes): later traces go without them.
         self.crash_avoid: list[str] = []
         self.new_findings: list[tuple[int, str, str]] = []
@@ -154,7 +157,7 @@ class Coordinator:
             self.retry, self.orphans = from_state(self.targets, state, self.store.get_trace)
             self.rejected = dict(state.get("rejected", {}))
             self.families.seen = dict(state.get("family_seen", {}))
-            self.option_tests = {k: (int(v[0]), int(v[1])) for k, v in state.get("option_tests", {}).items()}
+            self.option_tests = _option_tests(state.get("option_tests", {}), set(self.targets))
             self.crash_avoid = list(state.get("crash_avoid", []))
         self._operators = OperatorStats.from_dict(state.get("operators", {}))
         return latest is not None and "fleet" in latest["settings"]
@@ -337,8 +340,8 @@ class Coordinator:
                     other.inbox.append(Task("sync", task.trace, operators=("sync",)))
         # A sampling option slowing everyone first: its victims' latencies are then its doing.
         self._test_option(t, task.trace, done.result)
-        # Latency candidates of a trace with a found option-slowdown's option are confirmed without it.
-        plain = without_found_options(task.trace, self.found)
+        # Latency candidates of a trace with a sampling option are confirmed without it (without_options).
+        plain = without_options(task.trace)
         sighted: set[str] = set()  # a found family is sighted once per execution
         for candidate in done.candidates:
             kind, victim = FindingKind(candidate["kind"]), candidate.get("request_id")
@@ -356,43 +359,37 @@ class Coordinator:
 
     def _test_option(self, t: TargetState, trace: Trace, result: ExecutionResult) -> None:
         """Queue the test of a sampling option of ``trace`` against its ablation when one is due
-        (fuzzer.search.confirming.option_due: the campaign's rule), counted when queued."""
+        (fuzzer.search.confirming.option_due: the campaign's rule), counted when queued, for ``t``."""
         policy = self.settings.policy
-        due = option_due(suspects(trace, result, policy), self.option_tests, self.found, policy)
+        counts = self.option_tests.get(t.name, {})
+        due = option_due(suspects(trace, result, policy), counts, self.found, policy)
         if due is None:
             return
         option, overlap = due
         key = option_signature(option)
-        if self._skip(key):  # queued or under way (on this target or another)
-            return
-        tests, largest = self.option_tests.get(option, (0, 0))
-        self.option_tests[option] = (tests + 1, max(largest, overlap))
+        if any(q.key == key for q in t.confirm) or (t.name, key) in {(n, task.key) for n, task in self._inflight.values()}:
+            return  # queued or under way here (another target's test of it says nothing of this one)
+        tests, largest = counts.get(option, (0, 0))
+        self.option_tests[t.name] = {**counts, option: (tests + 1, max(largest, overlap))}
         t.confirm.append(Task("confirm", trace, candidate=candidate_to_dict(option_candidate(trace, option, result)), key=key))
         self._checkpoint(force=True)
 
     def _next_confirmation(self, t: TargetState) -> Task | None:
-        """The first confirmation queued on ``t`` that may run now: a latency candidate of a trace whose option
-        is being tested (here or on another target) waits for the test, as in a campaign it comes after it."""
-        testing = {task.key for q in self.targets.values() for task in q.confirm if _option_of(task) is not None}
-        testing |= {task.key for _, task in self._inflight.values() if _option_of(task) is not None}
-        testing -= self.found  # a found option's re-checks: its victims are confirmed without it at once
-        waiting: list[Task] = []
+        """The first confirmation queued on ``t`` that may run now: not one of a signature found since it was
+        queued (an option's test that another target confirmed; the finding's re-checks run instead)."""
         chosen = None
         while t.confirm and chosen is None:
             task = t.confirm.popleft()
-            if _is_latency(task) and any(option_signature(o) in testing for o in options_of(task.trace)):
-                waiting.append(task)
-            else:
-                chosen = self._without_found_options(task)
-        t.confirm.extendleft(reversed(waiting))
+            if task.kind != "confirm" or task.key not in self.found:
+                chosen = self._without_options(task)
         return chosen
 
-    def _without_found_options(self, task: Task) -> Task | None:
-        """A latency candidate queued before an option-slowdown of its trace's option was found is confirmed
-        on the trace without it, as a campaign confirms one seen after (None: known or rejected there)."""
+    def _without_options(self, task: Task) -> Task | None:
+        """A latency candidate of a trace with a sampling option, queued by a checkpoint of an older fleet,
+        is confirmed on the trace without it, as one queued now is (None: known or rejected there)."""
         if not _is_latency(task):
             return task
-        plain = without_found_options(task.trace, self.found)
+        plain = without_options(task.trace)
         if plain is task.trace:
             return task
         key = signature(FindingKind(task.candidate["kind"]), plain, task.candidate.get("request_id"))
@@ -441,7 +438,9 @@ class Coordinator:
         )
         self.found.update({sig, task.key})
         self._learn_crash(done.crash_needs, finding_id)
-        if not created:
+        if not created:  # confirmed here too (an option's test under way on two targets): its re-check here
+            self.store.set_finding_target(finding_id, t.name, verdict.reproduction)
+            t.confirm = deque(q for q in t.confirm if not (q.kind == "recheck" and q.finding_id == finding_id))
             return
         t.findings += 1
         self.new_findings.append((finding_id, str(verdict.kind), t.name))
@@ -526,7 +525,7 @@ class Coordinator:
             "operators": self._operators.to_dict(),
             "rejected": self.rejected,
             "family_seen": self.families.seen,
-            "option_tests": {k: list(v) for k, v in self.option_tests.items()},
+            "option_tests": {kind: {k: list(v) for k, v in counts.items()} for kind, counts in self.option_tests.items()},
             "crash_avoid": list(self.crash_avoid),
             **self._state(),
             "stats": {"executions": self.executions, "elapsed_s": elapsed,
@@ -537,6 +536,19 @@ class Coordinator:
         self.store.save_campaign(self.campaign_id, state=state, status=status, new_features=self._new_features)
         self._new_features = {}
         self._since_checkpoint = 0
+
+
+def _option_tests(state: dict, targets: set[str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """The option tests' counts of a checkpoint, per target; an older fleet's counts (per option, of every
+    target together) are taken up by each target."""
+    counts: dict[str, dict[str, tuple[int, int]]] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            counts.setdefault(key, {}).update({k: (int(v[0]), int(v[1])) for k, v in value.items()})
+        else:
+            for name in targets:
+                counts.setdefault(name, {})[key] = (int(value[0]), int(value[1]))
+    return counts
 
 
 def _option_of(task: Task) -> str | None:

@@ -544,8 +544,8 @@ def without_found_options(trace: Trace, found: Container[str]) -> Trace:
 
 
 def without_options(trace: Trace) -> Trace:
-    """``trace`` without any sampling option (fuzzer.oracle.ablation.OPTIONS): where a campaign confirms its
-    latency candidates (a fleet's coordinator does not yet). An option changes no token work but costs its own rows real
+    """``trace`` without any sampling option (fuzzer.oracle.ablation.OPTIONS): where a campaign (and a fleet's
+    coordinator) confirms its latency candidates. An option changes no token work but costs its own rows real
     time (a sampler's logprobs), which the bound does not model: heldout7's clean configuration charged each
     logprob to its row, and beside eight choices of 20 logprobs the other requests were confirmed as eight
     false e2e- and ttft-outliers (5-940x). A slowdown that is not the option's shows without it; one the
