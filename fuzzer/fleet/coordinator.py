@@ -367,7 +367,8 @@ class Coordinator:
             return
         option, overlap = due
         key = option_signature(option)
-        if any(q.key == key for q in t.confirm) or (t.name, key) in {(n, task.key) for n, task in self._inflight.values()}:
+        here = [*t.confirm, *(task for name, task in self._inflight.values() if name == t.name)]
+        if any(q.key == key for q in here):
             return  # queued or under way here (another target's test of it says nothing of this one)
         tests, largest = counts.get(option, (0, 0))
         self.option_tests[t.name] = {**counts, option: (tests + 1, max(largest, overlap))}
