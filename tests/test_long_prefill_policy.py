@@ -187,3 +187,17 @@ def test_a_stream_starved_beside_the_cap_probe_leaves_the_cap_unknown(pathologie
     assert cal.assumption.admission_stops is stops, cal.assumption
     assert ("long-prefill cap not known" in cal.assumption.source) is not stops
     assert ("admissions stop at the first request" in cal.assumption.describe()) is stops
+
+
+@pytest.mark.parametrize("threshold", [1024, 0])
+def test_a_cap_is_measured_under_a_short_context_and_so_is_its_absence(threshold):
+    # heldout9 (stop 43): a 1024-token cap, a 3072-token budget and a 4096-token context. The probe's
+    # prompt was at least two assumed budgets, which that context does not hold: the cap was not known,
+    # nor (without one) that admissions stop. A prompt of 1.5 budgets or more takes two steps uncapped.
+    config = SimConfig(long_prefill_token_threshold=threshold, max_num_batched_tokens=3072, max_model_len=4096)
+    cal = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4), max_model_len=4096))
+    assert "long-prefill cap not known" not in cal.assumption.source and cal.assumption.admission_stops
+    if threshold:
+        assert 768 <= cal.assumption.long_prefill_threshold <= threshold
+    else:
+        assert cal.assumption.long_prefill_threshold == 0

