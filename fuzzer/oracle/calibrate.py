@@ -282,7 +282,7 @@ async def calibrate(
             cal = replace(cal, assumption=replace(cal.assumption, token_budget=found,
                                                   source=f"{cal.assumption.source}; token budget measured"))
     if measure_cap and not assumption.long_prefill_threshold:  # a user's (or an earlier measurement's) cap stands
-        found = await chunk_cap(target, cal, longest)
+        found = await chunk_cap(target, cal, longest, reported=max_model_len is not None)
         if found:
             cal = replace(cal, assumption=replace(cal.assumption, long_prefill_threshold=found,
                                                   source=f"{cal.assumption.source}; long-prefill cap measured"))

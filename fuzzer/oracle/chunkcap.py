@@ -33,8 +33,9 @@ from fuzzer.trace import Request, Trace
 #: sent while a short stream decodes, CAP_REPEATS times.
 CAP_PROBE_BUDGETS = 3
 CAP_REPEATS = 2
-#: ... or, where the context is shorter, the longest prompt it holds, from this many budgets (two
-#: steps uncapped; until stop 43 two budgets, and a 4096-token context left a cap unknown).
+#: ... or, where the server reports a shorter context, the longest prompt it holds from this many
+#: budgets (two steps uncapped; until stop 43 two budgets, and heldout9's 4096-token context left its
+#: cap unknown); a context not reported (4096 guessed) needs two.
 CAP_PROBE_MIN_BUDGETS = 1.5
 #: A cap is measured only when every run counts at least this many times the steps an uncapped
 #: engine needs (and a short prompt passed the long one: WITNESS_STEPS) ...
@@ -214,11 +215,12 @@ def _longest_step(trace: Trace, sent: Mapping[str, float], model: StepModel, ass
     return max((d for r in trace.requests if r.id != "cs" for _, d in paper[r.id].chunk_steps), default=0.0)
 
 
-async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int | None:
+async def chunk_cap(target: Target, cal: Calibration, longest: int, *, reported: bool = True) -> int | None:
     """The long-prefill cap the target applies: prompt tokens per request per step beside others; 0 when
     the probe showed none, None when it could not tell.
 
-    A short stream decodes, then a prompt of CAP_PROBE_BUDGETS token budgets arrives, CAP_REPEATS
+    A short stream decodes, then a prompt of CAP_PROBE_BUDGETS token budgets (or the longest the context
+    holds: CAP_PROBE_MIN_BUDGETS; ``reported``: the context is the server's, not a guess) arrives, CAP_REPEATS
     times. A cap shows twice: every step gives the stream a token, so its tokens between the
     prompt's arrival at the engine (its send plus the modelled frontend time) and the prompt's
     first token count the prefill's steps, and the prompt's TTFT exceeds what the calibrated
@@ -245,7 +247,7 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int) -> int | Non
     model, assumption = cal.model, cal.assumption
     budget = assumption.token_budget
     prompt = min(CAP_PROBE_BUDGETS * budget, longest)
-    if prompt < CAP_PROBE_MIN_BUDGETS * budget:
+    if prompt < (CAP_PROBE_MIN_BUDGETS if reported else 2) * budget:
         return None  # the model is too short for a prompt of several chunks
     uncapped = math.ceil(prompt / max(1, budget - 1))
     step = model.step_s(0, 1, 16)
