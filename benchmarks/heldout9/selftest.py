@@ -6,7 +6,7 @@ HTTP surface and clean behaviour, then drives five short workloads and checks
 that, with --bugs all, each planted bug is triggered and tagged in the ground
 truth (and that with --bugs none nothing is ever tagged).  Exit status 0 on
 success.  Run with the interpreter that has aiohttp:
-    /work/main/.venv/bin/python selftest.py
+    python selftest.py
 """
 import asyncio
 import json
