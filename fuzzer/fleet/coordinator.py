@@ -526,7 +526,7 @@ class Coordinator:
             "operators": self._operators.to_dict(),
             "rejected": self.rejected,
             "family_seen": self.families.seen,
-            "option_tests": {kind: {k: list(v) for k, v in counts.items()} for kind, counts in self.option_tests.items()},
+            "option_tests": {name: {k: list(v) for k, v in counts.items()} for name, counts in self.option_tests.items()},
             "crash_avoid": list(self.crash_avoid),
             **self._state(),
             "stats": {"executions": self.executions, "elapsed_s": elapsed,
