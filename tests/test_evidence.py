@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
-from fuzzer.oracle.evidence import exposed_to_steps, queued_behind, waited_for_blocks, waited_for_slot
+from fuzzer.oracle.evidence import (
+    behind_silenced,
+    exposed_to_steps,
+    queued_behind,
+    waited_for_blocks,
+    waited_for_free_kv,
+    waited_for_slot,
+)
 from fuzzer.oracle.expectation import Expectation, expect
 from fuzzer.oracle.model import FRONTEND_SLACK_S, SchedulerAssumption, StepModel
 from fuzzer.oracle.paper import serve
@@ -146,6 +153,49 @@ def test_a_stream_that_a_later_request_streamed_past_while_it_was_silent_did_not
     assert waited_for_blocks(expectations, alongside, 2.0)["d"].max_itl_s > bound.max_itl_s
     edges = run(0.5, (0.99, 1.0, 1.01, 3.05, 3.06))
     assert waited_for_blocks(expectations, edges, 2.0)["d"].max_itl_s > bound.max_itl_s
+
+
+def _scraped(result: ExecutionResult, *counts: tuple[float, float]) -> ExecutionResult:
+    return replace(result, samples=tuple(MetricSample(t, {"preemptions": c}) for t, c in counts))
+
+
+def test_a_request_admitted_right_after_a_preemption_freed_blocks_waited_for_them():
+    # heldout9, clean: a prompt sharing a 3888-token prefix, preempted in its prefill, waited at the head
+    # of the queue while the streams beside it filled the cache; nobody ended, and its first token came
+    # 17 ms after a scrape saw three more preemptions free its blocks.
+    expectations = {"v": _e("v", 0.2, 0.5), "o": _e("o", 0.02, 5.0)}
+    result = _result(_r("v", 1.0, 2.02, 2.3), _r("o", 0.0, 0.02, 4.0))
+    rose = _scraped(result, (0.9, 0.0), (1.5, 1.0), (2.95, 1.0), (3.0, 4.0), (3.5, 4.0))
+    out = waited_for_free_kv(expectations, rose, 2.0)["v"]
+    assert out.ttft_s == pytest.approx(3.0 - 1.0 + 0.02) and out.behind == "KV blocks (a preemption ended)"
+    # Controls: the counter rose only before v was sent; it rose during v's wait, but v's first token
+    # came long after (1.5 s > its 0.2 s bound).
+    before = _scraped(result, (0.5, 0.0), (0.9, 1.0), (3.5, 1.0))
+    assert waited_for_free_kv(expectations, before, 2.0)["v"] == expectations["v"]
+    early = _scraped(result, (0.9, 0.0), (1.5, 1.0), (3.5, 1.0))
+    assert waited_for_free_kv(expectations, early, 2.0)["v"] == expectations["v"]
+
+
+def test_a_request_sent_while_a_stream_was_preempted_waits_for_it_to_resume():
+    # heldout9, clean: a 128-token prompt sent while a 1536-token stream was preempted got its first
+    # token in the step the stream's next one came (0.4 s after its send, 38x a bound that preempted
+    # nobody): the engine re-queues a preempted stream at the head and admits in order.
+    waited = replace(SILENT_BOUND, max_itl_s=2.5)  # d's bound, with the blocks it waited for
+    expectations = {"d": waited, "v": _e("v", 0.03, 0.5)}
+
+    def run(v_sent: float, v_first: float, *counts: tuple[float, float]) -> ExecutionResult:
+        return _scraped(_result(SILENT, _r("v", v_sent, v_first - v_sent, v_first - v_sent + 0.2)), *counts)
+
+    rose = ((0.95, 0.0), (1.05, 1.0), (3.5, 1.0))
+    out = behind_silenced(expectations, run(1.5, 3.06, *rose))["v"]
+    assert out.ttft_s == pytest.approx(3.05 - 1.5 + 0.02) and out.behind == "d, preempted ahead of it"
+    # Controls: no preemption during d's silence; v sent before d fell silent (its wait until then is not
+    # d's doing); v served before d resumed; d's silence beyond its own bound (0.2 s) excuses v no further.
+    assert behind_silenced(expectations, run(1.5, 3.06, (0.95, 0.0), (3.5, 0.0)))["v"] == expectations["v"]
+    assert behind_silenced(expectations, run(0.5, 3.06, *rose))["v"] == expectations["v"]
+    assert behind_silenced(expectations, run(1.5, 2.0, *rose))["v"] == expectations["v"]
+    short = {**expectations, "d": SILENT_BOUND}
+    assert behind_silenced(short, run(1.1, 3.06, *rose))["v"].ttft_s == pytest.approx(SILENT_TIMES[-3] + 0.2 - 1.1 + 0.02)
 
 
 # --- a stream still in the system when a prompt chunk is computed ----------------------------------

@@ -106,6 +106,32 @@ def test_without_a_prefix_cache_a_preempted_request_is_readmitted_a_chunk_at_a_t
     assert all(uncached[s].e2e_s > 1.5 * cached[s].e2e_s for s in ("s0", "s1", "s2"))
 
 
+def test_with_partial_hits_a_member_sent_during_its_groups_prefill_hits_the_blocks_computed_so_far():
+    # heldout9, clean: a prompt sharing a 3888-token prefix, sent while its owner was computing it,
+    # hit the blocks computed so far and was admitted at once (vLLM v1 caches blocks as they are
+    # scheduled); the newest running request when the cache filled, it was preempted.
+    trace = _t([
+        {"id": "owner", "at_ms": 0, "prompt_tokens": 2048, "max_tokens": 4, "prefix": "p"},
+        {"id": "sharer", "at_ms": 20, "prompt_tokens": 2064, "max_tokens": 4, "prefix": "p"},
+    ], {"p": 2048})
+    a = SchedulerAssumption(kv_blocks=400, token_budget=512, max_num_seqs=8, long_prefill_threshold=256)
+
+    def served(partial: bool):
+        return serve(trace.requests, trace.prefixes, {}, SIM_MODEL, a, False, kv_blocks=400, partial_hits=partial)
+
+    whole, partial = served(False), served(True)
+    # Admitted beside the owner's capped chunks: on paper it hits nothing (the prefix is not complete)
+    # and computes its whole prompt; with partial hits it hits the full blocks the owner has computed.
+    assert whole["sharer"].cached_tokens == 0
+    assert 0 < partial["sharer"].cached_tokens < 2048 and partial["sharer"].cached_tokens % 16 == 0
+    assert len(partial["sharer"].chunk_steps) < len(whole["sharer"].chunk_steps)
+    assert partial["sharer"].ttft_s < whole["sharer"].ttft_s
+    # Without a prefix cache nothing is hit either way.
+    off = dataclasses.replace(a, prefix_caching=False)
+    assert serve(trace.requests, trace.prefixes, {}, SIM_MODEL, off, False, kv_blocks=400,
+                 partial_hits=True)["sharer"].cached_tokens == 0
+
+
 def test_a_capacity_the_trace_never_fills_changes_nothing_float_for_float():
     trace = _kv_fill()
     for lookahead in (False, True):

@@ -108,6 +108,8 @@ def bounds(
                                              lead_s=policy.min_margin_s + (result.client_lag_s or 0.0),
                                              preempted_first=a.preempted_first)
             expectations = waited_for_free_kv(expectations, result, policy.factor)
+            if a.preempted_first:
+                expectations = behind_silenced(expectations, result)
     else:
         expectations = expect(trace, model, a, result)
         pressure = kv_pressure(result, policy, prefix_caching=a.prefix_caching)
@@ -254,9 +256,13 @@ def waited_for_free_kv(expectations: dict[str, Expectation], result: ExecutionRe
     decode cost and the streams preempted drift with step boundaries, so the newcomer's wait
     moves with them. A request V during whose wait (its send to its first token) a metrics
     scrape saw the counter rise, and whose first token came within its own TTFT bound after
-    another request ended (each end at most ``factor`` times that request's E2E bound), is
-    bounded by the wait to that end plus its idle TTFT. A request refused while the cache is
-    not exhausted (no preemption during its wait) gets no such allowance.
+    another request ended (each end at most ``factor`` times that request's E2E bound) or after
+    a scrape inside its wait that saw the counter rise (a preemption frees the newest's blocks:
+    the moment blocks freed for V, at the latest), is bounded by the wait to that moment plus its
+    idle TTFT. A request refused while the cache is not exhausted (no preemption during its wait)
+    gets no such allowance. (On heldout9, clean, a prompt sharing a 3888-token prefix was preempted
+    in its prefill, waited at the head of the queue while the streams beside it filled the cache,
+    and got its first token 17 ms after a scrape saw three more preemptions free its blocks.)
     """
     rises = _preempted_at(result)
     if not rises:
@@ -271,11 +277,56 @@ def waited_for_free_kv(expectations: dict[str, Expectation], result: ExecutionRe
         if not any(before < first and seen > sent for before, seen in rises):
             continue
         freed = [(t, pid) for t, pid in ends if pid != r.request_id and sent < t <= first and first - t <= e.ttft_s]
+        freed += [(seen, "a preemption") for _, seen in rises if sent < seen <= first and first - seen <= e.ttft_s]
         if freed:
             t, pid = max(freed)
             wait = t - sent + e.idle_ttft_s
             if wait > e.ttft_s:
                 out[r.request_id] = e.waiting_until(wait, f"KV blocks ({pid} ended)")
+    return out
+
+
+def behind_silenced(expectations: dict[str, Expectation], result: ExecutionResult) -> dict[str, Expectation]:
+    """``expectations`` with the wait of each request queued behind a stream the server preempted, as observed.
+
+    An engine that re-queues a preempted request at the head of its waiting queue and admits in
+    order (``SchedulerAssumption.preempted_first``: vLLM v1) admits nobody while that request waits
+    for blocks. :func:`behind_preempted` takes such requests from the paper schedule; which stream
+    the engine preempts, and when, drifts with the decode cost, and a stream the schedule never
+    preempts may be the one. The execution shows it: a stream P falls silent (its longest gap),
+    a metrics scrape inside the silence saw the preemption counter rise, and P streams again once
+    re-admitted. A request V sent during P's silence (the wait before it is not P's doing) and
+    waiting when P resumed (its first token no sooner than P's next token, less ``SAME_STEP_S``) is bounded by P's resumption, at most P's own max-ITL
+    bound after P fell silent (P's longer silence is P's finding), plus V's idle TTFT. (On heldout9,
+    clean, a 128-token prompt sent while a 1536-token stream was preempted got its first token in
+    the step that stream's did, 0.4 s after its send: 38x the bound that had no stream preempted.)
+    """
+    rises = _preempted_at(result)
+    if not rises:
+        return expectations
+    silences = []
+    for p in result.requests:
+        e = expectations.get(p.request_id)
+        if e is None or e.max_itl_s is None or len(p.token_times_s) < 2:
+            continue
+        k = int(np.argmax(np.diff(np.asarray(p.token_times_s))))
+        start, end = p.sent_s + p.token_times_s[k], p.sent_s + p.token_times_s[k + 1]
+        if any(before < end and start < seen for before, seen in rises):
+            silences.append((start, min(end, start + e.max_itl_s), end, p.request_id))
+    out = dict(expectations)
+    for r in result.requests:
+        e = expectations.get(r.request_id)
+        if e is None or r.ttft_s is None:
+            continue
+        first = r.sent_s + r.ttft_s
+        held = [(until, pid) for start, until, end, pid in silences
+                if pid != r.request_id and start < r.sent_s + SAME_STEP_S and r.sent_s < end <= first + SAME_STEP_S]
+        if not held:
+            continue
+        until, pid = max(held)
+        wait = until - r.sent_s + e.idle_ttft_s
+        if wait > e.ttft_s:
+            out[r.request_id] = e.waiting_until(wait, f"{pid}, preempted ahead of it")
     return out
 
 

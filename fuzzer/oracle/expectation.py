@@ -193,6 +193,11 @@ def _expect(
                                       fifo_frontend=True, shared_frontend=True))
         if cap is not None:
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
+            if assumption.prefix_caching and any(r.prefix for r in requests):
+                # A member admitted during its group's prefill hits the blocks computed so far (vLLM v1):
+                # sooner than the whole prefix, so the newest when blocks run out (fuzzer.oracle.paper).
+                variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                      fifo_frontend=assumption.frontend_fifo, partial_hits=True))
         if any(r.n > 1 for r in requests):
             # Each choice its own request that computes the prompt (fuzzer.oracle.paper.schedule, ``fanout``),
             # with the drift and the shared frontend the other schedules have: its prefills make steps of a

@@ -103,8 +103,12 @@ class KVBlocks:
             self.computed_prefix(j, j.cached)  # a hit on free cached blocks: it revived them, it pays
 
     def computed_prefix(self, j: Job, tokens: int) -> None:
-        """``j`` holds the first ``tokens`` of its prefix group's blocks, paid: later members share them."""
-        if j.group is not None and j.group not in self.payer and not j.shared and not j.preemptions:
+        """``j`` holds the first ``tokens`` of its prefix group's blocks, paid: later members share them
+        (the payer's count grows as it computes more of them: partial hits, fuzzer.oracle.paper)."""
+        paid = self.payer.get(j.group) if j.group is not None else None
+        if paid is not None and paid[0] is j:
+            self.payer[j.group] = (j, max(paid[1], tokens // self.block))
+        elif j.group is not None and j.group not in self.payer and not j.shared and not j.preemptions:
             self.payer[j.group] = (j, tokens // self.block)
             self.released.pop(j.group, None)
 

@@ -110,11 +110,12 @@ def serve(
     shared_frontend: bool = False,
     one_long: bool = False,
     fanout: bool = False,
+    partial_hits: bool = False,
 ) -> dict[str, PaperRequest]:
     """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
 
     ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited).
-    ``fifo_frontend``, ``shared_frontend``, ``one_long``, ``fanout``: see :func:`schedule`.
+    ``fifo_frontend``, ``shared_frontend``, ``one_long``, ``fanout``, ``partial_hits``: see :func:`schedule`.
     """
     jobs = [
         Job(
@@ -131,7 +132,8 @@ def serve(
         for r in requests
     ]
     done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks,
-                    fifo_frontend=fifo_frontend, shared_frontend=shared_frontend, one_long=one_long, fanout=fanout)
+                    fifo_frontend=fifo_frontend, shared_frontend=shared_frontend, one_long=one_long, fanout=fanout,
+                    partial_hits=partial_hits)
     return {j.id: j.paper(model) for j in done}
 
 
@@ -213,6 +215,7 @@ def schedule(
     shared_frontend: bool = False,
     one_long: bool = False,
     fanout: bool = False,
+    partial_hits: bool = False,
 ) -> list[Job]:
     """Run the jobs through the paper scheduler; fills token times and finish times in place.
 
@@ -254,6 +257,13 @@ def schedule(
     splits ``n`` into child requests which share only prefix blocks already computed: the held-out
     vLLM-like server prefilled an n=8 request's 256-token prompt eight times in one step. vLLM v1
     splits ``n`` too, but shares a prompt repeated within a batch.
+
+    ``partial_hits``: a prefix group's member admitted while another member is still computing the
+    prefix hits the full blocks computed so far and computes the rest itself, as vLLM v1 does (its
+    blocks are cached as they are scheduled); otherwise it hits nothing until the whole prefix is
+    computed. Under KV pressure the partial hit admits it sooner, as the newest request: on heldout9,
+    a prompt sharing a 3888-token prefix sent during its owner's prefill was preempted and got its
+    first token 9.7x later than the schedule that held it back until the prefix was complete.
     """
     kv = (KVBlocks(kv_blocks, a.block_size, a.token_budget, whole_readmission=a.prefix_caching)
           if kv_blocks is not None else None)
@@ -278,6 +288,8 @@ def schedule(
     running: list[Job] = []
     #: prefix group -> time its full blocks were computed (cache hits from then on).
     ready: dict[str, float] = {}
+    #: prefix group -> its full blocks' tokens computed so far by a running member (partial_hits).
+    progress: dict[str, int] | None = {} if partial_hits else None
     t = order[0].ready_s if order else 0.0
     steps = 0
     last_dt = 0.0
@@ -316,7 +328,7 @@ def schedule(
                 not waiting
                 or budget <= 0
                 or decode_seqs + waiting[0].n > a.max_num_seqs
-                or (kv is not None and running and kv.admit_blocks(waiting[0], _hit(waiting[0], t, ready, a, kv), budget, len(running)) is None)
+                or (kv is not None and running and kv.admit_blocks(waiting[0], _hit(waiting[0], t, ready, a, kv, progress), budget, len(running)) is None)
             )
             and steps < MAX_MODEL_STEPS
         ):
@@ -344,12 +356,12 @@ def schedule(
                 i += 1  # shorter ones pass it
                 continue
             if kv is not None and running:
-                blocks = kv.admit_blocks(waiting[i], _hit(waiting[i], t, ready, a, kv), min(budget, limit), len(running))
+                blocks = kv.admit_blocks(waiting[i], _hit(waiting[i], t, ready, a, kv, progress), min(budget, limit), len(running))
                 if blocks is None:
                     break  # its blocks do not fit: head-of-line, as vLLM's FCFS admission
             j = waiting[i]
             del waiting[i]
-            _admit(j, t, ready, a, kv)
+            _admit(j, t, ready, a, kv, progress)
             running.append(j)
             seqs += j.n
             left = j.prompt + j.recompute - j.computed
@@ -388,6 +400,12 @@ def schedule(
                 ready.setdefault(j.group, t)
                 if kv is not None:
                     kv.computed_prefix(j, cacheable)
+            elif progress is not None and j.group is not None and a.prefix_caching:
+                done = min(j.computed, cacheable) // a.block_size * a.block_size
+                if done > progress.get(j.group, 0):
+                    progress[j.group] = done
+                if kv is not None and done:
+                    kv.computed_prefix(j, done)
             if j.computed >= j.prompt + j.recompute:
                 j.tokens += 1
                 j.token_times.append(out_t)
@@ -520,18 +538,26 @@ def _abort(t: float, pending: deque[Job], waiting: deque[Job], running: list[Job
             kv.release(j)
 
 
-def _admit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None) -> None:
+def _admit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None,
+           progress: Mapping[str, int] | None = None) -> None:
     job.admitted = True
-    job.cached = _hit(job, t, ready, a, kv)
+    job.cached = _hit(job, t, ready, a, kv, progress)
     job.computed = job.cached
 
 
-def _hit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None) -> int:
+def _hit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None,
+         progress: Mapping[str, int] | None = None) -> int:
     """Prompt tokens a job admitted at ``t`` takes from the prefix cache (with the KV cache modelled,
-    what the free queue has not handed out since nobody held them: KVBlocks.surviving)."""
+    what the free queue has not handed out since nobody held them: KVBlocks.surviving). With
+    ``progress`` (partial hits), the full blocks of its prefix computed so far."""
     if job.forced_cached is not None:
         return job.forced_cached
-    if a.prefix_caching and job.group is not None and ready.get(job.group, float("inf")) <= t:
-        hit = _cacheable(job, a.block_size)
+    if a.prefix_caching and job.group is not None:
+        if ready.get(job.group, float("inf")) <= t:
+            hit = _cacheable(job, a.block_size)
+        elif progress is not None:
+            hit = max(job.cached, min(_cacheable(job, a.block_size), progress.get(job.group, 0)))
+        else:
+            return job.cached
         return hit if kv is None else kv.surviving(job.group, hit)
     return job.cached
