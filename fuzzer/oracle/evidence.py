@@ -165,12 +165,7 @@ def behind_preempted(expectations: dict[str, Expectation], result: ExecutionResu
         served = r.sent_s + r.ttft_s
         held = [(capped, pid) for pid, (sent, seen, capped) in firsts.items()
                 if pid != r.request_id and sent <= r.sent_s < seen <= served + SAME_STEP_S]
-        if not held:
-            continue
-        until, pid = max(held)
-        wait = until - r.sent_s + e.idle_ttft_s
-        if wait > e.ttft_s:
-            out[r.request_id] = e.waiting_until(wait, pid)
+        _held_up(out, r, e, held, "{}")
     return out
 
 
@@ -321,12 +316,7 @@ def behind_silenced(expectations: dict[str, Expectation], result: ExecutionResul
         first = r.sent_s + r.ttft_s
         held = [(until, pid) for start, until, end, pid in silences
                 if pid != r.request_id and start < r.sent_s + SAME_STEP_S and r.sent_s < end <= first + SAME_STEP_S]
-        if not held:
-            continue
-        until, pid = max(held)
-        wait = until - r.sent_s + e.idle_ttft_s
-        if wait > e.ttft_s:
-            out[r.request_id] = e.waiting_until(wait, f"{pid}, preempted ahead of it")
+        _held_up(out, r, e, held, "{}, preempted ahead of it")
     return out
 
 
@@ -410,13 +400,20 @@ def queued_behind(expectations: dict[str, Expectation], result: ExecutionResult,
             first, bound = p.sent_s + p.ttft_s, out.get(p.request_id)
             if bound is not None and p.sent_s + reach_s <= r.sent_s < first <= served + SAME_STEP_S:
                 held.append((min(first, p.sent_s + bound.ttft_s), p.request_id))
-        if not held:
-            continue
-        until, pid = max(held)
-        wait = until - r.sent_s + e.idle_ttft_s
-        if wait > e.ttft_s:
-            out[r.request_id] = e.waiting_until(wait, f"{pid}, queued ahead of it")
+        _held_up(out, r, e, held, "{}, queued ahead of it")
     return out
+
+
+def _held_up(out: dict[str, Expectation], r: RequestResult, e: Expectation, held: list[tuple[float, str]],
+             behind: str) -> None:
+    """Bound ``r`` (in ``out``) by the latest of ``held`` ((time, request id): what it waited for) plus its
+    idle TTFT, where that is later than its bound ``e``; ``behind`` names it (``{}``: the request id)."""
+    if not held:
+        return
+    until, pid = max(held)
+    wait = until - r.sent_s + e.idle_ttft_s
+    if wait > e.ttft_s:
+        out[r.request_id] = e.waiting_until(wait, behind.format(pid))
 
 
 def exposed_to_steps(
