@@ -201,9 +201,7 @@ def waited_for_blocks(
         e = expectations.get(r.request_id)
         if e is None or not (e.preemptible or anyone) or e.max_itl_s is None or len(r.token_times_s) < 2:
             continue
-        gaps = np.diff(np.asarray(r.token_times_s))
-        k = int(np.argmax(gaps))
-        start, end = r.sent_s + r.token_times_s[k], r.sent_s + r.token_times_s[k + 1]
+        start, end = _longest_gap(r)
         freed = [t for t, pid in ends if pid != r.request_id and start < t <= end and end - t <= e.max_itl_s]
         freed += [min(seen, end) for before, seen in rises if before < end and seen > start
                   and end - min(seen, end) <= e.max_itl_s]
@@ -304,8 +302,7 @@ def behind_silenced(expectations: dict[str, Expectation], result: ExecutionResul
         e = expectations.get(p.request_id)
         if e is None or e.max_itl_s is None or len(p.token_times_s) < 2:
             continue
-        k = int(np.argmax(np.diff(np.asarray(p.token_times_s))))
-        start, end = p.sent_s + p.token_times_s[k], p.sent_s + p.token_times_s[k + 1]
+        start, end = _longest_gap(p)
         if any(before < end and start < seen for before, seen in rises):
             silences.append((start, min(end, start + e.max_itl_s), end, p.request_id))
     out = dict(expectations)
@@ -318,6 +315,12 @@ def behind_silenced(expectations: dict[str, Expectation], result: ExecutionResul
                 if pid != r.request_id and start < r.sent_s + SAME_STEP_S and r.sent_s < end <= first + SAME_STEP_S]
         _held_up(out, r, e, held, "{}, preempted ahead of it")
     return out
+
+
+def _longest_gap(r: RequestResult) -> tuple[float, float]:
+    """(start, end) of a stream's longest gap between two tokens, in execution time (two tokens at least)."""
+    k = int(np.argmax(np.diff(np.asarray(r.token_times_s))))
+    return r.sent_s + r.token_times_s[k], r.sent_s + r.token_times_s[k + 1]
 
 
 def _preempted_at(result: ExecutionResult) -> list[tuple[float, float]]:
