@@ -235,6 +235,48 @@ def test_an_option_confirmed_on_two_targets_at_once_is_one_finding_with_both_out
     assert coordinator._next_task(b).kind == "recheck"
 
 
+class _AnsweringPool:
+    """A pool whose every task comes back at once with ``done``; ``calls``: (target, method, task kind)."""
+
+    def __init__(self, done):
+        self.done, self.calls = done, []
+
+    def submit(self, name, method, *args):
+        self.calls.append((name, method, args[1]["kind"] if method == "confirm" else None))
+        return len(self.calls)
+
+    def wait(self, refs, timeout_s):
+        return list(refs)
+
+    def get(self, ref, name, timeout_s=None):
+        return self.done
+
+
+def test_a_max_execs_stop_runs_the_rechecks_of_its_findings_and_a_duration_stop_keeps_them():
+    """The fleet test of stop 44's CI: a finding confirmed on the last executions --max-execs allowed had its
+    re-check queued and never run, its record one target short. A --max-execs stop runs them (as it waits
+    for the confirmations under way); a --duration stop keeps them queued in the checkpoint, for a resume."""
+    found = Verdict(FindingKind.OPTION_SLOWDOWN, Decision.DIFFERENT, "test", request_id="carrier",
+                    signature=option_signature("seed"), reproduced=3, runs=3)
+    done = SimpleNamespace(runs=[], verdict=found.to_dict(), crash_needs=(), busy_s=0.0)
+    for reason in (ExitReason.MAX_EXECS, ExitReason.DURATION):
+        with Store.memory() as db:
+            coordinator = _coordinator(db)
+            a, b = coordinator.targets["a"], coordinator.targets["b"]
+            _run(coordinator, "a", _seeded_batch(), PaperTarget(seed=3))
+            coordinator._confirmed(a, a.confirm.popleft(), done)
+            assert [t.kind for t in b.confirm] == ["recheck"]
+            coordinator.pool = _AnsweringPool(done)
+            coordinator._drain(reason)
+            [finding] = db.list_findings()
+            if reason is ExitReason.MAX_EXECS:
+                assert coordinator.pool.calls == [("b", "confirm", "option-slowdown")] and not b.confirm
+                assert finding.details["targets"] == {"a": "3/3", "b": "3/3"}
+            else:
+                assert coordinator.pool.calls == [] and [t.kind for t in b.confirm] == ["recheck"]
+                assert finding.details["targets"] == {"a": "3/3"}
+
+
 def test_latency_candidates_are_confirmed_without_the_options_of_their_trace(store):
     """As in a campaign (fuzzer.search.confirming.without_options), whether the option was found or not:
     one seen now, and one an older fleet's checkpoint queued on the trace as it ran."""

@@ -74,7 +74,8 @@ MAX_TARGET_ERRORS = 3
 RETRY_AFTER_S = 2.0
 #: How long collecting an in-flight task may block before the loop looks at its stop conditions.
 POLL_S = 0.5
-#: At the end, how long in-flight executions may take to come back (confirmations are kept pending).
+#: At the end, how long in-flight executions (and, at --max-execs, queued re-checks) may take to come back
+#: (confirmations are kept pending).
 DRAIN_S = 60.0
 #: Seeding takes at most this share of a target's executions once its corpus has an entry.
 SEED_SHARE = 0.3
@@ -247,11 +248,23 @@ class Coordinator:
                 continue
             if budget is not None and budget <= len(self._inflight):
                 return  # the executions still to come fill --max-execs
-            task = self._next_task(t)
-            cap = self._cap()
-            self._inflight[self.pool.submit(t.name, "confirm" if task.candidate else "execute",
-                                            *((task.trace, task.candidate, cap) if task.candidate else (task.trace, cap)))
-                           ] = (t.name, task)
+            self._submit(t, self._next_task(t))
+
+    def _submit(self, t: TargetState, task: Task) -> None:
+        cap = self._cap()
+        self._inflight[self.pool.submit(t.name, "confirm" if task.candidate else "execute",
+                                        *((task.trace, task.candidate, cap) if task.candidate else (task.trace, cap)))
+                       ] = (t.name, task)
+
+    def _dispatch_rechecks(self) -> None:
+        """At a --max-execs stop, the re-checks of the findings made are run still (a finding's record is its
+        targets'): each idle target takes the first queued."""
+        busy = {name for name, _ in self._inflight.values()}
+        for t in self.targets.values():
+            task = next((q for q in t.confirm if q.kind == "recheck"), None)
+            if t.status == UP and t.name not in busy and task is not None:
+                t.confirm.remove(task)
+                self._submit(t, task)
 
     def _cap(self) -> TimeCap | None:
         """What a worker needs to cap a task's runs (None: no --duration, no cap)."""
@@ -493,9 +506,14 @@ class Coordinator:
         self._checkpoint(force=True)
 
     def _drain(self, reason: ExitReason | None) -> None:
-        """Collect the in-flight executions (a --max-execs stop waits for confirmations too)."""
+        """Collect the in-flight executions (a --max-execs stop waits for confirmations and runs the queued
+        re-checks too)."""
         deadline = self._clock() + DRAIN_S
-        while self._inflight and self._clock() < deadline:
+        while self._clock() < deadline:
+            if reason is ExitReason.MAX_EXECS:
+                self._dispatch_rechecks()
+            if not self._inflight:
+                break
             if reason is not ExitReason.MAX_EXECS:
                 for ref, (name, task) in list(self._inflight.items()):
                     if task.candidate is not None:  # kept pending: confirmed first on resume
