@@ -346,6 +346,26 @@ async def test_a_token_budget_larger_than_the_assumed_one_is_measured():
     assert named.assumption.token_budget == 4096
 
 
+async def test_a_token_budget_smaller_than_the_assumed_one_is_measured():
+    # heldout10 (issue 16's tenth held-out server) computes 1536 prompt tokens a step, with a 768-token
+    # cap per request, where 2048 was assumed: a short prompt sent just after two long ones waited for
+    # their prefill, 2.2x its bound; two of its clean campaign's findings were that.
+    from fuzzer.oracle.chunkcap import smaller_budget
+
+    for assumption in (SchedulerAssumption(token_budget=1536), SchedulerAssumption(token_budget=1536, long_prefill_threshold=768)):
+        cal = await calibrate(PaperTarget(noise=0.01, assumption=assumption), rng=random.Random(1), clock=lambda: 0.0)
+        # The smallest budget under which the paper needs no more steps than counted: never above the server's.
+        assert 1366 <= cal.assumption.token_budget <= 1536 and "token budget measured" in cal.assumption.source
+    # Controls: a busy host (every step 3x longer) at the assumed budget, and a server at it, keep it.
+    target = PaperTarget(noise=0.01)
+    cal = await calibrate(target, rng=random.Random(1), clock=lambda: 0.0, measure_budget=False)
+    busy = replace(TRUE, overhead_s=TRUE.overhead_s * 3, prefill_token_s=TRUE.prefill_token_s * 3,
+                   decode_seq_s=TRUE.decode_seq_s * 3)
+    assert await smaller_budget(PaperTarget(busy, noise=0.01), cal) == 0
+    assert await smaller_budget(target, cal) == 0
+    assert 745 <= await smaller_budget(PaperTarget(noise=0.01, assumption=SchedulerAssumption(token_budget=768)), cal) <= 768
+
+
 async def test_a_busy_host_is_not_a_larger_token_budget():
     # CI, stop 36: llama-server at its 2048-token n_batch was measured at 8192 while other jobs
     # shared the machine's two cores. A busy host makes every step longer; a larger budget makes

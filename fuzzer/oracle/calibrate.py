@@ -32,7 +32,7 @@ from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
 from fuzzer.execution import Target
 from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration
-from fuzzer.oracle.chunkcap import chunk_cap, prefill_step_floor, token_budget
+from fuzzer.oracle.chunkcap import chunk_cap, prefill_step_floor, smaller_budget, token_budget
 from fuzzer.oracle.fitting import fit
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, assumption_for
@@ -169,7 +169,7 @@ async def calibrate(
     first (:func:`fuzzer.oracle.seats.seat_count`; a user who names the count passes it in the
     assumption and is not second-guessed). With ``measure_budget``, a token budget per step larger than the assumed one is measured
     (:func:`fuzzer.oracle.chunkcap.token_budget`: vLLM's default differs by GPU, and deployments
-    choose their own); a user who names the budget passes False. With ``measure_floor``, what a step
+    choose their own), else a smaller one (:func:`fuzzer.oracle.chunkcap.smaller_budget`); a user who names the budget passes False. With ``measure_floor``, what a step
     that computes prompt tokens costs beyond the fitted model is measured and moved from the request
     overhead into such steps (:func:`fuzzer.oracle.chunkcap.prefill_step_floor`). With ``measure_cap`` and no cap in
     the assumption, the long-prefill cap is measured too (:func:`fuzzer.oracle.chunkcap.chunk_cap`);
@@ -274,10 +274,12 @@ async def calibrate(
         cal = replace(cal, model=replace(cal.model, prefill_step_s=floor,
                                          request_overhead_s=cal.model.request_overhead_s - floor))
     if measure_budget and "token budget" not in assumption.source and "token_budget" not in assumption.source:
-        # A user's budget (or an earlier measurement's) stands; else a larger one the server shows replaces the default.
+        # A user's budget (or an earlier measurement's) stands; else a larger or smaller one the server shows replaces
+        # the default.
         kind = getattr(getattr(target, "info", None), "kind", None)
         choices = adapters.ADAPTERS[kind].scheduler_defaults.get("max_num_batched_tokens", ()) if kind in adapters.ADAPTERS else ()
         found = await token_budget(target, cal, longest, tuple(choices) if isinstance(choices, (tuple, list)) else ())
+        found = found or await smaller_budget(target, cal)
         if found:  # on the fit's assumption (it may have found no prefix caching)
             cal = replace(cal, assumption=replace(cal.assumption, token_budget=found,
                                                   source=f"{cal.assumption.source}; token budget measured"))
