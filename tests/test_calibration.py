@@ -354,8 +354,11 @@ async def test_a_token_budget_smaller_than_the_assumed_one_is_measured():
 
     for assumption in (SchedulerAssumption(token_budget=1536), SchedulerAssumption(token_budget=1536, long_prefill_threshold=768)):
         cal = await calibrate(PaperTarget(noise=0.01, assumption=assumption), rng=random.Random(1), clock=lambda: 0.0)
-        # The smallest budget under which the paper needs no more steps than counted: never above the server's.
-        assert 1366 <= cal.assumption.token_budget <= 1536 and "token budget measured" in cal.assumption.source
+        # The smallest budget under which the paper needs no more steps than counted (never above the
+        # server's), held beside the assumed one.
+        a = cal.assumption
+        assert 1366 <= a.low_budget <= 1536 and a.token_budget == 2048 and "smaller token budget measured" in a.source
+        assert SchedulerAssumption.from_dict(a.to_dict()) == a and f"(or {a.low_budget}" in a.describe()
     # Controls: a busy host (every step 3x longer) at the assumed budget, and a server at it, keep it.
     target = PaperTarget(noise=0.01)
     cal = await calibrate(target, rng=random.Random(1), clock=lambda: 0.0, measure_budget=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import expectation_reference as reference
 import pytest
 from conftest import CORPUS
@@ -439,3 +441,18 @@ def test_a_request_whose_client_left_frees_its_seat_on_paper_where_the_engine_ab
     stored = one_seat.to_dict()
     del stored["aborts_on_disconnect"]
     assert not SchedulerAssumption.from_dict(stored).aborts_on_disconnect
+
+
+def test_the_bound_holds_the_schedules_under_a_smaller_budget_the_server_showed():
+    # heldout10 (issue 16), clean: a 96-token prompt sent 5 ms after two 4096-token ones waited for their
+    # prefill at 1536 tokens a step (its cap 768 each): 2.2x the bound under the assumed 2048, which
+    # left it 512 tokens beside them.
+    trace = Trace(requests=(_req("l0", 0, 4096, out=2), _req("l1", 1, 4096, out=2), _req("s", 6, 96, out=2)))
+    capped = SchedulerAssumption(long_prefill_threshold=768)
+    plain = expect(trace, MODEL, capped)
+    both = expect(trace, MODEL, dataclasses.replace(capped, low_budget=1536))
+    alone = expect(trace, MODEL, dataclasses.replace(capped, token_budget=1536))
+    assert plain["s"].ttft_s < 0.5 * alone["s"].ttft_s
+    # The envelope takes the larger of the two budgets' schedules, request by request.
+    assert both["s"].ttft_s > 1.5 * plain["s"].ttft_s
+    assert all(both[rid].ttft_s >= plain[rid].ttft_s and both[rid].e2e_s >= plain[rid].e2e_s for rid in ("l0", "l1", "s"))

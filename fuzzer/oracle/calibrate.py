@@ -279,10 +279,12 @@ async def calibrate(
         kind = getattr(getattr(target, "info", None), "kind", None)
         choices = adapters.ADAPTERS[kind].scheduler_defaults.get("max_num_batched_tokens", ()) if kind in adapters.ADAPTERS else ()
         found = await token_budget(target, cal, longest, tuple(choices) if isinstance(choices, (tuple, list)) else ())
-        found = found or await smaller_budget(target, cal)
         if found:  # on the fit's assumption (it may have found no prefix caching)
             cal = replace(cal, assumption=replace(cal.assumption, token_budget=found,
                                                   source=f"{cal.assumption.source}; token budget measured"))
+        elif low := await smaller_budget(target, cal):  # the bound holds both (SchedulerAssumption.low_budget)
+            cal = replace(cal, assumption=replace(cal.assumption, low_budget=low,
+                                                  source=f"{cal.assumption.source}; smaller token budget measured"))
     if measure_cap and not assumption.long_prefill_threshold:  # a user's (or an earlier measurement's) cap stands
         found = await chunk_cap(target, cal, longest, reported=max_model_len is not None)
         if found:

@@ -191,6 +191,12 @@ def _expect(
                                       fifo_frontend=True))
                 variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                       fifo_frontend=True, shared_frontend=True))
+        if assumption.low_budget:
+            # The smaller budget the server showed (SchedulerAssumption.low_budget): plain, and drifted.
+            low = replace(assumption, token_budget=assumption.low_budget, low_budget=0)
+            variants.append(serve(requests, prefixes, sent, model, low, False, kv_blocks=cap))
+            variants.append(serve(requests, prefixes, sent, model, low, True, window=0.0, kv_blocks=cap,
+                                  fifo_frontend=assumption.frontend_fifo))
         if cap is not None:
             variants.append(serve(requests, prefixes, sent, model, assumption, False, kv_blocks=cap))
             if assumption.prefix_caching and any(r.prefix for r in requests):

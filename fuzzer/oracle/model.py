@@ -170,6 +170,12 @@ class SchedulerAssumption:
     #: (``long_prefill_threshold``) and has no more sequences (fuzzer.oracle.order). False where
     #: not documented (SGLang's and TGI's admission are not held to it).
     admission_stops: bool = True
+    #: A token budget smaller than ``token_budget`` that the server showed (calibration's probe,
+    #: :func:`fuzzer.oracle.chunkcap.smaller_budget`; 0: none). The bound's envelope holds schedules
+    #: under it beside those under ``token_budget`` (fuzzer.oracle.expectation): the probe reads a budget
+    #: only to within a step, and which KV-aware schedule preempts whom moves with it (heldout6, clean,
+    #: judged under its 768 alone: two streams' preemption stalls the 2048 schedules held were not).
+    low_budget: int = 0
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
@@ -179,6 +185,9 @@ class SchedulerAssumption:
         if not isinstance(self.long_prefill_threshold, int) or self.long_prefill_threshold < 0:
             raise ConfigError("scheduler assumption long_prefill_threshold must be a non-negative integer, "
                               f"got {self.long_prefill_threshold!r}")
+        if not isinstance(self.low_budget, int) or not 0 <= self.low_budget < self.token_budget:
+            raise ConfigError("scheduler assumption low_budget must be a non-negative integer below token_budget, "
+                              f"got {self.low_budget!r}")
         if self.kv_blocks is not None and (not isinstance(self.kv_blocks, int) or self.kv_blocks < 1):
             raise ConfigError(f"scheduler assumption kv_blocks must be a positive integer or None, got {self.kv_blocks!r}")
 
@@ -196,7 +205,8 @@ class SchedulerAssumption:
             cap = (f", at most {self.long_prefill_threshold} prompt tokens per request per step beside others "
                    "(long-prefill threshold; one long prompt in partial prefill at a time allowed)")
         return (
-            f"max_num_batched_tokens={self.token_budget}, max_num_seqs={self.max_num_seqs}, "
+            f"max_num_batched_tokens={self.token_budget}"
+            f"{f' (or {self.low_budget}, as the server showed)' if self.low_budget else ''}, max_num_seqs={self.max_num_seqs}, "
             f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv}{cap}, "
             f"{order} ({self.source})"
         )
@@ -215,6 +225,7 @@ class SchedulerAssumption:
             "preempted_first": self.preempted_first,
             "aborts_on_disconnect": self.aborts_on_disconnect,
             "admission_stops": self.admission_stops,
+            "low_budget": self.low_budget,
         }
 
     @classmethod
