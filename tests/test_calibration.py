@@ -16,6 +16,7 @@ from fuzzer.oracle.fitting import theil_sen
 from fuzzer.oracle.calibration import REFRESH_AFTER_S, Calibration
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption
+from fuzzer.sim import VirtualTarget
 
 TRUE = TRUE_MODEL
 
@@ -367,6 +368,40 @@ async def test_a_token_budget_smaller_than_the_assumed_one_is_measured():
     assert await smaller_budget(PaperTarget(busy, noise=0.01), cal) == 0
     assert await smaller_budget(target, cal) == 0
     assert 745 <= await smaller_budget(PaperTarget(noise=0.01, assumption=SchedulerAssumption(token_budget=768)), cal) <= 768
+
+
+class _Named(VirtualTarget):
+    """A virtual simulator that keeps the name of every trace it ran."""
+
+    names: list[str]
+
+    async def execute(self, trace, **options):
+        self.__dict__.setdefault("names", []).append(trace.name)
+        return await super().execute(trace, **options)
+
+
+@pytest.mark.parametrize("budget, cap, partials", [(2048, 256, 1), (2048, 0, 0), (1536, 0, 0)])
+async def test_a_cap_is_no_smaller_budget_and_a_server_at_the_assumed_steps_is_not_probed_for_one(budget, cap, partials):
+    # The full CI of stop 44 at the first version of the probe: a simulator capping long prompts at 256
+    # tokens, one in partial prefill at a time, read as a 243-token budget (its quarter-budget prompts were
+    # long ones), and the bound held the capped prefills under that budget besides. Its prompts are now
+    # within the cap measured before it. And a server whose budget probe counts the steps the assumed
+    # budget takes is not probed at all (two runs of every calibration, and a simulator's random draws
+    # for the rest of its campaign, spent on nothing).
+    from fuzzer.sim.config import SimConfig
+
+    config = SimConfig(max_num_batched_tokens=budget, long_prefill_token_threshold=cap, max_long_partial_prefills=partials,
+                       step_overhead_s=0.015, prefill_token_s=3e-6)
+    target = _Named(config, seed=4)
+    a = (await calibrate(target, rng=random.Random(4), max_model_len=config.max_model_len)).assumption
+    probed = any(name.startswith("calibration-small-budget") for name in target.names)
+    assert a.token_budget == 2048 and (a.long_prefill_threshold > 0) is (cap > 0)
+    if budget < 2048:  # the control: a smaller budget is measured, never above the server's (steps that cost
+        # mostly their overhead count a step at the burst's edges as full: 1174 here, where the simulator's
+        # default costs read 1433)
+        assert probed and 1024 <= a.low_budget <= 1536, a
+    else:
+        assert a.low_budget == 0 and probed is (cap > 0), (a, target.names)
 
 
 async def test_a_busy_host_is_not_a_larger_token_budget():

@@ -32,7 +32,7 @@ from fuzzer.errors import TargetError
 from fuzzer.execute import adapters
 from fuzzer.execution import Target
 from fuzzer.oracle.calibration import REFRESH_AFTER_S, WARMUP_RUNS, Calibration
-from fuzzer.oracle.chunkcap import chunk_cap, prefill_step_floor, smaller_budget, token_budget
+from fuzzer.oracle.chunkcap import budget_reading, chunk_cap, prefill_step_floor, smaller_budget
 from fuzzer.oracle.fitting import fit
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import SchedulerAssumption, assumption_for
@@ -273,18 +273,17 @@ async def calibrate(
     if floor > 0:  # engine time the idle probes had put in the request overhead: every TTFT stays as it was
         cal = replace(cal, model=replace(cal.model, prefill_step_s=floor,
                                          request_overhead_s=cal.model.request_overhead_s - floor))
-    if measure_budget and "token budget" not in assumption.source and "token_budget" not in assumption.source:
-        # A user's budget (or an earlier measurement's) stands; else a larger or smaller one the server shows replaces
-        # the default.
+    budget_open = measure_budget and "token budget" not in assumption.source and "token_budget" not in assumption.source
+    if budget_open:
+        # A user's budget (or an earlier measurement's) stands; else a larger one the server shows replaces the
+        # default (a smaller one is looked for once the cap is known, below, where the steps say it may be).
         kind = getattr(getattr(target, "info", None), "kind", None)
         choices = adapters.ADAPTERS[kind].scheduler_defaults.get("max_num_batched_tokens", ()) if kind in adapters.ADAPTERS else ()
-        found = await token_budget(target, cal, longest, tuple(choices) if isinstance(choices, (tuple, list)) else ())
+        found, budget_open = await budget_reading(target, cal, longest,
+                                                  tuple(choices) if isinstance(choices, (tuple, list)) else ())
         if found:  # on the fit's assumption (it may have found no prefix caching)
             cal = replace(cal, assumption=replace(cal.assumption, token_budget=found,
                                                   source=f"{cal.assumption.source}; token budget measured"))
-        elif low := await smaller_budget(target, cal):  # the bound holds both (SchedulerAssumption.low_budget)
-            cal = replace(cal, assumption=replace(cal.assumption, low_budget=low,
-                                                  source=f"{cal.assumption.source}; smaller token budget measured"))
     if measure_cap and not assumption.long_prefill_threshold:  # a user's (or an earlier measurement's) cap stands
         found = await chunk_cap(target, cal, longest, reported=max_model_len is not None)
         if found:
@@ -294,6 +293,11 @@ async def calibrate(
             # A cap the probe could not rule out would let a later short request pass a long one legitimately.
             cal = replace(cal, assumption=replace(cal.assumption, admission_stops=False,
                                                   source=f"{cal.assumption.source}; long-prefill cap not known"))
+    # Where the budget probe counted more steps than the assumed budget takes (a cap's or a smaller budget's), with
+    # prompts within the cap now known (one long prompt in partial prefill at a time is a cap's policy, no budget's).
+    if budget_open and (low := await smaller_budget(target, cal)):  # the bound holds both (SchedulerAssumption.low_budget)
+        cal = replace(cal, assumption=replace(cal.assumption, low_budget=low,
+                                              source=f"{cal.assumption.source}; smaller token budget measured"))
     return cal
 
 

@@ -82,7 +82,17 @@ BUDGET_TOLERANCE = 0.15
 
 
 async def token_budget(target: Target, cal: Calibration, longest: int, documented: tuple[int, ...] = ()) -> int:
-    """The target's token budget per step where it is clearly larger than the assumed one, else 0.
+    """The target's token budget per step where it is clearly larger than the assumed one, else 0
+    (:func:`budget_reading`'s first half)."""
+    return (await budget_reading(target, cal, longest, documented))[0]
+
+
+async def budget_reading(target: Target, cal: Calibration, longest: int,
+                         documented: tuple[int, ...] = ()) -> tuple[int, bool]:
+    """(The target's token budget per step where it is clearly larger than the assumed one, else 0;
+    whether the probe's first run counted more full steps than the assumed budget takes, or could not
+    tell: only then may the budget be smaller, or a cap make the steps more, and :func:`smaller_budget`
+    has something to look for.)
 
     A short stream decodes; a burst of long prompts (one of BUDGET_PROBE_TOKENS where the context
     holds it, else up to four of the longest it holds: a budget counts a step's tokens, whoever's)
@@ -98,23 +108,26 @@ async def token_budget(target: Target, cal: Calibration, longest: int, documente
     each = min(total, max(1, longest))
     prompts = (each,) * max(1, min(4, total // each))
     if sum(prompts) < 2 * budget:
-        return 0  # no burst of several assumed chunks fits (or none the probe can afford): nothing to tell
+        return 0, True  # no burst of several assumed chunks fits (or none the probe can afford): nothing to tell
     margin_s = NOISE_MARGINS * cal.noise_s.get(Metric.MAX_ITL, 0.0)
-    gaps = []
+    gaps, more_steps = [], True
     for run in range(BUDGET_REPEATS):
         trace, sent, got = await _beside_a_stream(target, model, assumption, prompts, f"calibration-budget-{run}")
         if got is None:
-            return 0
+            return 0, more_steps
         s, burst, _ = got
+        if run == 0:
+            more_steps = _computing_steps(s, burst, model, each, FULL_STEP_SHARE) > _prompt_steps(
+                trace, sent, model, assumption, budget)
         arrived = min(p.sent_s for p in burst) + model.frontend_s(each)
         first = max(p.sent_s + p.ttft_s for p in burst)
         times = [s.sent_s + t for t in s.token_times_s]
         during = [b - a for a, b in zip(times, times[1:]) if b > arrived and a < first]
         computing = sum(gap >= BUDGET_STEP_GAP * max(during) for gap in during)  # not the stream's steps alone
         if during and computing >= BUDGET_STEPS_SHARE * math.ceil(sum(prompts) / budget) + BUDGET_EXTRA_STEPS:
-            return 0  # the steps the assumed budget takes: long gaps were a busy host's, not larger chunks
+            return 0, more_steps  # the steps the assumed budget takes: long gaps were a busy host's, not larger chunks
         if not during or max(during) < BUDGET_EVIDENCE * _longest_step(trace, sent, model, assumption, budget) + margin_s:
-            return 0  # the assumed budget explains this run (a server at its default costs one run)
+            return 0, more_steps  # the assumed budget explains this run (a server at its default costs one run)
         gaps.append((max(during), sent, trace))
     gap, sent, trace = min(gaps, key=lambda g: g[0])
     # Budgets beyond the burst all compute it in one step: the smallest of them is all the probe can tell.
@@ -122,14 +135,18 @@ async def token_budget(target: Target, cal: Calibration, longest: int, documente
     for choice in choices:
         if (1 + BUDGET_TOLERANCE) * _longest_step(trace, sent, model, assumption, choice) >= gap - margin_s \
                 or choice > sum(prompts):
-            return choice
-    return choices[-1] if choices else 0
+            return choice, False
+    return (choices[-1], False) if choices else (0, more_steps)
 
 
-#: The smaller budget probe: up to this many prompts of a quarter of the assumed budget each, sent
-#: together beside a decoding stream (at most SMALL_PROBE_KV_SHARE of the KV cache's tokens, where the
-#: server reports them, so that no admission waits for blocks), BUDGET_REPEATS times ...
-SMALL_PROBE_PROMPTS = 16
+#: The smaller budget probe: SMALL_PROBE_BUDGETS assumed budgets of prompt tokens in prompts of a quarter
+#: of the budget each, or SMALL_PROBE_CAP_SHARE of a long-prefill cap the calibration measured where that is
+#: less (a prompt over the cap is a long one, and an engine may prefill one long prompt at a time: the
+#: simulator's max_long_partial_prefills, vLLM v0's), sent together beside a decoding stream (at most
+#: SMALL_PROBE_KV_SHARE of the KV cache's tokens, where the server reports them, so that no admission
+#: waits for blocks, and no more than its sequences beside the stream), BUDGET_REPEATS times ...
+SMALL_PROBE_BUDGETS = 4
+SMALL_PROBE_CAP_SHARE = 0.8
 SMALL_PROBE_KV_SHARE = 0.6
 #: ... and a smaller budget is measured only when every run's stream counts more full steps (a gap of
 #: FULL_STEP_SHARE of its longest or more, while the burst prefills) than the paper schedule makes under
@@ -147,14 +164,15 @@ async def smaller_budget(target: Target, cal: Calibration) -> int:
     """The target's token budget per step where it is clearly smaller than the assumed one, else 0.
 
     The stream gets a token in every step, so its gaps between the burst's arrival and the burst's last
-    first token count the steps the burst's prefill took; prompts of a quarter of the assumed budget
-    fill every step's budget under any long-prefill cap down to a sixteenth of the budget.
+    first token count the steps the burst's prefill took; prompts within the cap fill every step's budget.
     See FULL_STEP_SHARE for when it is measured.
     """
     model, assumption = cal.model, cal.assumption
     budget = assumption.token_budget
     each = budget // 4
-    count = SMALL_PROBE_PROMPTS
+    if assumption.long_prefill_threshold:
+        each = min(each, int(SMALL_PROBE_CAP_SHARE * assumption.long_prefill_threshold))
+    count = min(math.ceil(SMALL_PROBE_BUDGETS * budget / max(each, 1)), assumption.max_num_seqs - 1)
     if assumption.kv_blocks is not None:
         count = min(count, int(SMALL_PROBE_KV_SHARE * assumption.kv_blocks * assumption.block_size)
                     // (each + assumption.block_size))
