@@ -62,12 +62,19 @@ def read_truth(path: Path) -> dict[str, set[str]]:
             record = json.loads(line)
         except ValueError:
             continue
-        names = truth.setdefault(record["request_id"], set())
-        names.update(record.get("pathologies") or ())
+        # heldout11 names the X-Request-Id client_request_id, its tags delayed_by, and gives times, not e2e_s.
+        rid = record["client_request_id"] if "client_request_id" in record else record["request_id"]
+        if rid is None:
+            continue
+        names = truth.setdefault(rid, set())
+        names.update(record.get("pathologies") or record.get("delayed_by") or ())
+        e2e_s = record.get("e2e_s")
+        if e2e_s is None and record.get("finish_time") is not None and record.get("arrival_time") is not None:
+            e2e_s = record["finish_time"] - record["arrival_time"]
         if record.get("client_disconnected") and record.get("finish_reason") not in (None, "abort"):
             names.add(LEAKED)
-        elif record.get("client_disconnected") and record.get("e2e_s") is not None:
-            names.add(f"{SERVED}{float(record['e2e_s'])}")
+        elif record.get("client_disconnected") and e2e_s is not None:
+            names.add(f"{SERVED}{float(e2e_s)}")
     return truth
 
 
