@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Self-test for server.py.
 
-    /work/main/.venv/bin/python selftest.py [-v] [--only NAME[,NAME]]
+    python selftest.py [-v] [--only NAME[,NAME]]
 
 Starts the server on free 127.0.0.1 ports (clean, each bug alone, and all
 bugs), checks the API surface, SSE framing, metrics, disconnect handling,
