@@ -124,13 +124,10 @@ async def budget_reading(target: Target, cal: Calibration, longest: int,
         if got is None:
             return 0, more_steps
         s, burst, _ = got
+        during, paper_steps = _during(s, burst, model, each), _prompt_steps(trace, sent, model, assumption, budget)
+        full = _full(during, model)
         if run == 0:
-            more_steps = _computing_steps(s, burst, model, each, FULL_STEP_SHARE) > _prompt_steps(
-                trace, sent, model, assumption, budget)
-        arrived = min(p.sent_s for p in burst) + model.frontend_s(each)
-        first = max(p.sent_s + p.ttft_s for p in burst)
-        times = [s.sent_s + t for t in s.token_times_s]
-        during = [b - a for a, b in zip(times, times[1:]) if b > arrived and a < first]
+            more_steps = full > paper_steps
         if not during:
             return 0, more_steps  # no step of the stream to tell by
         # As many steps as the assumed budget takes: long gaps are a busy host's, not larger chunks.
@@ -140,9 +137,8 @@ async def budget_reading(target: Target, cal: Calibration, longest: int,
                 trace, sent, model, assumption, budget) + margin_s:
             gaps.append((max(during), None, sent, trace))  # longer steps: larger chunks
             continue
-        full = _computing_steps(s, burst, model, each, FULL_STEP_SHARE)
         span_s = max(p.sent_s + p.ttft_s for p in burst) - min(p.sent_s for p in burst)
-        if (full <= _prompt_steps(trace, sent, model, assumption, budget) - BUDGET_FEWER_STEPS
+        if (full <= paper_steps - BUDGET_FEWER_STEPS
                 and span_s <= (1 - BUDGET_TOLERANCE) * _burst_span(trace, sent, model, assumption, budget) - margin_s):
             gaps.append((max(during), full, sent, trace))  # fewer steps, and sooner done: steps that cost their overhead
         else:
@@ -211,7 +207,7 @@ async def smaller_budget(target: Target, cal: Calibration) -> int:
         if got is None:
             return 0
         s, burst, _ = got
-        steps = _computing_steps(s, burst, model, each, FULL_STEP_SHARE)
+        steps = _full(_during(s, burst, model, each), model)
         if steps <= _prompt_steps(trace, sent, model, assumption, budget):
             return 0  # the assumed budget explains this run
         counted.append((steps, trace, sent))
@@ -225,42 +221,46 @@ async def smaller_budget(target: Target, cal: Calibration) -> int:
     return hi if hi < budget else 0
 
 
-def _computing_steps(s, burst, model: StepModel, each: int, share: float) -> int:
-    """The stream's full gaps from the burst's arrival at the engine to its last first token (:func:`_full`: the
-    full steps of the burst's prefill; its edges and the stream's own steps are shorter)."""
+def _during(s, burst, model: StepModel, each: int) -> list[float]:
+    """The stream's gaps from the burst's arrival at the engine to its last first token."""
     arrived = min(p.sent_s for p in burst) + model.frontend_s(each)
     first = max(p.sent_s + p.ttft_s for p in burst)
     times = [s.sent_s + t for t in s.token_times_s]
-    return _full([b - a for a, b in zip(times, times[1:]) if b > arrived and a < first], model, share)
+    return [b - a for a, b in zip(times, times[1:]) if b > arrived and a < first]
 
 
-def _full(steps: Sequence[float], model: StepModel, share: float) -> int:
-    """How many of ``steps`` are full: ``share`` of the way from the stream's own decode step to the longest,
-    or more (where a step costs mostly its overhead, a decode step is most of a full one's length)."""
+def _full(steps: Sequence[float], model: StepModel) -> int:
+    """How many of ``steps`` are full: FULL_STEP_SHARE of the way from the stream's own decode step to the
+    longest, or more (the burst's edges and the stream's own steps are shorter; where a step costs mostly its
+    overhead, a decode step is most of a full one's length)."""
     if not steps:
         return 0
     decode_s = model.step_s(0, 1, 16)
-    line = decode_s + share * (max(steps) - decode_s)
+    line = decode_s + FULL_STEP_SHARE * (max(steps) - decode_s)
     return sum(d >= line for d in steps)
+
+
+def _on_paper(trace: Trace, sent: Mapping[str, float], model: StepModel, assumption: SchedulerAssumption,
+              budget: int) -> dict:
+    """The probe's paper schedule under ``budget`` (no cap, no KV limit)."""
+    under = replace(assumption, token_budget=budget, long_prefill_threshold=0, kv_blocks=None)
+    return serve(trace.requests, {}, sent, model, under, False)
 
 
 def _burst_span(trace: Trace, sent: Mapping[str, float], model: StepModel, assumption: SchedulerAssumption,
                 budget: int) -> float:
     """From the probe's first prompt sent to its prompts' last first token, in the paper schedule under ``budget``."""
-    under = replace(assumption, token_budget=budget, long_prefill_threshold=0, kv_blocks=None)
-    paper = serve(trace.requests, {}, sent, model, under, False)
+    paper = _on_paper(trace, sent, model, assumption, budget)
     burst = [r.id for r in trace.requests if r.id != "cs"]
     return max(sent[i] + paper[i].ttft_s for i in burst) - min(sent[i] for i in burst)
 
 
 def _prompt_steps(trace: Trace, sent: Mapping[str, float], model: StepModel, assumption: SchedulerAssumption,
-                  budget: int, share: float = FULL_STEP_SHARE) -> int:
-    """The full steps (``share`` of the longest or more) computing the probe's prompts in the paper
-    schedule under ``budget`` (no cap, no KV limit)."""
-    under = replace(assumption, token_budget=budget, long_prefill_threshold=0, kv_blocks=None)
-    paper = serve(trace.requests, {}, sent, model, under, False)
-    steps = {step for r in trace.requests if r.id != "cs" for step in paper[r.id].chunk_steps}
-    return _full([d for _, d in steps], model, share)
+                  budget: int) -> int:
+    """The full steps (:func:`_full`) computing the probe's prompts in the paper schedule under ``budget``."""
+    paper = _on_paper(trace, sent, model, assumption, budget)
+    return _full([d for _, d in {step for r in trace.requests if r.id != "cs" for step in paper[r.id].chunk_steps}],
+                 model)
 
 
 #: The prefill step probe: this many prompts of FLOOR_PROMPT_TOKENS, each sent while the stream
@@ -347,8 +347,7 @@ async def _beside_a_stream(target: Target, model: StepModel, assumption: Schedul
 def _longest_step(trace: Trace, sent: Mapping[str, float], model: StepModel, assumption: SchedulerAssumption,
                   budget: int) -> float:
     """The longest step computing the probe's prompts in the paper schedule under ``budget``."""
-    under = replace(assumption, token_budget=budget, long_prefill_threshold=0, kv_blocks=None)
-    paper = serve(trace.requests, {}, sent, model, under, False)
+    paper = _on_paper(trace, sent, model, assumption, budget)
     return max((d for r in trace.requests if r.id != "cs" for _, d in paper[r.id].chunk_steps), default=0.0)
 
 
