@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from paper_target import TRUE_MODEL, PaperTarget
 
-from fuzzer.errors import TargetError
+from fuzzer.errors import ConfigError, TargetError
 from fuzzer.execution import Outcome
 from fuzzer.oracle.calibrate import calibrate, reuse_or_calibrate
 from fuzzer.oracle.fitting import theil_sen
@@ -131,7 +131,7 @@ async def test_a_stale_calibration_is_measured_again_under_its_assumption_and_sa
     told.clear()
     fresh = await reuse_or_calibrate(PaperTarget(), None, rng=draws, on_measure=told.append)
     # (This target reports no context length: the cap probe's prompt would not fit, so the cap is not known.)
-    unknown = replace(SchedulerAssumption(), admission_stops=False,
+    unknown = replace(SchedulerAssumption(), admission_stops=False, seats_seen=64,
                       source=f"{SchedulerAssumption().source}; long-prefill cap not known")
     assert told == [None] and fresh.assumption == unknown
 
@@ -403,6 +403,29 @@ async def test_a_cap_is_no_smaller_budget_and_a_server_at_the_assumed_steps_is_n
         assert a.low_budget == 0 and probed is (cap > 0), (a, target.names)
 
 
+async def test_a_budget_and_seats_the_server_reports_are_not_probed_for():
+    # A server that reports its scheduler's budget and seats (vllm:cache_config_info's labels on four of
+    # the vLLM-like servers written for this project) is held to them: no probe reads a planted bug's
+    # behaviour as the engine's configuration (heldout6: a 16384-token budget read off a bug).
+    from fuzzer.execute import adapters
+    from fuzzer.sim.config import SimConfig
+
+    config = SimConfig(max_num_batched_tokens=1536, max_num_seqs=48)
+    target = _Named(config, seed=4)
+    target.info = adapters.ServerInfo(kind="vllm", version=None, model=None, max_model_len=config.max_model_len,
+                                      scheduler={"max_num_batched_tokens": 1536, "max_num_seqs": 48})
+    a = (await calibrate(target, rng=random.Random(4))).assumption
+    assert (a.token_budget, a.max_num_seqs, a.low_budget, a.seats_seen) == (1536, 48, 0, 0), a
+    assert not any(n.startswith(("calibration-budget", "calibration-small-budget", "calibration-seats"))
+                   for n in target.names), target.names
+    # The control: unreported, the same server is probed for both (its 48 seats under the probe's 64 streams).
+    blind = _Named(config, seed=4)
+    blind.info = adapters.ServerInfo(kind="vllm", version=None, model=None, max_model_len=config.max_model_len)
+    b = (await calibrate(blind, rng=random.Random(4))).assumption
+    assert b.max_num_seqs == 48 and "max_num_seqs measured" in b.source, b
+    assert any(n.startswith("calibration-budget") for n in blind.names), blind.names
+
+
 @pytest.mark.parametrize("budget", [2048, 4096, 8192])
 async def test_a_larger_budget_is_measured_where_a_step_costs_mostly_its_overhead(budget):
     # heldout11 (issue 16's eleventh held-out server): 12 ms a step and 1.5 us a prompt token, so a step of its
@@ -472,7 +495,7 @@ async def test_fewer_seats_than_assumed_are_measured_and_bound_the_waits():
     # ttft-outliers (29-362x) in a 10-minute campaign, each a request that waited for a seat the
     # assumed 256 gave it on paper.
     from fuzzer.oracle import judge
-    from fuzzer.oracle.seats import seat_count
+    from fuzzer.oracle.seats import SEAT_PROBE_STREAMS, seat_count
     from fuzzer.trace import Request, Trace
 
     small = PaperTarget(noise=0.01, assumption=SchedulerAssumption(max_num_seqs=16))
@@ -487,13 +510,37 @@ async def test_fewer_seats_than_assumed_are_measured_and_bound_the_waits():
                                  rng=random.Random(1), clock=lambda: 0.0, measure_seats=False)
     assert unmeasured.assumption.max_num_seqs == 256
     assert any(c.request_id.startswith("q") for c in judge.candidates(crowd, result, unmeasured))
-    # Controls: a server with more seats than the probe's streams keeps the assumption (one run); a
-    # count the user names stands.
+    # Controls: a server that seats all the probe's streams keeps the assumed count, the probe's
+    # streams seen beside it (one run); a count the user names stands.
     default = PaperTarget(noise=0.01)
-    assert await seat_count(default) == 0 and default.executions == 1
+    assert await seat_count(default) == SEAT_PROBE_STREAMS and default.executions == 1
     named = await calibrate(small, assumption=SchedulerAssumption(max_num_seqs=8, source="user override of max_num_seqs"),
                             rng=random.Random(1), clock=lambda: 0.0)
     assert named.assumption.max_num_seqs == 8
+
+
+async def test_more_seats_than_the_probe_sends_bound_a_crowds_waits_by_the_seats_it_saw():
+    # Stop 46: heldout11 runs 64 sequences of the documented 256; the probe's 64 streams all got
+    # seats, so a trace running more would have held a request waiting for a seat to a bound that
+    # gave it one. The probe's streams are now a floor the slot rule counts seats from.
+    from fuzzer.oracle import judge
+    from fuzzer.oracle.seats import SEAT_PROBE_STREAMS
+    from fuzzer.trace import Request, Trace
+
+    eighty = PaperTarget(noise=0.01, assumption=SchedulerAssumption(max_num_seqs=80))
+    cal = await calibrate(eighty, rng=random.Random(1), clock=lambda: 0.0)
+    a = cal.assumption
+    assert (a.max_num_seqs, a.seats_seen) == (256, SEAT_PROBE_STREAMS) and f"({SEAT_PROBE_STREAMS} seen" in a.describe()
+    assert SchedulerAssumption.from_dict(a.to_dict()) == a
+    crowd = Trace(requests=tuple(Request(id=f"q{i}", at_ms=float(i) / 4, prompt_tokens=32, max_tokens=96)
+                                 for i in range(120)))
+    result = eighty.run(crowd)
+    assert judge.candidates(crowd, result, cal) == []
+    # Control: without the floor the requests that waited for the 80 seats are held to the 256.
+    blind = cal.with_assumption(replace(a, seats_seen=0))
+    assert any(c.request_id.startswith("q") for c in judge.candidates(crowd, result, blind))
+    with pytest.raises(ConfigError):
+        SchedulerAssumption(max_num_seqs=32, seats_seen=64)
 
 
 async def test_a_server_that_keeps_no_prefix_is_fitted_so_and_gives_no_cache_hit():

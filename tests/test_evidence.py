@@ -71,6 +71,23 @@ def test_a_request_that_found_every_slot_taken_waits_for_the_first_to_free_as_ob
     assert capped.ttft_s == 0.7 - 0.3 + 0.02
 
 
+def test_seats_seen_but_not_counted_bound_a_wait_by_the_latest_end_it_was_served_after():
+    # The server has 2 to 8 slots (the probe saw 2 streams seated): v, served at 1.25 s after s2 ended
+    # at 1.2 s, may have waited for the third slot to free, and is bounded by that end.
+    expectations, result = _four_streams_then_v(1.25)
+    seqs = {k: 1 for k in expectations}
+    out = waited_for_slot(expectations, result, seqs, 8, 2.0, seats_seen=2)["v"]
+    assert out.behind == "a slot (s2 ended)" and out.ttft_s == pytest.approx(1.2 - 0.3 + 0.02)
+    # Served at 0.83 s, after s0 only: bounded by s0's end; with 4 seats at least, s0's is the latest it needed.
+    expectations, result = _four_streams_then_v(0.83)
+    assert waited_for_slot(expectations, result, seqs, 8, 2.0, seats_seen=2)["v"].behind == "a slot (s0 ended)"
+    assert waited_for_slot(expectations, result, seqs, 8, 2.0, seats_seen=4)["v"].behind == "a slot (s0 ended)"
+    # Controls: served before any end; five seats seen (v had one).
+    early_e, early_r = _four_streams_then_v(0.5)
+    assert waited_for_slot(early_e, early_r, seqs, 8, 2.0, seats_seen=2)["v"].behind is None
+    assert waited_for_slot(expectations, result, seqs, 8, 2.0, seats_seen=5)["v"].behind is None
+
+
 def test_a_request_asking_for_several_choices_takes_as_many_slots():
     expectations, result = _four_streams_then_v(0.83)
     two = {k: 1 for k in expectations} | {"s3": 2}  # s0-s3 hold 5 of 6 slots: v fits

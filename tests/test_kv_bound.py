@@ -306,11 +306,11 @@ def test_a_request_whose_choices_outgrow_the_cache_leaves_the_count_unjudged():
 
 def test_the_capacity_is_read_from_vllms_cache_config_info():
     page = SimMetrics(VirtualTarget().engine).render().decode()
-    assert detection.kv_cache_config(page) == {"num_gpu_blocks": 2560, "block_size": 16}
-    assert detection.kv_cache_config("vllm:num_requests_running 1\n") == {}
+    assert detection.cache_config_labels(page) == {"num_gpu_blocks": 2560, "block_size": 16}
+    assert detection.cache_config_labels("vllm:num_requests_running 1\n") == {}
     line = 'vllm:cache_config_info{block_size="32",enable_prefix_caching="True",num_gpu_blocks="81920"} 1.0\n'
-    assert detection.kv_cache_config(line) == {"num_gpu_blocks": 81920, "block_size": 32}
-    a = assumption_for("vllm", {**adapters.adapter("vllm").scheduler_defaults, **detection.kv_cache_config(line)})
+    assert detection.cache_config_labels(line) == {"num_gpu_blocks": 81920, "block_size": 32}
+    a = assumption_for("vllm", {**adapters.adapter("vllm").scheduler_defaults, **detection.cache_config_labels(line)})
     assert (a.kv_blocks, a.block_size) == (81920, 32)
     fp = detection.Fingerprint({"/metrics": (200, page)})
     assert detection.reported_scheduler(fp, "vllm") == {"num_gpu_blocks": 2560, "block_size": 16}
@@ -319,6 +319,28 @@ def test_the_capacity_is_read_from_vllms_cache_config_info():
     assert scheduler_assumption(info).kv_blocks == 2560
     assert detection.reported_scheduler(detection.Fingerprint({"/metrics": (200, "vllm:num_preemptions_total 0\n")}),
                                       "vllm") == {}
+
+
+def test_a_servers_reported_budget_and_seats_are_its_configuration():
+    # Four of the vLLM-like servers written for this project add max_num_batched_tokens and
+    # max_num_seqs to vllm:cache_config_info; vLLM's own line has only its cache config.
+    line = ('vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_gpu_blocks="1500",'
+            'max_num_batched_tokens="1536",max_num_seqs="48",preemption_mode="recompute"} 1.0\n')
+    labels = detection.cache_config_labels(line)
+    assert labels == {"num_gpu_blocks": 1500, "block_size": 16, "max_num_batched_tokens": 1536, "max_num_seqs": 48}
+    info = adapters.ServerInfo(kind="vllm", version=None, model=None, max_model_len=None, scheduler=labels)
+    a = scheduler_assumption(info)
+    assert (a.token_budget, a.max_num_seqs, a.kv_blocks) == (1536, 48, 1500)
+    assert "server-reported token_budget, max_num_seqs" in a.source
+    # A user's override beats the report, and is the only one named so.
+    b = scheduler_assumption(info, token_budget=4096)
+    assert b.token_budget == 4096 and "server-reported max_num_seqs" in b.source and "user override" in b.source
+    # Controls: vLLM's own line reports no scheduler; a label that is no positive integer is left out.
+    own = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1500",max_num_seqs="none"} 1.0\n'
+    assert detection.cache_config_labels(own) == {"num_gpu_blocks": 1500, "block_size": 16}
+    plain = scheduler_assumption(adapters.ServerInfo(kind="vllm", version=None, model=None, max_model_len=None,
+                                                     scheduler=detection.cache_config_labels(own)))
+    assert "server-reported" not in plain.source and plain.token_budget == 2048
 
 
 def test_calibration_stores_the_capacity_and_servers_without_one_keep_todays_bound():

@@ -96,16 +96,21 @@ def detect(fp: Fingerprint) -> str:
     return "openai"
 
 
+#: Scheduler parameters a vLLM-like server may report among its cache_config_info labels.
+_SCHEDULER_LABELS = ("max_num_batched_tokens", "max_num_seqs")
+
+
 def reported_scheduler(fp: Fingerprint, kind: str) -> dict[str, Any]:
     """Scheduler parameters the server reports about itself (see :attr:`fuzzer.execute.adapters.ServerInfo.scheduler`).
 
     llama.cpp: /props ``total_slots`` is the number of requests served at once
     (``max_num_seqs``); more wait, deferred, until a slot frees. vLLM (and the built-in
     simulator): the KV cache's size, ``num_gpu_blocks`` blocks of ``block_size`` tokens,
-    from the labels of /metrics' ``vllm:cache_config_info``.
+    from the labels of /metrics' ``vllm:cache_config_info``, and the token budget and seats where
+    those labels report them (:func:`cache_config_labels`).
     """
     if kind == "vllm":
-        return kv_cache_config(fp.ok("/metrics") or "")
+        return cache_config_labels(fp.ok("/metrics") or "")
     if kind == "llamacpp":
         props = fp.json("/props")
         slots = props.get("total_slots") if isinstance(props, dict) else None
@@ -114,16 +119,19 @@ def reported_scheduler(fp: Fingerprint, kind: str) -> dict[str, Any]:
     return {}
 
 
-def kv_cache_config(metrics_text: str) -> dict[str, int]:
-    """``{"num_gpu_blocks": N, "block_size": B}`` from vLLM's ``vllm:cache_config_info`` line; {} without it."""
+def cache_config_labels(metrics_text: str) -> dict[str, int]:
+    """What vLLM's ``vllm:cache_config_info`` line reports: ``num_gpu_blocks`` with ``block_size`` (the KV
+    cache's size), and ``max_num_batched_tokens`` and ``max_num_seqs`` where a server adds them to
+    those labels (vLLM's own line has only its cache config; vLLM-like servers of benchmarks/ report
+    their scheduler's too). Positive integers only; {} without the line."""
     for line in metrics_text.splitlines():
         if line.startswith("vllm:cache_config_info{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line[: line.rfind("}")]))
-            try:
-                blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
-            except (KeyError, ValueError):
-                return {}
-            return {"num_gpu_blocks": blocks, "block_size": size} if blocks > 0 and size > 0 else {}
+            found = {k: int(v) for k, v in labels.items()
+                     if k in ("num_gpu_blocks", "block_size", *_SCHEDULER_LABELS) and v.isdigit() and int(v) > 0}
+            if not {"num_gpu_blocks", "block_size"} <= found.keys():
+                found.pop("num_gpu_blocks", None), found.pop("block_size", None)
+            return found
     return {}
 
 

@@ -267,7 +267,7 @@ class HttpTarget:
                 text = await response.text() if response.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return info
-        found = detection.kv_cache_config(text)
+        found = detection.cache_config_labels(text)
         if found:
             self.info = info = replace(info, scheduler={**info.scheduler, **found})
         return info

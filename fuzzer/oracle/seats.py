@@ -52,12 +52,15 @@ def seated(result) -> int | None:
 
 
 async def seat_count(target: Target) -> int:
-    """The sequences ``target`` runs at once when fewer than SEAT_PROBE_STREAMS, else 0 (0 too when a
-    run failed, or the runs disagree)."""
+    """The sequences ``target`` runs at once when fewer than SEAT_PROBE_STREAMS; SEAT_PROBE_STREAMS when
+    every stream had a seat (one run: a server that seats them all has at least that many, and
+    maybe no more); 0 when a run failed, or the runs disagree."""
     counts = set()
     for run in range(SEAT_PROBE_REPEATS):
         count = seated(await target.execute(seat_probe(run)))
-        if count is None or count >= SEAT_PROBE_STREAMS:
-            return 0  # every stream had a seat (or the probe could not tell): the assumption stands
+        if count is None:
+            return 0  # the probe could not tell: the assumption stands
+        if count >= SEAT_PROBE_STREAMS:
+            return SEAT_PROBE_STREAMS
         counts.add(count)
     return counts.pop() if len(counts) == 1 and min(counts) >= 1 else 0
