@@ -415,7 +415,7 @@ async def test_a_budget_and_seats_the_server_reports_are_not_probed_for():
     target.info = adapters.ServerInfo(kind="vllm", version=None, model=None, max_model_len=config.max_model_len,
                                       scheduler={"max_num_batched_tokens": 1536, "max_num_seqs": 48})
     a = (await calibrate(target, rng=random.Random(4))).assumption
-    assert (a.token_budget, a.max_num_seqs, a.low_budget, a.seats_seen) == (1536, 48, 0, 0), a
+    assert (a.token_budget, a.low_budget, a.max_num_seqs, a.seats_seen) == (2048, 1536, 48, 0), a
     assert not any(n.startswith(("calibration-budget", "calibration-small-budget", "calibration-seats"))
                    for n in target.names), target.names
     # The control: unreported, the same server is probed for both (its 48 seats under the probe's 64 streams).

@@ -330,8 +330,11 @@ def test_a_servers_reported_budget_and_seats_are_its_configuration():
     assert labels == {"num_gpu_blocks": 1500, "block_size": 16, "max_num_batched_tokens": 1536, "max_num_seqs": 48}
     info = adapters.ServerInfo(kind="vllm", version=None, model=None, max_model_len=None, scheduler=labels)
     a = scheduler_assumption(info)
-    assert (a.token_budget, a.max_num_seqs, a.kv_blocks) == (1536, 48, 1500)
+    # Under vLLM's documented 2048, held beside it (SchedulerAssumption.low_budget); above it, alone.
+    assert (a.token_budget, a.low_budget, a.max_num_seqs, a.kv_blocks) == (2048, 1536, 48, 1500)
     assert "server-reported token_budget, max_num_seqs" in a.source
+    large = scheduler_assumption(dataclasses.replace(info, scheduler={**labels, "max_num_batched_tokens": 4096}))
+    assert (large.token_budget, large.low_budget) == (4096, 0)
     # A user's override beats the report, and is the only one named so.
     b = scheduler_assumption(info, token_budget=4096)
     assert b.token_budget == 4096 and "server-reported max_num_seqs" in b.source and "user override" in b.source
