@@ -94,7 +94,9 @@ def judge_findings(store: Store, truth: dict[str, set[str]], campaign_id: int | 
     for row in store.execution_rows(campaign_id=campaign_id):
         first_run.setdefault(row["trace_hash"], row)
     for finding in store.list_findings(campaign_id=campaign_id):
-        victim = finding.verdict.get("request_id")
+        # An option-slowdown names the option's first carrier; the requests it claims were slowed are the others
+        # (a carrier the server rejected has no ground truth at all: heldout11, logprobs 20).
+        victim = None if finding.kind == "option-slowdown" else finding.verdict.get("request_id")
         runs = [r for eid in store.execution_ids(trace_hash=finding.trace_hash)
                 for r in store.get_execution(eid).requests if victim is None or r.request_id == victim]
         tagged: dict[str, int] = {}
