@@ -138,6 +138,18 @@ def test_the_prefix_cache_helps_a_later_request_of_the_group_only_once_computed(
     assert off["c"].cached_tokens == 0
 
 
+def test_a_chat_request_shares_a_prefix_only_with_chat_requests():
+    # heldout10, clean, stop 46: a chat member of a completions group (its template's tokens come first,
+    # so its blocks match none of theirs) was held to the group's cache hit: a confirmed 9x ttft-outlier.
+    prefixes = {"p": 1000}
+    owner = _req("a", 0, 1100, prefix="p", out=2)
+    chat = dataclasses.replace(_req("c", 500, 1100, prefix="p", out=2), api="chat")
+    paper = paper_schedule(Trace(requests=(owner, chat), prefixes=prefixes), MODEL, FCFS)
+    assert paper["c"].cached_tokens == 0
+    chats = paper_schedule(Trace(requests=(dataclasses.replace(owner, api="chat"), chat), prefixes=prefixes), MODEL, FCFS)
+    assert chats["c"].cached_tokens == 992
+
+
 def test_a_cache_hit_never_covers_the_whole_prompt():
     prefixes = {"p": 64}
     trace = Trace(requests=(_req("a", 0, 64, prefix="p", out=1), _req("b", 500, 64, prefix="p", out=1)),

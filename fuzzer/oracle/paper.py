@@ -4,8 +4,9 @@
 model and a scheduler assumption. Every step has a token budget; running decodes come
 first (one token per sequence), then prefill chunks in first-come-first-served order,
 first the partially prefilled running requests, then waiting ones, up to
-``max_num_seqs``. A prefix shared with an earlier request of the same trace is a cache
-hit once that request has computed the prefix's full KV blocks. Stretches of pure
+``max_num_seqs``. A prefix shared with an earlier request of the same trace and API is a
+cache hit once that request has computed the prefix's full KV blocks (a chat template's
+tokens come first in a chat request's prompt). Stretches of pure
 decoding are computed many steps at once, float for float the same as one by one.
 
 A request asking for more choices (``n``) than ``max_num_seqs`` sequences is served in
@@ -122,7 +123,10 @@ def serve(
             id=r.id,
             arrival_s=sent.get(r.id, r.at_ms / 1000.0),
             prompt=r.prompt_tokens,
-            group=r.prefix,
+            # A chat request's prompt starts with its template's tokens: its blocks share nothing with a
+            # completion's of the same prefix (heldout10, clean: a chat member of a completions group held
+            # to the group's cache hit, 9x its bound), only with other chat requests'.
+            group=f"{r.prefix}:{r.api}" if r.prefix else None,
             prefix=prefixes[r.prefix] if r.prefix else 0,
             out=r.cancel_after_tokens or r.max_tokens,
             n=r.n,
