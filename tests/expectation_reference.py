@@ -35,7 +35,7 @@ def paper_schedule(
             id=r.id,
             arrival_s=sent.get(r.id, r.at_ms / 1000.0),
             prompt=r.prompt_tokens,
-            group=r.prefix,
+            group=f"{r.prefix}:{r.api}" if r.prefix else None,  # a chat prompt's template comes first
             prefix=trace.prefix_tokens(r),
             out=r.cancel_after_tokens or r.max_tokens,
             n=r.n,
@@ -83,7 +83,8 @@ def _fanout(trace: Trace, model: StepModel, assumption: SchedulerAssumption, res
     sent = {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
     jobs = [
         _Job(id=r.id if k == 0 else f"{r.id}~{k}", arrival_s=sent.get(r.id, r.at_ms / 1000.0), prompt=r.prompt_tokens,
-             group=r.prefix, prefix=trace.prefix_tokens(r), out=r.cancel_after_tokens or r.max_tokens, n=1)
+             group=f"{r.prefix}:{r.api}" if r.prefix else None, prefix=trace.prefix_tokens(r),
+             out=r.cancel_after_tokens or r.max_tokens, n=1)
         for r in trace.requests for k in range(r.n)
     ]
     done = {j.id: j.paper(model) for j in _schedule(jobs, model, assumption, lookahead=True, window=0.0)}
