@@ -47,6 +47,7 @@ MAX_REQUESTS = 4096
 #: The n (and logprobs) values the mutators draw and the capability probe asks a server about
 #: (vLLM 37343 used n=8, logprobs=20; small values cost nothing).
 N_VALUES = (2, 4, 8)
+LOGPROB_VALUES = (1, 5, MAX_LOGPROBS)
 
 
 @dataclass(frozen=True)

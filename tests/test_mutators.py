@@ -86,6 +86,15 @@ def test_n_stays_within_what_the_probe_saw_accepted(seed_trace):
     assert max(seen) <= 4 and seen & {2, 4}
 
 
+def test_logprobs_stay_within_what_the_probe_saw_accepted(seed_trace):
+    m = Mutator(Limits(max_logprobs=5))
+    rng = random.Random(5)
+    seen = set()
+    for _ in range(400):
+        seen.update(r.logprobs for r in m.mutate(seed_trace, rng).trace.requests if r.logprobs is not None)
+    assert seen and max(seen) <= 5
+
+
 def test_snap_prompt_reaches_block_and_budget_boundaries(seed_trace):
     rng = random.Random(1)
     seen = set()

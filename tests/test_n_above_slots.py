@@ -58,13 +58,16 @@ def test_the_oracle_judges_a_trace_with_n_above_the_slots():
     assert {v.request_id for v in verdicts} == {"a", "b"}
 
 
-async def _probe(limit: int | None) -> dict:
-    """Capabilities probed from a server that refuses n above ``limit`` (None: any n; 1: n > 1)."""
+async def _probe(limit: int | None, logprobs: int | None = None) -> dict:
+    """Capabilities probed from a server that refuses n above ``limit`` (None: any n; 1: n > 1), and
+    logprobs above ``logprobs`` (None: any)."""
 
     async def completions(request):
         body = await request.json()
         if limit is not None and body.get("n", 1) > limit:
             return web.json_response({"error": {"message": "n exceeds the number of slots"}}, status=400)
+        if logprobs is not None and body.get("logprobs", 0) > logprobs:
+            return web.json_response({"error": {"message": "logprobs above --max-logprobs"}}, status=400)
         return web.json_response({"choices": [{"text": "x"}], "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
 
     app = web.Application()
@@ -81,3 +84,18 @@ async def test_the_probe_records_the_largest_n_a_server_accepts():
         info = ServerInfo(kind="openai", version=None, model=None, max_model_len=None, capabilities=caps)
         assert info.max_n == expected
         assert info.accepts("n") is (limit != 1)
+
+
+async def test_the_probe_records_the_largest_logprobs_a_server_accepts():
+    # heldout11 refuses logprobs above 5 (its --max-logprobs): every request the mutators gave 20 was
+    # rejected, the option's load never put on the server.
+    from fuzzer.execute.harness import status_outcome
+    from fuzzer.execution import Outcome
+
+    for limit, expected in ((5, 5), (1, 1), (None, None)):
+        caps = await _probe(None, logprobs=limit)
+        assert caps["logprobs"] and caps.get(adapters.MAX_LOGPROBS) == expected
+        info = ServerInfo(kind="openai", version=None, model=None, max_model_len=None, capabilities=caps)
+        assert info.max_logprobs == expected
+        over = Request(id="x", at_ms=0, prompt_tokens=8, max_tokens=2, logprobs=20)
+        assert status_outcome(400, over, info) is (Outcome.REJECTED if limit is None else Outcome.UNSUPPORTED)

@@ -25,7 +25,7 @@ import aiohttp
 
 from fuzzer.errors import ConfigError, TargetError
 from fuzzer.execute.detection import PROBE_TIMEOUT_S
-from fuzzer.trace import N_VALUES
+from fuzzer.trace import LOGPROB_VALUES, N_VALUES
 
 KINDS = ("vllm", "sglang", "tgi", "llamacpp", "openai")
 
@@ -37,6 +37,11 @@ MAX_N = "max_n"
 #: The ``n`` values tried above 2 when the server accepts n=2: those the mutators draw, so
 #: a refusal of any of them is recorded.
 N_PROBES = tuple(n for n in N_VALUES if n > 2)
+#: Capability key of the largest ``logprobs`` a server accepts, recorded only when it refuses a
+#: larger one (vLLM's ``--max-logprobs``, 20 by default; a deployment may set 5): an int.
+MAX_LOGPROBS = "max_logprobs"
+#: The ``logprobs`` values tried above 1 when the server accepts 1: those the mutators draw.
+LOGPROB_PROBES = tuple(v for v in LOGPROB_VALUES if v > 1)
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,12 @@ class ServerInfo:
         if isinstance(blocks, int) and isinstance(size, int) and blocks > 0 and size > 0:
             return blocks, size
         return None
+
+    @property
+    def max_logprobs(self) -> int | None:
+        """The largest ``logprobs`` the server accepts; None when no limit was seen (or none accepted)."""
+        value = self.capabilities.get(MAX_LOGPROBS)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @property
     def max_n(self) -> int | None:
@@ -354,7 +365,8 @@ async def probe_capabilities(
     answer: a wrong model, a refused API key); a 5xx on a feature probe counts as
     not accepted too, because a mutator should not lean on a feature that breaks.
     When n=2 is accepted, larger n (N_PROBES) are tried: the largest accepted one
-    before a refusal is recorded as ``max_n`` (a llama-server with 4 slots refuses n=8).
+    before a refusal is recorded as ``max_n`` (a llama-server with 4 slots refuses n=8). Likewise
+    ``logprobs`` above 1 (LOGPROB_PROBES), recorded as ``max_logprobs`` (heldout11 refuses 20).
     """
     caps: dict[str, bool | int] = {}
     status, text = await _post(session, base_url + adapter.completions_path, _probe_body(model, {}), headers)
@@ -380,6 +392,15 @@ async def probe_capabilities(
                 caps[MAX_N] = accepted_n
                 break
             accepted_n = n
+    if caps["logprobs"]:
+        accepted_k = 1
+        for k in LOGPROB_PROBES:
+            status, _ = await _post(session, base_url + adapter.completions_path, _probe_body(model, {"logprobs": k}),
+                                    headers)
+            if not 200 <= status < 300:
+                caps[MAX_LOGPROBS] = accepted_k
+                break
+            accepted_k = k
     caps["tokenize"] = False
     if adapter.tokenize_path and adapter.tokenize_body and adapter.tokenize_count:
         body = adapter.tokenize_body(_PROBE_PROMPT, model, False)

@@ -42,6 +42,8 @@ def status_outcome(status: int, r: Request, info: ServerInfo | None) -> Outcome:
             return Outcome.UNSUPPORTED
         if info.max_n is not None and r.n > info.max_n:
             return Outcome.UNSUPPORTED  # more choices than the probe saw accepted (1: n refused)
+        if info.max_logprobs is not None and r.logprobs is not None and r.logprobs > info.max_logprobs:
+            return Outcome.UNSUPPORTED  # more logprobs than the probe saw accepted
     return Outcome.REJECTED
 
 

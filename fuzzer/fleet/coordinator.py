@@ -584,9 +584,11 @@ def _is_latency(task: Task) -> bool:
 
 def _narrowest(limits: Sequence[Limits], settings: Limits) -> Limits:
     """What every target accepts within the campaign's own limits: the shortest context, every feature
-    one of them rejects, the smallest max n, the smallest KV cache (trace sizes as the settings say)."""
-    max_n = [x.max_n for x in (*limits, settings) if x.max_n is not None]
-    kv = [x.kv_tokens for x in (*limits, settings) if x.kv_tokens is not None]
+    one of them rejects, the smallest max n and logprobs, the smallest KV cache (trace sizes as the settings say)."""
+    def least(name: str) -> int | None:
+        known = [getattr(x, name) for x in (*limits, settings) if getattr(x, name) is not None]
+        return min(known) if known else None
+
     return replace(settings, max_model_len=min(x.max_model_len for x in (*limits, settings)),
                    unsupported=frozenset().union(*(x.unsupported for x in (*limits, settings))),
-                   max_n=min(max_n) if max_n else None, kv_tokens=min(kv) if kv else None)
+                   max_n=least("max_n"), max_logprobs=least("max_logprobs"), kv_tokens=least("kv_tokens"))

@@ -256,4 +256,5 @@ def limits_of(info, kv: tuple[int, int] | None = None) -> Limits:
     max_len = info.max_model_len or Limits().max_model_len
     kv = info.kv_cache() or kv
     return Limits(max_model_len=max_len, unsupported=unsupported & {"chat", "n", "logprobs"}, max_n=info.max_n,
+                  max_logprobs=info.max_logprobs,
                   kv_tokens=None if kv is None else kv[0] * kv[1])

@@ -27,7 +27,7 @@ from fuzzer.oracle.signature import LEAVING, leak_signature, leaving, leaving_cl
 from fuzzer.search.shapes import SHAPE_OPERATORS
 from fuzzer.search.shapes import fresh_id as _fresh_id
 from fuzzer.search.shapes import fresh_name as _fresh_name
-from fuzzer.trace import MAX_LOGPROBS, N_VALUES, Request, Trace, disconnects, validate
+from fuzzer.trace import LOGPROB_VALUES, N_VALUES, Request, Trace, disconnects, validate
 
 # A fuzzing trace with more requests than this is a load test: slower to run, slower to
 # minimize, and it finds queueing rather than scheduling pathologies.
@@ -40,7 +40,6 @@ HAVOC_STACK_POW2 = 3
 # Share of random requests (generation, add_request) that ask for sampling work: n, logprobs or both.
 SAMPLING_RATE = 0.1
 _SAMPLING_KINDS = ("n", "logprobs", "both")
-_LOGPROB_VALUES = (1, 5, MAX_LOGPROBS)
 # Bandit: add-one smoothing and a floor, so no operator starves before it had a chance.
 OPERATOR_FLOOR = 0.2
 
@@ -58,6 +57,8 @@ class Limits:
     unsupported: frozenset[str] = frozenset()
     #: The largest n the target accepted in the capability probe (None: no limit seen).
     max_n: int | None = None
+    #: The largest logprobs the target accepted in the capability probe (None: no limit seen).
+    max_logprobs: int | None = None
     #: Tokens the server's KV cache holds, where it reports them (vLLM's cache_config_info): the
     #: KV-pressure shapes are sized from it (None: unknown, they do not apply).
     kv_tokens: int | None = None
@@ -69,7 +70,8 @@ class Limits:
         return {
             "max_model_len": self.max_model_len, "block_size": self.block_size, "token_budget": self.token_budget,
             "max_requests": self.max_requests, "max_output_tokens": self.max_output_tokens,
-            "unsupported": sorted(self.unsupported), "max_n": self.max_n, "kv_tokens": self.kv_tokens,
+            "unsupported": sorted(self.unsupported), "max_n": self.max_n,
+            "max_logprobs": self.max_logprobs, "kv_tokens": self.kv_tokens,
         }
 
     @classmethod
@@ -136,7 +138,8 @@ def _sampling(rng: random.Random, limits: Limits, what: str, request: Request | 
         allowed = [v for v in N_VALUES if limits.max_n is None or v <= limits.max_n]
         n = rng.choice(allowed) if allowed else n
     if what in ("logprobs", "both") and "logprobs" not in limits.unsupported:
-        logprobs = rng.choice(_LOGPROB_VALUES)
+        allowed = [v for v in LOGPROB_VALUES if limits.max_logprobs is None or v <= limits.max_logprobs]
+        logprobs = rng.choice(allowed) if allowed else logprobs
     return n, logprobs
 
 
