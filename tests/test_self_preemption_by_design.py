@@ -61,6 +61,12 @@ def test_a_prompt_preempted_in_its_prefill_may_be_preempted_again_at_each_later_
     small = SchedulerAssumption(kv_blocks=12)
     both = serve(decoding.requests, decoding.prefixes, {}, SIM_MODEL, small, False, kv_blocks=12)
     assert both["B"].preemptions == 1 and both["B"].churn == 0
+    # Unless a long-prefill cap makes its recompute (prompt and output) more than one chunk: heldout7,
+    # clean, preempted decoding streams 38 times where the model without this churn said 6.
+    capped = SchedulerAssumption(kv_blocks=12, long_prefill_threshold=32)
+    again = serve(decoding.requests, decoding.prefixes, {}, SIM_MODEL, capped, False, kv_blocks=12)
+    assert again["B"].preemptions == 1 and again["B"].churn == 2  # its 64 prompt tokens and its output so far: 3 chunks of 32
+    assert expected_preemptions(decoding, SIM_MODEL, capped) >= 3
 
 
 #: Found by a 30-minute campaign against a clean simulator over HTTP (2026-11-25, `fuzz sim --seed 1`):

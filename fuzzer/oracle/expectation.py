@@ -138,7 +138,7 @@ def expected_preemptions(
 ) -> int:
     """The most preemptions any KV-aware variant of the envelope makes (0 without a KV capacity).
 
-    A prompt preempted in its prefill counts once more for each of its later chunks (``churn``):
+    A request preempted counts once more for each later chunk of its recompute (``churn``):
     an engine that re-admits it a chunk at a time may preempt it again at each.
     """
     return _expect(*_key(trace, result), model, assumption, True)[1]

@@ -57,7 +57,8 @@ class KVBlocks:
     #: Blocks kept free per running request when admitting (each decode may need one next step).
     HEADROOM_PER_SEQ = 1
 
-    def __init__(self, capacity: int, block_size: int, token_budget: int, *, whole_readmission: bool = True) -> None:
+    def __init__(self, capacity: int, block_size: int, token_budget: int, *, whole_readmission: bool = True,
+                 chunk: int = 0) -> None:
         self.free = capacity
         self.block = block_size
         self.budget = token_budget
@@ -65,6 +66,8 @@ class KVBlocks:
         #: its own blocks there); False: a chunk at a time, as a fresh request (no prefix cache), so that
         #: it is preempted again at the next block a decode needs, as the engine does (see :meth:`preempt`).
         self.whole_readmission = whole_readmission
+        #: The most prompt tokens one request computes in a step (a long-prefill cap; 0: the budget).
+        self.chunk = chunk
         #: prefix group -> (the running request that pays for its resident blocks, how many).
         self.payer: dict[str, tuple[Job, int]] = {}
         #: prefix group -> its running members that share the payer's blocks.
@@ -202,13 +205,16 @@ class KVBlocks:
 
         With ``whole_readmission`` this schedule re-admits a preempted request only when its whole
         recompute fits. vLLM v1 (and the simulator) re-admit it a chunk at a time as soon as a chunk
-        fits, so a prompt preempted in its prefill may be preempted again at each of its later chunks
-        until the streams beside it leave room: ``churn`` counts those, for the thrash check. Without
+        fits, so a request preempted in its prefill, or in its decode (its prompt and output are
+        computed again), may be preempted again at each of its later chunks until the streams beside
+        it leave room: ``churn`` counts those, for the thrash check, in chunks of the long-prefill cap
+        where there is one (heldout7, clean: streams of 512-token prompts preempted in their decode,
+        re-admitted 472 tokens at a time, preempted 38 times where the count without churn was 6). Without
         it the schedule re-admits a chunk at a time itself, and each chunk it computes and loses again
         costs the steps it costs the engine (a server without a prefix cache: the waste of its thrash).
         """
-        whole = self.whole_readmission and not j.prefilled
-        churn = max(0, ceil_div(j.prompt + j.recompute, self.budget) - 1) if whole else 0
+        redo = j.prompt + (j.tokens if j.prefilled else j.recompute)
+        churn = max(0, ceil_div(redo, min(self.budget, self.chunk or self.budget)) - 1) if self.whole_readmission else 0
         j.churn += churn
         j.preempted_sequences += (1 + churn) * j.n
         self.release(j)

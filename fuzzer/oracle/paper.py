@@ -269,8 +269,8 @@ def schedule(
     a prompt sharing a 3888-token prefix sent during its owner's prefill was preempted and got its
     first token 9.7x later than the schedule that held it back until the prefix was complete.
     """
-    kv = (KVBlocks(kv_blocks, a.block_size, a.token_budget, whole_readmission=a.prefix_caching)
-          if kv_blocks is not None else None)
+    kv = (KVBlocks(kv_blocks, a.block_size, a.token_budget, whole_readmission=a.prefix_caching,
+                   chunk=a.long_prefill_threshold) if kv_blocks is not None else None)
     waves = _waves(jobs, 1 if fanout else a.max_num_seqs)
     queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     free = -math.inf
