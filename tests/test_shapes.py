@@ -85,12 +85,25 @@ def test_disconnect_fanout_leaves_an_n_stream_after_a_few_tokens():
                                     Limits(unsupported=frozenset({"n"}))) is None
 
 
-def test_seeded_batch_puts_one_seeded_request_among_many_streams():
-    for _, parent, child in _children(shapes.seeded_batch):
-        seeded = [r for r in child.requests if r.seed is not None]
-        rows = [r for r in child.requests if r.id.startswith("row")]
-        assert len(seeded) == 1 + sum(r.seed is not None for r in parent.requests) and len(rows) >= 4
-        assert seeded[-1].temperature > 0 and seeded[-1].at_ms > max(r.at_ms for r in rows)
+def test_sampling_batch_puts_one_seeded_or_logprobs_request_among_many_streams():
+    kinds = set()
+    for _, parent, child in _children(shapes.sampling_batch):
+        new = [r for r in child.requests if r not in parent.requests]
+        rows = [r for r in new if r.id.startswith("row")]
+        carrier = new[-1]
+        assert len(new) == len(rows) + 1 and len(rows) >= 4 and carrier.at_ms > max(r.at_ms for r in rows)
+        assert all(r.seed is None and r.logprobs is None for r in rows)
+        assert (carrier.seed is None) != (carrier.logprobs is None)
+        assert carrier.seed is None or carrier.temperature > 0
+        kinds.add("seed" if carrier.seed is not None else "logprobs")
+    assert kinds == {"seed", "logprobs"}
+    # Within the logprobs a server accepts; a seed alone where it refuses them.
+    for i in range(20):
+        parent = generate(random.Random(i), LIMITS)
+        five = shapes.sampling_batch(parent, random.Random(i), Limits(max_logprobs=5))
+        assert all(r.logprobs is None or r.logprobs <= 5 for r in five.requests if r not in parent.requests)
+        none = shapes.sampling_batch(parent, random.Random(i), Limits(unsupported=frozenset({"logprobs"})))
+        assert all(r.logprobs is None for r in none.requests if r not in parent.requests)
 
 
 def test_kv_burst_asks_for_more_than_the_reported_kv_and_needs_its_size():

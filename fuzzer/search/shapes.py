@@ -32,9 +32,10 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   of a long shared prefix, then requests with that prefix and short tails of their own: they
   need a few blocks, and an admission check that counts the resident prefix blocks as new
   (sglang #22831, vLLM #37308's class) refuses them, and the queue behind, until KV frees.
-- ``seeded_batch``: many decoding streams and one request with a sampling seed among them;
-  an engine whose seeded generator path is taken for every row of the batch (vLLM #37343's
-  class: one request's sampling parameters make the whole batch pay) slows every stream.
+- ``sampling_batch``: many decoding streams and one request with a sampling seed or logprobs among
+  them; an engine whose seeded generator path, or whose logprobs computation, is taken for every
+  row of the batch (vLLM #37343's class: one request's sampling parameters make the whole batch pay;
+  PR #37594) slows every stream, where the carrier alone costs little.
 
 Each takes (trace, rng, limits) like every operator and returns a valid trace or None.
 """
@@ -44,7 +45,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from fuzzer.trace import N_VALUES, Request, Trace
+from fuzzer.trace import LOGPROB_VALUES, N_VALUES, Request, Trace
 
 #: How many tokens a disconnecting client reads before it leaves.
 CANCEL_AFTER = (1, 2, 4, 8, 16)
@@ -322,8 +323,9 @@ def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | N
     return current.with_requests(current.requests)
 
 
-def seeded_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
-    """Eight to thirty-two short streams decoding together, and a request with a sampling seed among them."""
+def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Eight to thirty-two short streams decoding together, and one request among them with a sampling
+    seed or logprobs (one row's sampling work that an engine may make the whole batch pay for)."""
     count = rng.choice([8, 16, 32])
     count = min(count, _room(trace, limits) - 1)
     if count < 4:
@@ -335,10 +337,15 @@ def seeded_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
         req = Request(id=fresh_id(current, f"row{i}"), at_ms=at + i, prompt_tokens=rng.choice([32, 64, 128]),
                       max_tokens=out)
         current = current.with_requests([*current.requests, req])
-    seeded = Request(id=fresh_id(current, "seeded"), at_ms=at + count + rng.choice([10.0, 50.0]), prompt_tokens=64,
-                     max_tokens=out, temperature=1.0, seed=rng.randrange(1 << 31))
-    return current.with_requests([*current.requests, seeded])
+    carrier = Request(id=fresh_id(current, "seeded"), at_ms=at + count + rng.choice([10.0, 50.0]), prompt_tokens=64,
+                      max_tokens=out, temperature=1.0, seed=rng.randrange(1 << 31))
+    top = getattr(limits, "max_logprobs", None)
+    allowed = [v for v in LOGPROB_VALUES if top is None or v <= top]
+    if "logprobs" not in limits.unsupported and allowed and rng.random() < 0.5:
+        carrier = replace(carrier, id=fresh_id(current, "logprobs"), seed=None, temperature=0.0,
+                          logprobs=rng.choice(allowed))
+    return current.with_requests([*current.requests, carrier])
 
 
 SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
-                   client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, seeded_batch)
+                   client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, sampling_batch)
