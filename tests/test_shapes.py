@@ -104,6 +104,8 @@ def test_sampling_batch_puts_one_seeded_or_logprobs_request_among_many_streams()
         assert all(r.logprobs is None or r.logprobs <= 5 for r in five.requests if r not in parent.requests)
         none = shapes.sampling_batch(parent, random.Random(i), Limits(unsupported=frozenset({"logprobs"})))
         assert all(r.logprobs is None for r in none.requests if r not in parent.requests)
+        one = shapes.sampling_batch(parent, random.Random(i), Limits(unsupported=frozenset({"n"})))
+        assert all(r.n == 1 for r in one.requests if r not in parent.requests)
 
 
 def test_kv_burst_asks_for_more_than_the_reported_kv_and_needs_its_size():

@@ -32,8 +32,8 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   of a long shared prefix, then requests with that prefix and short tails of their own: they
   need a few blocks, and an admission check that counts the resident prefix blocks as new
   (sglang #22831, vLLM #37308's class) refuses them, and the queue behind, until KV frees.
-- ``sampling_batch``: many decoding streams and one request with a sampling seed or logprobs among
-  them; an engine whose seeded generator path, or whose logprobs computation, is taken for every
+- ``sampling_batch``: many decoding streams and one request with a sampling seed, or logprobs (and
+  n > 1 where the server takes it), among them; an engine whose seeded generator path, or whose logprobs computation, is taken for every
   row of the batch (vLLM #37343's class: one request's sampling parameters make the whole batch pay;
   PR #37594) slows every stream, where the carrier alone costs little.
 
@@ -325,7 +325,8 @@ def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | N
 
 def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """Eight to thirty-two short streams decoding together, and one request among them with a sampling
-    seed or logprobs (one row's sampling work that an engine may make the whole batch pay for)."""
+    seed, or logprobs and several choices (one row's sampling work that an engine may make the whole
+    batch pay for)."""
     count = rng.choice([8, 16, 32])
     count = min(count, _room(trace, limits) - 1)
     if count < 4:
@@ -342,8 +343,10 @@ def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
     top = getattr(limits, "max_logprobs", None)
     allowed = [v for v in LOGPROB_VALUES if top is None or v <= top]
     if "logprobs" not in limits.unsupported and allowed and rng.random() < 0.5:
-        carrier = replace(carrier, id=fresh_id(current, "logprobs"), seed=None, temperature=0.0,
-                          logprobs=rng.choice(allowed))
+        # With several choices where the server takes them (vLLM #37343: n=8, logprobs=20).
+        choices = [v for v in N_VALUES if limits.max_n is None or v <= limits.max_n] if "n" not in limits.unsupported else []
+        carrier = replace(carrier, id=fresh_id(current, "logprobs"), seed=None, temperature=1.0 if choices else 0.0,
+                          logprobs=rng.choice(allowed), n=rng.choice(choices) if choices else 1)
     return current.with_requests([*current.requests, carrier])
 
 
