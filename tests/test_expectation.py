@@ -150,6 +150,32 @@ def test_a_chat_request_shares_a_prefix_only_with_chat_requests():
     assert chats["c"].cached_tokens == 992
 
 
+def test_a_server_over_http_may_compute_a_prompt_whole_and_hold_the_queue_until_it_fits():
+    # heldout12 (chunked prefill off, an 8192-token budget): an 8160-token prompt arriving while 40
+    # streams decode does not fit what a step has left (8152) and waits, and the request behind it too,
+    # until a stream ends; a chunked schedule starts it at once. A false ttft-outlier on its clean server.
+    streams = tuple(_req(f"s{i}", 0, 16, out=60 + i) for i in range(40))
+    trace = Trace(requests=(*streams, _req("big", 100, 8160, out=4), _req("after", 110, 64, out=4)))
+    http = SchedulerAssumption(token_budget=8192, frontend_fifo=True, admission_stops=False)  # cap not known
+    chunked = expect(trace, MODEL, SchedulerAssumption(token_budget=8192))
+    either = expect(trace, MODEL, http)
+    first_end = min(paper_schedule(trace, MODEL, http)[s.id].e2e_s for s in streams)
+    assert chunked["big"].ttft_s + 0.1 < first_end < either["big"].ttft_s + 0.1
+    assert either["after"].ttft_s > chunked["after"].ttft_s + 0.1
+    # Controls: a measured cap, or none known, means a chunking engine; prompts that fit one step
+    # together never wait.
+    capped = dataclasses.replace(http, long_prefill_threshold=4096)
+    assert expect(trace, MODEL, capped)["big"].ttft_s < either["big"].ttft_s
+    assert expect(trace, MODEL, dataclasses.replace(http, admission_stops=True))["big"].ttft_s < either["big"].ttft_s
+    from fuzzer.oracle.paper import serve
+
+    small = Trace(requests=(_req("a", 0, 100), _req("b", 1, 100)))
+    assert serve(small.requests, {}, {}, MODEL, http, True, window=0.0, whole=True) == serve(
+        small.requests, {}, {}, MODEL, http, True, window=0.0)
+    assert serve(trace.requests, {}, {}, MODEL, http, True, window=0.0, whole=True) != serve(
+        trace.requests, {}, {}, MODEL, http, True, window=0.0)
+
+
 def test_a_cache_hit_never_covers_the_whole_prompt():
     prefixes = {"p": 64}
     trace = Trace(requests=(_req("a", 0, 64, prefix="p", out=1), _req("b", 500, 64, prefix="p", out=1)),

@@ -33,7 +33,7 @@ import numpy as np
 
 from fuzzer.execution import ExecutionResult
 from fuzzer.oracle.kinds import Metric
-from fuzzer.oracle.model import ENVELOPE_SCALES, FRONTEND_SLACK_S, SchedulerAssumption, StepModel
+from fuzzer.oracle.model import DEFAULT_TOKEN_BUDGET, ENVELOPE_SCALES, FRONTEND_SLACK_S, SchedulerAssumption, StepModel
 from fuzzer.oracle.paper import Job, PaperRequest, schedule, serve
 from fuzzer.trace import Request, Trace, ceil_div
 
@@ -216,6 +216,17 @@ def _expect(
             if fifo and model.frontend_token_s > 0:
                 variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                       fifo_frontend=True, shared_frontend=True, fanout=True))
+        if (assumption.frontend_fifo and not assumption.admission_stops and not assumption.long_prefill_threshold
+                and assumption.token_budget > DEFAULT_TOKEN_BUDGET
+                and sum(r.prompt_tokens for r in requests) > assumption.token_budget):
+            # A server met over HTTP may run without chunked prefill (vLLM's --no-enable-chunked-prefill
+            # raises the budget to the context, so only a budget above the documented default says so): a
+            # prompt waits, and the queue behind it, until it fits a step whole (heldout12, clean: an
+            # 8160-token prompt behind 30 decodes, and the requests behind it, 2.1x the chunked schedule).
+            # Not where the cap probe saw a prompt longer than the budget computed in steps (a cap, or
+            # none, known: admission_stops): that engine chunks (heldout11: 4096, none).
+            variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                  fifo_frontend=True, whole=True))
         if assumption.long_prefill_threshold:
             # At most one prompt over the cap in partial prefill at a time: a legitimate policy
             # under which a long prompt waits out the previous long one's capped prefill.

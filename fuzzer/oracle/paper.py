@@ -112,6 +112,7 @@ def serve(
     one_long: bool = False,
     fanout: bool = False,
     partial_hits: bool = False,
+    whole: bool = False,
 ) -> dict[str, PaperRequest]:
     """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
 
@@ -137,7 +138,7 @@ def serve(
     ]
     done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks,
                     fifo_frontend=fifo_frontend, shared_frontend=shared_frontend, one_long=one_long, fanout=fanout,
-                    partial_hits=partial_hits)
+                    partial_hits=partial_hits, whole=whole)
     return {j.id: j.paper(model) for j in done}
 
 
@@ -220,6 +221,7 @@ def schedule(
     one_long: bool = False,
     fanout: bool = False,
     partial_hits: bool = False,
+    whole: bool = False,
 ) -> list[Job]:
     """Run the jobs through the paper scheduler; fills token times and finish times in place.
 
@@ -262,6 +264,10 @@ def schedule(
     vLLM-like server prefilled an n=8 request's 256-token prompt eight times in one step. vLLM v1
     splits ``n`` too, but shares a prompt repeated within a batch.
 
+    ``whole``: chunked prefill off (vLLM's ``--no-enable-chunked-prefill``, a budget of at least the
+    context): a waiting request is admitted only when its whole uncached prompt fits what the step's
+    budget has left, else admissions stop there; a prompt longer than the whole budget is still chunked
+    (no engine runs it whole; the schedule must end).
     ``partial_hits``: a prefix group's member admitted while another member is still computing the
     prefix hits the full blocks computed so far and computes the rest itself, as vLLM v1 does (its
     blocks are cached as they are scheduled); otherwise it hits nothing until the whole prefix is
@@ -326,11 +332,16 @@ def schedule(
         decode_seqs = sum(j.n for j in decoding)
         context = sum(j.n * (j.prompt + j.tokens) for j in decoding)
         budget = a.token_budget - decode_seqs
+
+        def too_long(j: Job, left: int) -> bool:  # a whole prompt that does not fit what the step has left
+            return whole and left < j.prompt + j.recompute - _hit(j, t, ready, a, kv, progress) <= a.token_budget
+
         if (
             len(decoding) == len(running)
             and (
                 not waiting
                 or budget <= 0
+                or too_long(waiting[0], budget)
                 or decode_seqs + waiting[0].n > a.max_num_seqs
                 or (kv is not None and running and kv.admit_blocks(waiting[0], _hit(waiting[0], t, ready, a, kv, progress), budget, len(running)) is None)
             )
@@ -359,6 +370,8 @@ def schedule(
             if long_busy and waiting[i].prompt > threshold:
                 i += 1  # shorter ones pass it
                 continue
+            if too_long(waiting[i], budget):
+                break  # chunked prefill off: computed whole, or it waits and admissions stop there
             if kv is not None and running:
                 blocks = kv.admit_blocks(waiting[i], _hit(waiting[i], t, ready, a, kv, progress), min(budget, limit), len(running))
                 if blocks is None:
