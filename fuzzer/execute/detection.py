@@ -129,8 +129,8 @@ def cache_config_labels(metrics_text: str) -> dict[str, int]:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line[: line.rfind("}")]))
             found = {k: int(v) for k, v in labels.items()
                      if k in ("num_gpu_blocks", "block_size", *_SCHEDULER_LABELS) and v.isdigit() and int(v) > 0}
-            if not {"num_gpu_blocks", "block_size"} <= found.keys():
-                found.pop("num_gpu_blocks", None), found.pop("block_size", None)
+            if not {"num_gpu_blocks", "block_size"} <= found.keys():  # a KV cache's size needs both
+                found = {k: v for k, v in found.items() if k in _SCHEDULER_LABELS}
             return found
     return {}
 

@@ -304,6 +304,10 @@ def schedule(
     steps = 0
     last_dt = 0.0
     aborts = sorted(j.abort_s for j in queued if j.abort_s is not None)
+
+    def too_long(j: Job, left: int) -> bool:  # ``whole``: its uncached prompt does not fit what the step has left
+        return whole and left < j.prompt + j.recompute - _hit(j, t, ready, a, kv, progress) <= a.token_budget
+
     while pending or waiting or running:
         if aborts and aborts[0] <= t:
             _abort(t, pending, waiting, running, kv)
@@ -332,10 +336,6 @@ def schedule(
         decode_seqs = sum(j.n for j in decoding)
         context = sum(j.n * (j.prompt + j.tokens) for j in decoding)
         budget = a.token_budget - decode_seqs
-
-        def too_long(j: Job, left: int) -> bool:  # a whole prompt that does not fit what the step has left
-            return whole and left < j.prompt + j.recompute - _hit(j, t, ready, a, kv, progress) <= a.token_budget
-
         if (
             len(decoding) == len(running)
             and (

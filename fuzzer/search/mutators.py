@@ -66,6 +66,15 @@ class Limits:
     def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
         return prompt_tokens + max_tokens <= self.max_model_len
 
+    def n_values(self) -> tuple[int, ...]:
+        """The n > 1 values to draw that the target takes (none where it refuses n)."""
+        return () if "n" in self.unsupported else tuple(v for v in N_VALUES if self.max_n is None or v <= self.max_n)
+
+    def logprob_values(self) -> tuple[int, ...]:
+        """The logprobs values to draw that the target takes (none where it refuses logprobs)."""
+        return () if "logprobs" in self.unsupported else tuple(
+            v for v in LOGPROB_VALUES if self.max_logprobs is None or v <= self.max_logprobs)
+
     def to_dict(self) -> dict:
         return {
             "max_model_len": self.max_model_len, "block_size": self.block_size, "token_budget": self.token_budget,
@@ -134,12 +143,10 @@ def _sampling(rng: random.Random, limits: Limits, what: str, request: Request | 
     """(n, logprobs) for ``what`` in "n", "logprobs", "both" (unsupported parameters stay as they were)."""
     n = request.n if request is not None else 1
     logprobs = request.logprobs if request is not None else None
-    if what in ("n", "both") and "n" not in limits.unsupported:
-        allowed = [v for v in N_VALUES if limits.max_n is None or v <= limits.max_n]
-        n = rng.choice(allowed) if allowed else n
-    if what in ("logprobs", "both") and "logprobs" not in limits.unsupported:
-        allowed = [v for v in LOGPROB_VALUES if limits.max_logprobs is None or v <= limits.max_logprobs]
-        logprobs = rng.choice(allowed) if allowed else logprobs
+    if what in ("n", "both") and (choices := limits.n_values()):
+        n = rng.choice(choices)
+    if what in ("logprobs", "both") and (values := limits.logprob_values()):
+        logprobs = rng.choice(values)
     return n, logprobs
 
 

@@ -33,9 +33,10 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   need a few blocks, and an admission check that counts the resident prefix blocks as new
   (sglang #22831, vLLM #37308's class) refuses them, and the queue behind, until KV frees.
 - ``sampling_batch``: many decoding streams and one request with a sampling seed, or logprobs (and
-  n > 1 where the server takes it), among them; an engine whose seeded generator path, or whose logprobs computation, is taken for every
-  row of the batch (vLLM #37343's class: one request's sampling parameters make the whole batch pay;
-  PR #37594) slows every stream, where the carrier alone costs little.
+  n > 1 where the server takes it), among them; an engine whose seeded generator path, or whose
+  logprobs computation, is taken for every row of the batch (vLLM #37343's class: one request's
+  sampling parameters make the whole batch pay; PR #37594) slows every stream, where the carrier
+  alone costs little.
 
 Each takes (trace, rng, limits) like every operator and returns a valid trace or None.
 """
@@ -45,7 +46,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from fuzzer.trace import LOGPROB_VALUES, N_VALUES, Request, Trace
+from fuzzer.trace import Request, Trace
 
 #: How many tokens a disconnecting client reads before it leaves.
 CANCEL_AFTER = (1, 2, 4, 8, 16)
@@ -205,10 +206,8 @@ def client_timeout(trace: Trace, rng: random.Random, limits) -> Trace | None:
 
 def disconnect_fanout(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """A stream of n choices left after a few tokens with a long output, then a later request."""
-    if "n" in limits.unsupported or _room(trace, limits) < 2:
-        return None
-    allowed = [v for v in N_VALUES if limits.max_n is None or v <= limits.max_n]
-    if not allowed:
+    allowed = limits.n_values()
+    if not allowed or _room(trace, limits) < 2:
         return None
     at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
     prompt = rng.choice([64, 400, 1024])
@@ -340,13 +339,11 @@ def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
         current = current.with_requests([*current.requests, req])
     carrier = Request(id=fresh_id(current, "seeded"), at_ms=at + count + rng.choice([10.0, 50.0]), prompt_tokens=64,
                       max_tokens=out, temperature=1.0, seed=rng.randrange(1 << 31))
-    top = getattr(limits, "max_logprobs", None)
-    allowed = [v for v in LOGPROB_VALUES if top is None or v <= top]
-    if "logprobs" not in limits.unsupported and allowed and rng.random() < 0.5:
+    if (values := limits.logprob_values()) and rng.random() < 0.5:
         # With several choices where the server takes them (vLLM #37343: n=8, logprobs=20).
-        choices = [v for v in N_VALUES if limits.max_n is None or v <= limits.max_n] if "n" not in limits.unsupported else []
+        choices = limits.n_values()
         carrier = replace(carrier, id=fresh_id(current, "logprobs"), seed=None, temperature=1.0 if choices else 0.0,
-                          logprobs=rng.choice(allowed), n=rng.choice(choices) if choices else 1)
+                          logprobs=rng.choice(values), n=rng.choice(choices) if choices else 1)
     return current.with_requests([*current.requests, carrier])
 
 
