@@ -135,4 +135,30 @@ def test_a_new_findings_line_says_what_its_slowdown_is_over():
     # An option-slowdown is over the same trace without the option, not over an idle server.
     assert slowdown_words(1.48, "logprobs") == ", 1.5x slower with logprobs than without"
     assert slowdown_words(21.5, None) == ", 21.5x slower than idle"
+    # A request that also waited by design: the figure beyond its FCFS bound is said beside the idle one.
+    assert slowdown_words(1829.0, None, 1.66) == ", 1829.0x slower than idle, 1.7x its FCFS bound"
+    assert slowdown_words(1.48, "logprobs", None) == ", 1.5x slower with logprobs than without"
     assert slowdown_words(None, None) == ""
+
+
+def test_findings_list_and_show_give_the_figure_over_the_fcfs_bound(runner, tmp_path, seed_trace):
+    """`fuzz findings` headlines a KV stall 1829x idle that is 1.65x its FCFS bound with both figures."""
+    from fuzzer.oracle.verdict import Verdict
+
+    path = tmp_path / "b.db"
+    verdict = {"kind": "itl-stall", "decision": "different", "request_id": "r08", "metric": "e2e",
+               "observed_s": 18.29, "expected_s": 18.29 / 1.65, "idle_s": 0.01, "threshold": 1.5}
+    assert Verdict.from_dict(verdict).over_bound == pytest.approx(1.65)
+    assert Verdict.from_dict({**verdict, "ablated": "seed"}).over_bound is None
+    with Store.open(path) as s:
+        s.add_finding(kind="itl-stall", signature="sig", trace=seed_trace, verdict=verdict, slowdown=1829.0,
+                      reproduced="3/3")
+        # Stored before the key was kept, or with no bound at all.
+        s.add_finding(kind="leak", signature="sig2", trace=seed_trace, verdict={"decision": "different"},
+                      slowdown=None, reproduced="3/3")
+    rows = json.loads(runner.invoke(cli, ["findings", "--db", str(path), "--json"]).output)
+    assert [round(r["over_bound"], 2) if r["over_bound"] else None for r in rows] == [1.65, None]
+    table = runner.invoke(cli, ["findings", "--db", str(path)])
+    assert table.exit_code == 0 and "over bound" in table.output and "1.7x" in table.output
+    shown = runner.invoke(cli, ["show", "1", "--db", str(path)])
+    assert "slowdown: 1829.0x over idle, 1.7x its FCFS bound, reproduced 3/3" in shown.output

@@ -79,7 +79,7 @@ def run_fleet(ray_address: str, targets_file: str, db_path: str, *, duration_s: 
 
 
 def _print_finding(finding_id: int, target: str, verdict: Verdict) -> None:
-    slow = slowdown_words(verdict.slowdown, verdict.ablated)
+    slow = slowdown_words(verdict.slowdown, verdict.ablated, verdict.over_bound)
     _console.out.print(f"[bold]finding {finding_id}[/bold] on {target}: {verdict.kind}{slow}, "
                        f"reproduced {verdict.reproduction}")
 

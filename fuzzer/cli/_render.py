@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
+from fuzzer.oracle.verdict import over_bound_of
 from fuzzer.store import StoredFinding
 from fuzzer.trace import Trace
 
@@ -18,6 +19,7 @@ def finding_summary(f: StoredFinding) -> dict[str, Any]:
         "id": f.id,
         "kind": f.kind,
         "slowdown": f.slowdown,
+        "over_bound": over_bound_of(f.verdict),
         "reproduced": f.reproduced,
         "requests": f.requests,
         "minimized": f.minimized,
@@ -34,6 +36,7 @@ def findings_table(findings: list[StoredFinding]) -> Table:
         ("id", "right"),
         ("kind", "left"),
         ("slowdown", "right"),
+        ("over bound", "right"),
         ("reproduced", "right"),
         ("requests", "right"),
         ("minimized", "left"),
@@ -45,6 +48,7 @@ def findings_table(findings: list[StoredFinding]) -> Table:
             str(f.id),
             f.kind,
             "-" if f.slowdown is None else f"{f.slowdown:.1f}x",
+            _times(over_bound_of(f.verdict)),
             f.reproduced or "-",
             str(f.requests),
             "yes" if f.minimized else "no",
@@ -90,9 +94,16 @@ def time_line(seconds: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {v / total:.0%} ({v:.0f} s)" for v, k in spent)
 
 
-def slowdown_words(slowdown: float | None, ablated: str | None) -> str:
-    """A new finding's slowdown as a campaign's line says it: over idle, or, for an option-slowdown, over the
-    same trace without the option."""
+def slowdown_words(slowdown: float | None, ablated: str | None, over_bound: float | None = None) -> str:
+    """A new finding's slowdown as a campaign's line says it: over idle and over its FCFS bound (a request that
+    also waited by design can be far slower than idle and only a little beyond its bound), or, for an
+    option-slowdown, over the same trace without the option."""
     if not slowdown:
         return ""
-    return f", {slowdown:.1f}x slower with {ablated} than without" if ablated else f", {slowdown:.1f}x slower than idle"
+    if ablated:
+        return f", {slowdown:.1f}x slower with {ablated} than without"
+    return f", {slowdown:.1f}x slower than idle" + (f", {over_bound:.1f}x its FCFS bound" if over_bound else "")
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}x"

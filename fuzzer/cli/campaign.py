@@ -289,7 +289,7 @@ class _StatusView:
             )
 
     def finding(self, finding_id: int, verdict: Verdict) -> None:
-        slow = slowdown_words(verdict.slowdown, verdict.ablated)
+        slow = slowdown_words(verdict.slowdown, verdict.ablated, verdict.over_bound)
         _console.out.print(f"[bold]finding {finding_id}[/bold]: {verdict.kind}{slow}, reproduced {verdict.reproduction}")
 
 

@@ -16,7 +16,7 @@ from fuzzer.store import Store
 @db_option
 @json_option
 def command(db_path, as_json) -> None:
-    """List findings: id, kind, slowdown, reproduction rate, requests, minimized.
+    """List findings: id, kind, slowdown (over idle), over bound (over the FCFS bound), reproduction rate, requests, minimized.
 
     \b
     Example:

@@ -9,6 +9,7 @@ import click
 from fuzzer.cli import _console
 from fuzzer.cli._options import db_option, json_option
 from fuzzer.cli._render import finding_summary, trace_table, when
+from fuzzer.oracle.verdict import over_bound_of
 from fuzzer.oracle.summary import summarize
 from fuzzer.store import Store
 
@@ -47,8 +48,10 @@ def command(finding_id, db_path, as_json) -> None:
     out.print(f"signature: {finding.signature}")
     if finding.slowdown is not None:
         option = finding.verdict.get("ablated")
-        what = f" (the other requests' median e2e with {option} over without it)" if option else ""
-        out.print(f"slowdown: {finding.slowdown:.1f}x{what}, reproduced {finding.reproduced or '-'}")
+        what = f" (the other requests' median e2e with {option} over without it)" if option else " over idle"
+        beyond = over_bound_of(finding.verdict)
+        bound = f", {beyond:.1f}x its FCFS bound" if beyond else ""
+        out.print(f"slowdown: {finding.slowdown:.1f}x{what}{bound}, reproduced {finding.reproduced or '-'}")
     out.print(trace_table(trace, title=f"trace {finding.trace_hash[:12]} ({len(trace.requests)} requests)"))
     if minimized:
         out.print(trace_table(minimized, title=f"minimized {finding.minimized_trace_hash[:12]}"))

@@ -87,6 +87,14 @@ class Verdict:
         return self.observed_s / self.idle_s
 
     @property
+    def over_bound(self) -> float | None:
+        """Observed over the FCFS bound: how far beyond what queueing by design explains, the figure
+        a maintainer weighs (the slowdown over idle can be large for a request that also waited by design)."""
+        if self.observed_s is None or not self.expected_s or self.expected_s <= 0 or self.ablated:
+            return None
+        return self.observed_s / self.expected_s
+
+    @property
     def excess_s(self) -> float | None:
         """Observed minus the FCFS bound: what no reasonable FCFS scheduler explains."""
         if self.observed_s is None or self.expected_s is None:
@@ -118,6 +126,7 @@ class Verdict:
             "idle_s": _finite(self.idle_s),
             "slowdown": _finite(self.slowdown),
             "excess_s": _finite(self.excess_s),
+            "over_bound": _finite(self.over_bound),
             "assumption": self.assumption,
             "signature": self.signature,
             "detail": self.detail,
@@ -157,6 +166,17 @@ class Verdict:
             min_excess_s=data.get("min_excess_s"),
             ablated=data.get("ablated"),
         )
+
+
+def over_bound_of(data: Mapping[str, Any]) -> float | None:
+    """A stored verdict's observed over its FCFS bound (verdicts stored before the key was kept have both
+    figures); None for verdicts held against no bound (option-slowdowns, order, leaks)."""
+    if data.get("over_bound") is not None:
+        return float(data["over_bound"])
+    observed, expected = data.get("observed_s"), data.get("expected_s")
+    if observed is None or not expected or expected <= 0 or data.get("ablated"):
+        return None
+    return float(observed) / float(expected)
 
 
 def reproduction_of(data: Mapping[str, Any]) -> str | None:
