@@ -110,6 +110,19 @@ def test_a_cap_that_costs_little_is_measured_by_its_steps():
     assert plain.assumption.long_prefill_threshold == 0
 
 
+def test_a_bug_of_longer_prompts_does_not_hide_the_cap_from_calibration():
+    """The cap is probed with a prompt of two budgets, the fewest that tell it: an engine whose bug fires only on
+    longer prompts (heldout8, issue 16's eighth held-out server: a prompt over two budgets skipped its 1024-token
+    cap and went before the decodes) showed a starved stream to a three-budget probe, read as no cap, and every
+    stall of its live streams behind a long prompt was then within a bound that let the prompt take the budget.
+    The budget is known here, as heldout8 reports it (a budget probe sees the same bug: not addressed)."""
+    config = SimConfig(long_prefill_token_threshold=512, unchunked_min_prompt_tokens=5000, **GPU_LIKE)
+    cal = asyncio.run(calibrate(VirtualTarget(config, pathologies=("unchunked-prefill",), seed=4),
+                                rng=random.Random(4), max_model_len=config.max_model_len, measure_budget=False))
+    assert 450 <= cal.assumption.long_prefill_threshold <= 600
+    assert "long-prefill cap measured" in cal.assumption.source
+
+
 def test_a_cap_the_user_names_is_kept_and_not_measured():
     config = SimConfig(long_prefill_token_threshold=256, **GPU_LIKE)
     named = asyncio.run(calibrate(VirtualTarget(config, seed=4), assumption=SchedulerAssumption(long_prefill_threshold=1000),

@@ -214,3 +214,43 @@ def test_shapes_fit_any_model_length_or_do_not_apply(max_model_len, kv_tokens):
             tf.validate(child)
             added = [r for r in child.requests if r not in parent.requests]
             assert all(r.prompt_tokens + r.max_tokens <= max_model_len for r in added), op.__name__
+
+
+def test_cached_prefix_burst_sends_short_tails_of_a_computed_prefix_together():
+    children = _children(shapes.cached_prefix_burst)
+    assert len(children) >= 30
+    for _, parent, child in children:
+        (name,) = set(child.prefixes) - set(parent.prefixes)
+        owner, *burst = [r for r in child.requests if r.prefix == name]
+        assert owner.id.startswith("owner") and 8 <= len(burst) <= 32
+        assert all(r.at_ms - owner.at_ms >= min(shapes.WARM_AFTER_MS) for r in burst)
+        assert max(r.at_ms for r in burst) - min(r.at_ms for r in burst) < len(burst)
+        assert all(0 < r.prompt_tokens - child.prefixes[name] <= 32 for r in burst)
+
+
+def test_a_cached_prefix_burst_is_within_its_bound_and_a_staircase_of_admissions_is_not():
+    """FCFS admits a burst that needs only its tails computed in a step or two; an engine that charges the
+    cached tokens to the step's budget (vLLM PR #7753's review) admits a couple a step: the later members'
+    first tokens come steps late."""
+    import asyncio
+
+    from paper_target import PaperTarget
+
+    from fuzzer.oracle.calibrate import calibrate
+    from fuzzer.oracle.judge import candidates
+
+    cal = asyncio.run(calibrate(PaperTarget(seed=99), rng=random.Random(0), clock=lambda: 0.0))
+    step = cal.model.step_s(0, 1, 16)
+    flagged = clean = 0
+    for i, parent, child in _children(shapes.cached_prefix_burst, 10):
+        (name,) = set(child.prefixes) - set(parent.prefixes)
+        burst = [r.id for r in child.requests if r.prefix == name][1:]
+        target = PaperTarget(seed=i)
+        target._idle_s = target.idle_gap_s  # warm
+        ok = candidates(child, target.run(child), cal)
+        clean += not any(c.request_id in burst for c in ok)
+        # Two admissions a step, each step one overhead long: the k-th member waits k // 2 steps more.
+        stair = PaperTarget(seed=i, delay_s={rid: (k // 2) * step for k, rid in enumerate(burst)})
+        stair._idle_s = stair.idle_gap_s
+        flagged += any(c.request_id in burst for c in candidates(child, stair.run(child), cal))
+    assert clean == 10 and flagged >= 8, (clean, flagged)

@@ -31,7 +31,7 @@ from fuzzer.trace import Request, Trace
 
 #: The probe: a prompt of this many token budgets (where the model length allows; at least 2)
 #: sent while a short stream decodes, CAP_REPEATS times.
-CAP_PROBE_BUDGETS = 3
+CAP_PROBE_BUDGETS = 2
 CAP_REPEATS = 2
 #: ... or, where the server reports a shorter context, the longest prompt it holds from this many
 #: budgets (two steps uncapped; until stop 43 two budgets, and heldout9's 4096-token context left its

@@ -32,6 +32,12 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   of a long shared prefix, then requests with that prefix and short tails of their own: they
   need a few blocks, and an admission check that counts the resident prefix blocks as new
   (sglang #22831, vLLM #37308's class) refuses them, and the queue behind, until KV frees.
+- ``cached_prefix_burst``: a request that computes a long shared prefix, then, once it is done, a
+  burst of requests with that prefix and short tails of their own. Each needs only its tail computed,
+  and FCFS admits the whole burst in a step or two; a scheduler that charges the cached tokens to the
+  step's token budget admits a couple a step, and the burst's first tokens staircase (vLLM PR #7753's
+  review: the budget counted tokens that were prefix-cached; TensorRT-LLM PR #19366: chunks sized by
+  the raw prompt, not the uncached suffix).
 - ``sampling_batch``: many decoding streams and one request with a sampling seed, or logprobs (and
   n > 1 where the server takes it), among them; an engine whose seeded generator path, or whose
   logprobs computation, is taken for every row of the batch (vLLM #37343's class: one request's
@@ -322,6 +328,33 @@ def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | N
     return current.with_requests(current.requests)
 
 
+#: How long after the owner of a cached prefix is sent its burst comes, in ms: after its prefill on
+#: most servers (the paper schedule gives the burst its hit only once the owner has computed it).
+WARM_AFTER_MS = (300.0, 1000.0)
+
+
+def cached_prefix_burst(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """A request computes a long shared prefix; once it is done, sixteen to thirty-two requests (where the
+    trace has room) with that prefix and short tails of their own arrive together."""
+    # Sixteen or more: two admissions a step (a typical overcharge) are then seven steps late at the end,
+    # beyond the oracle's absolute margin where a step is a few ms of overhead.
+    count = min(rng.choice([16, 24, 32]), _room(trace, limits) - 1)
+    prefix = min(rng.choice([1024, 2048]), limits.max_model_len - 64) // limits.block_size * limits.block_size
+    if count < 8 or prefix < 4 * limits.block_size:
+        return None
+    name = fresh_name(set(trace.prefixes), "warm")
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: prefix}, name=trace.name)
+    owner = Request(id=fresh_id(current, "owner"), at_ms=at, prompt_tokens=prefix + 16, max_tokens=4, prefix=name)
+    current = replace(current, requests=(*current.requests, owner))
+    start = at + rng.choice(WARM_AFTER_MS)
+    for i in range(count):
+        req = Request(id=fresh_id(current, f"warm{i}"), at_ms=start + i, prompt_tokens=prefix + rng.choice([8, 16, 32]),
+                      max_tokens=rng.choice([8, 16]), prefix=name)
+        current = replace(current, requests=(*current.requests, req))
+    return current.with_requests(current.requests)
+
+
 def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """Eight to thirty-two short streams decoding together, and one request among them with a sampling
     seed, or logprobs and several choices (one row's sampling work that an engine may make the whole
@@ -348,4 +381,5 @@ def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
 
 
 SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
-                   client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, sampling_batch)
+                   client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, sampling_batch,
+                   cached_prefix_burst)
