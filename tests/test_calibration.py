@@ -442,6 +442,24 @@ async def test_a_larger_budget_is_measured_where_a_step_costs_mostly_its_overhea
         assert a.long_prefill_threshold == 0 and a.admission_stops, a  # no cap, known
 
 
+@pytest.mark.parametrize("pathology", ["unchunked-prefill", "decode-starvation"])
+async def test_a_stream_left_out_of_steps_is_not_a_larger_token_budget(pathology):
+    # An engine that computes a long prompt's steps without its running decodes (whole, or chunk by chunk
+    # before them) leaves the probe's stream one long gap: it was read as a 16384-token budget, and the stalls
+    # of every live stream behind a long prompt were then inside the bound. The burst's first prompt got its
+    # first token in the middle of that gap: a step computed it without the stream.
+    from fuzzer.sim.config import SimConfig
+
+    config = SimConfig()
+    cal = await calibrate(VirtualTarget(config, pathologies=(pathology,), seed=4), rng=random.Random(4),
+                          max_model_len=config.max_model_len)
+    assert cal.assumption.token_budget == 2048 and "token budget measured" not in cal.assumption.source
+    # The control: a clean engine with a larger budget is read as one.
+    larger = SimConfig(max_num_batched_tokens=8192)
+    cal = await calibrate(VirtualTarget(larger, seed=4), rng=random.Random(4), max_model_len=larger.max_model_len)
+    assert cal.assumption.token_budget == 8192
+
+
 async def test_a_busy_host_is_not_a_larger_token_budget():
     # CI, stop 36: llama-server at its 2048-token n_batch was measured at 8192 while other jobs
     # shared the machine's two cores. A busy host makes every step longer; a larger budget makes

@@ -84,6 +84,17 @@ BUDGET_CHOICES = (2048, 4096, 8192, 16384, 32768)
 #: busy host leaves the other steps short of full, and makes the burst later); it is then the smallest budget
 #: whose schedule makes no more full steps.
 BUDGET_FEWER_STEPS = 2
+#: The burst is at least this many prompts (of the total's share, or the longest the context holds), so that
+#: their first tokens can say whether the stream was in every step. An engine that computes a step without
+#: its running decodes (a long prompt prefilled whole, or its chunks before the decodes: vLLM PR #10235,
+#: llama.cpp #4216; heldout8's prompts over two budgets) gives a prompt its first token inside the stream's
+#: long gap; every step of a larger budget gives the stream its token with theirs. A stream left out of steps
+#: was read as a larger budget (16384 on the simulator's unchunked-prefill and on heldout8 before it reported
+#: its budget), and the stalls it was left out for were then inside the bound.
+BUDGET_PROBE_PROMPTS = 2
+#: ... inside: this share of the gap (and the noise margin) from both its ends: the step a prompt's first token
+#: ends is one the stream decoded in, whose token comes a delivery's jitter and the request's own overhead apart.
+STARVED_SHARE = 0.25
 #: A budget explains the gap when its longest step on paper, this much longer, reaches it (the
 #: bound's envelope scales the model as much).
 BUDGET_TOLERANCE = 0.15
@@ -102,19 +113,20 @@ async def budget_reading(target: Target, cal: Calibration, longest: int,
     tell: only then may the budget be smaller, or a cap make the steps more, and :func:`smaller_budget`
     has something to look for.)
 
-    A short stream decodes; a burst of long prompts (one of BUDGET_PROBE_TOKENS where the context
-    holds it, else up to four of the longest it holds: a budget counts a step's tokens, whoever's)
-    arrives beside it, BUDGET_REPEATS times. Each step gives the stream a token, so its longest gap
+    A short stream decodes; a burst of long prompts (BUDGET_PROBE_PROMPTS sharing BUDGET_PROBE_TOKENS where
+    the context holds them, else up to four of the longest it holds: a budget counts a step's tokens,
+    whoever's) arrives beside it, BUDGET_REPEATS times. Each step gives the stream a token, so its longest gap
     while the prompts prefill is the longest step, one computing a full budget of prompt tokens.
-    See BUDGET_EVIDENCE for when it is measured.
+    See BUDGET_EVIDENCE for when it is measured, and BUDGET_PROBE_PROMPTS for a stream left out of steps,
+    which is no budget.
     """
     model, assumption = cal.model, cal.assumption
     budget = assumption.token_budget
     total = BUDGET_PROBE_TOKENS
     while total >= 4 * budget and idle_expectation(total, 2, model, assumption).ttft_s > BUDGET_PROBE_MAX_S:
         total //= 2
-    each = min(total, max(1, longest))
-    prompts = (each,) * max(1, min(4, total // each))
+    each = min(total // BUDGET_PROBE_PROMPTS, max(1, longest))
+    prompts = (each,) * max(BUDGET_PROBE_PROMPTS, min(4, total // each))
     if sum(prompts) < 2 * budget:
         return 0, True  # no burst of several assumed chunks fits (or none the probe can afford): nothing to tell
     margin_s = NOISE_MARGINS * cal.noise_s.get(Metric.MAX_ITL, 0.0)
@@ -135,6 +147,8 @@ async def budget_reading(target: Target, cal: Calibration, longest: int,
             BUDGET_STEPS_SHARE * math.ceil(sum(prompts) / budget) + BUDGET_EXTRA_STEPS)
         if not steps_as_assumed and max(during) >= BUDGET_EVIDENCE * _longest_step(
                 trace, sent, model, assumption, budget) + margin_s:
+            if _left_out(s, burst, margin_s):
+                return 0, more_steps  # steps that computed prompts without the stream: no budget makes those
             gaps.append((max(during), None, sent, trace))  # longer steps: larger chunks
             continue
         span_s = max(p.sent_s + p.ttft_s for p in burst) - min(p.sent_s for p in burst)
@@ -227,6 +241,19 @@ def _during(s, burst, model: StepModel, each: int) -> list[float]:
     first = max(p.sent_s + p.ttft_s for p in burst)
     times = [s.sent_s + t for t in s.token_times_s]
     return [b - a for a, b in zip(times, times[1:]) if b > arrived and a < first]
+
+
+def _left_out(s, burst, margin_s: float) -> bool:
+    """Whether a prompt of the burst got its first token inside the stream's longest gap while it prefilled
+    (STARVED_SHARE): a step that computed prompts and gave the stream no token."""
+    times = [s.sent_s + t for t in s.token_times_s]
+    first = max(p.sent_s + p.ttft_s for p in burst)
+    gaps = [(a, b) for a, b in zip(times, times[1:]) if a < first]
+    if not gaps:
+        return False
+    a, b = max(gaps, key=lambda g: g[1] - g[0])
+    edge = STARVED_SHARE * (b - a) + margin_s
+    return any(a + edge < p.sent_s + p.ttft_s < b - edge for p in burst)
 
 
 def _full(steps: Sequence[float], model: StepModel) -> int:
