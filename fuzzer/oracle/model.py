@@ -32,6 +32,14 @@ ENVELOPE_SCALES = (0.85, 1.15)
 #: prompt sent 0.2 ms before a 1-token one reach its engine first, against a calibrated
 #: 2.3 ms of frontend time; 16,000-token prompts (36 ms) still came second.
 FRONTEND_SLACK_S = 0.005
+#: ... and how much more it may take where the frontend shares the engine's thread and holds up its steps and
+#: sends: the frontend's per-token cost is the slope of a few cached probes' extra TTFT, small beside their
+#: noise. Five calibrations of one clean held-out server (heldout12) read 0.16-0.80 us a token; at the least of
+#: them its first request, sent 8 ms before 28 prompts of 3-4k tokens, was a confirmed ttft-outlier of 5.7x
+#: (88 ms against a 18 ms bound; its one thread parsed and tokenized the burst in between). Three times the
+#: least is the others' median; five times kept a fan-out's control bound (tests/test_expectation.py) from
+#: telling a 99 ms first token from FCFS.
+FRONTEND_UNCERTAINTY = 3.0
 
 @dataclass(frozen=True)
 class StepModel:
@@ -100,6 +108,10 @@ class StepModel:
         one-process frontend handles requests in arrival order; one whose tokenization takes
         far longer than the gap between them still comes second."""
         return replace(self, frontend_slack_s=FRONTEND_SLACK_S)
+
+    def with_frontend_uncertainty(self) -> StepModel:
+        """The same model with FRONTEND_UNCERTAINTY times the frontend's per-token cost."""
+        return replace(self, frontend_token_s=self.frontend_token_s * FRONTEND_UNCERTAINTY)
 
     def to_dict(self) -> dict[str, float]:
         return {
