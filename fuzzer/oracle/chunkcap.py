@@ -29,8 +29,11 @@ from fuzzer.oracle.paper import serve
 from fuzzer.oracle.policy import CANDIDATE_FACTOR, NOISE_MARGINS
 from fuzzer.trace import Request, Trace
 
-#: The probe: a prompt of this many token budgets (where the model length allows; at least 2)
-#: sent while a short stream decodes, CAP_REPEATS times.
+#: The probe: a prompt of this many token budgets (where the model length allows) sent while a short
+#: stream decodes, CAP_REPEATS times. Two, the fewest that tell a cap from none: heldout8 (issue 16's
+#: eighth held-out server) with its bugs on computes a prompt over two budgets before the decodes,
+#: without its 1024-token cap, and a probe of three budgets read that as no cap. A cap read from fewer
+#: steps is a little lower (768 there, clean, against 1023): a longer bound for long prompts.
 CAP_PROBE_BUDGETS = 2
 CAP_REPEATS = 2
 #: ... or, where the server reports a shorter context, the longest prompt it holds from this many
