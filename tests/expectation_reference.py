@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from fuzzer.errors import ConfigError
 from fuzzer.execution import ExecutionResult
-from fuzzer.oracle.expectation import Expectation
+from fuzzer.oracle.expectation import LOOKAHEAD_WINDOW, Expectation
 from fuzzer.oracle.model import ENVELOPE_SCALES, SchedulerAssumption, StepModel
 from fuzzer.oracle.paper import MAX_MODEL_STEPS, PaperRequest
 from fuzzer.trace import Trace
@@ -52,7 +52,8 @@ def expect(
     result: ExecutionResult | None = None,
 ) -> dict[str, Expectation]:
     variants = [paper_schedule(trace, model.scaled(k), assumption, result) for k in ENVELOPE_SCALES]
-    variants.append(paper_schedule(trace, model, assumption, result, lookahead=True))
+    variants += [paper_schedule(trace, m, assumption, result, lookahead=True, window=LOOKAHEAD_WINDOW)
+                 for m in (model, *(model.scaled(k) for k in ENVELOPE_SCALES))]
     variants.append(paper_schedule(trace, model, assumption, result, lookahead=True, window=0.0))
     variants.append(paper_schedule(trace, model.with_frontend_slack(), assumption, result, lookahead=True, window=0.0))
     if any(r.n > 1 for r in trace.requests):

@@ -494,3 +494,26 @@ def test_the_bound_holds_the_schedules_under_a_smaller_budget_the_server_showed(
     # The envelope takes the larger of the two budgets' schedules, request by request.
     assert both["s"].ttft_s > 1.5 * plain["s"].ttft_s
     assert all(both[rid].ttft_s >= plain[rid].ttft_s and both[rid].e2e_s >= plain[rid].e2e_s for rid in ("l0", "l1", "s"))
+
+
+def test_the_lookahead_schedules_drift_like_the_others():
+    """The simulator, clean as far as this trace goes (a campaign's child of cached_prefix_burst, one tail grown to
+    2064 uncached tokens): short tails sent 1 ms apart shared a step with that chunk, sent 5 ms after the first of
+    them; on paper the boundary fell before it, and three of them were a confirmed ttft-outlier of 5x. With the
+    lookahead schedules under the envelope's scalings, the later ones are within their bounds in every run; the
+    first (warm24) is still flagged in some runs (LOOKAHEAD_WINDOW says why), and is the only one."""
+    import asyncio
+    import json
+    import random
+    from pathlib import Path
+
+    from fuzzer.oracle.calibrate import calibrate
+    from fuzzer.oracle.judge import candidates
+    from fuzzer.sim import VirtualTarget
+
+    trace = tf.from_dict(json.loads((Path(__file__).parent / "data" / "fp-unlucky-boundary-burst.json").read_text()))
+    cal = asyncio.run(calibrate(VirtualTarget(seed=0), rng=random.Random(0)))
+    flagged = []
+    for seed in range(10):
+        flagged += [c.request_id for c in candidates(trace, VirtualTarget(seed=seed).run(trace), cal)]
+    assert set(flagged) <= {"warm24"} and len(flagged) <= 3, flagged

@@ -41,6 +41,16 @@ from fuzzer.trace import Request, Trace, ceil_div
 # and confirmations re-run the same trace; results are kept for this many recent
 # (trace, send times, model, assumption) keys. An entry is a few KB.
 _EXPECT_CACHE_SIZE = 512
+#: The lookahead schedules' window, in step-lengths of the last step (:func:`fuzzer.oracle.paper.schedule`), under
+#: the calibrated model and, since stop 47, its ENVELOPE_SCALES too: the unlucky boundary drifts like the rest. On
+#: the simulator (clean as far as the trace went) a burst of short tails sent 1 ms apart shared a step with a
+#: 2064-token chunk sent 5 ms after the first of them: more than a step on paper, and three of them were a
+#: confirmed ttft-outlier of 5x. The scaled schedules hold the later two; the first (5 ms before the chunk) is
+#: still 4.6x in two of ten runs: the step in progress when it came was longer than the last (it computed the
+#: tails before it), which the paper does not model. A window of 1.25 held it, and also let a request of a
+#: fan-out's control (tests/test_expectation.py) wait 110 ms behind a burst's chunks, where the envelope was
+#: built to tell 99 ms from FCFS: left at one step.
+LOOKAHEAD_WINDOW = 1.0
 
 
 @dataclass(frozen=True)
@@ -181,7 +191,9 @@ def _expect(
     for cap in capacities:
         variants += [serve(requests, prefixes, sent, model.scaled(k), assumption, False, kv_blocks=cap)
                      for k in ENVELOPE_SCALES]
-        variants.append(serve(requests, prefixes, sent, model, assumption, True, kv_blocks=cap))
+        # The unlucky boundary drifts like the rest (LOOKAHEAD_WINDOW).
+        variants += [serve(requests, prefixes, sent, m, assumption, True, kv_blocks=cap, window=LOOKAHEAD_WINDOW)
+                     for m in (model, *(model.scaled(k) for k in ENVELOPE_SCALES))]
         variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap))
         if model.frontend_token_s > 0:  # without frontend time the slack and the frontend's order change nothing
             variants.append(serve(requests, prefixes, sent, model.with_frontend_slack(), assumption, True,
