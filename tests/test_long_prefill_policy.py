@@ -20,6 +20,7 @@ from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import examine
 from fuzzer.oracle.model import SchedulerAssumption
+from fuzzer.oracle.expectation import expect
 from fuzzer.oracle.paper import serve
 from fuzzer.sim import SimConfig, VirtualTarget
 from fuzzer.trace import from_dict
@@ -214,3 +215,29 @@ def test_a_cap_is_measured_under_a_short_context_and_so_is_its_absence(threshold
         assert 768 <= cal.assumption.long_prefill_threshold <= threshold
     else:
         assert cal.assumption.long_prefill_threshold == 0
+
+
+def test_a_cap_is_measured_where_the_context_holds_a_prompt_of_only_one_and_a_quarter_budgets():
+    """heldout9 reports a 3072-token budget and a 4096-token context: no prompt of 1.5 budgets fits, and its
+    1024-token cap was not known (a 1056-token prompt then took two steps, a confirmed 2.3x ttft-outlier)."""
+    config = SimConfig(max_model_len=4096, max_num_batched_tokens=3072, long_prefill_token_threshold=1024, **GPU_LIKE)
+    named = SchedulerAssumption(token_budget=3072, source="server-reported token_budget")
+    cal = asyncio.run(calibrate(VirtualTarget(config, seed=4), assumption=named, rng=random.Random(4),
+                                max_model_len=config.max_model_len, measure_budget=False))
+    assert 700 <= cal.assumption.long_prefill_threshold <= 1024, cal.assumption  # steps counted: a lower bound
+    assert "long-prefill cap measured" in cal.assumption.source
+
+
+def test_the_bound_holds_a_cap_on_a_request_alone_as_vllm_v1_applies_it():
+    """vLLM v1 caps every request's new tokens at the threshold, alone too; the paper's first schedules cap only
+    beside others (v0's partial prefills). heldout9, clean: a 1056-token prompt sent alone took a step of its
+    1024-token cap, and its last 32 tokens shared the next step with a prompt sent 10 ms after it."""
+    trace = _trace([{"id": "alone", "at_ms": 0, "prompt_tokens": 1056, "max_tokens": 8},
+                    {"id": "next", "at_ms": 10, "prompt_tokens": 1024, "max_tokens": 8}])
+    capped = SchedulerAssumption(long_prefill_threshold=1024)
+    v1 = serve(trace.requests, {}, {}, SIM_MODEL, capped, False, cap_alone=True)["alone"].ttft_s
+    two_steps = SIM_MODEL.step_s(1024, 0, 0) + SIM_MODEL.step_s(32 + 1024, 0, 0)
+    assert v1 >= 0.95 * two_steps
+    assert expect(trace, SIM_MODEL, capped)["alone"].ttft_s >= v1
+    # The control: without a cap, one step (and the envelope's drift).
+    assert expect(trace, SIM_MODEL, SchedulerAssumption())["alone"].ttft_s < 0.75 * v1

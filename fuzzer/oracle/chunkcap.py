@@ -38,8 +38,10 @@ CAP_PROBE_BUDGETS = 2
 CAP_REPEATS = 2
 #: ... or, where the server reports a shorter context, the longest prompt it holds from this many
 #: budgets (two steps uncapped; until stop 43 two budgets, and heldout9's 4096-token context left its
-#: cap unknown); a context not reported (4096 guessed) needs two.
-CAP_PROBE_MIN_BUDGETS = 1.5
+#: cap unknown; until stop 47 1.5, and heldout9's reported 3072-token budget left it unknown again: a
+#: 1056-token prompt then took two steps of its 1024-token cap, a confirmed 2.3x ttft-outlier); a context
+#: not reported (4096 guessed) needs two.
+CAP_PROBE_MIN_BUDGETS = 1.25
 #: A cap is measured only when every run counts at least this many times the steps an uncapped
 #: engine needs (and a short prompt passed the long one: WITNESS_STEPS) ...
 CAP_EVIDENCE = 2.0

@@ -245,6 +245,10 @@ def _expect(
             # under which a long prompt waits out the previous long one's capped prefill.
             variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                   fifo_frontend=assumption.frontend_fifo, one_long=True))
+            # vLLM v1 caps a request alone too (heldout9, clean: a 1056-token prompt sent alone took two steps of
+            # its 1024-token cap, 2.3x the bound that capped it only beside others; confirmed).
+            variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                  fifo_frontend=assumption.frontend_fifo, cap_alone=True))
     loaded = serve(requests, prefixes, sent, model, assumption, False)
     # Per sequence, as a server counts them (PaperRequest.preempted_sequences).
     preempted = max((sum(p.preempted_sequences for p in v.values()) for v in variants), default=0)

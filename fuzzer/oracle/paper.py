@@ -113,6 +113,7 @@ def serve(
     fanout: bool = False,
     partial_hits: bool = False,
     whole: bool = False,
+    cap_alone: bool = False,
 ) -> dict[str, PaperRequest]:
     """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
 
@@ -138,7 +139,7 @@ def serve(
     ]
     done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks,
                     fifo_frontend=fifo_frontend, shared_frontend=shared_frontend, one_long=one_long, fanout=fanout,
-                    partial_hits=partial_hits, whole=whole)
+                    partial_hits=partial_hits, whole=whole, cap_alone=cap_alone)
     return {j.id: j.paper(model) for j in done}
 
 
@@ -222,6 +223,7 @@ def schedule(
     fanout: bool = False,
     partial_hits: bool = False,
     whole: bool = False,
+    cap_alone: bool = False,
 ) -> list[Job]:
     """Run the jobs through the paper scheduler; fills token times and finish times in place.
 
@@ -256,7 +258,8 @@ def schedule(
     that many prompt tokens in a step while others are running or waiting (vLLM v1's
     ``--long-prefill-token-threshold``). ``one_long`` (with a threshold): at most one prompt
     longer than the threshold is in partial prefill at a time; a waiting one beyond it is passed
-    over by shorter ones behind it (vLLM v0's ``--max-long-partial-prefills 1``).
+    over by shorter ones behind it (vLLM v0's ``--max-long-partial-prefills 1``). ``cap_alone``: the
+    cap applies to a request alone too (vLLM v1 caps every request's new tokens so).
 
     ``fanout``: every choice of a request asking for ``n`` > 1 is a request of its own that
     computes the prompt (waves of one choice, queued behind choice 0), as an engine does that
@@ -330,7 +333,7 @@ def schedule(
             t = pending[0].ready_s if not aborts else min(pending[0].ready_s, max(t, aborts[0]))
             continue
         threshold = a.long_prefill_threshold
-        limit = threshold if threshold and len(running) + len(waiting) > 1 else a.token_budget
+        limit = threshold if threshold and (cap_alone or len(running) + len(waiting) > 1) else a.token_budget
         room = kv.make_room(running, waiting, a.token_budget, limit) if kv is not None else {}
         decoding = [j for j in running if j.prefilled]
         decode_seqs = sum(j.n for j in decoding)
