@@ -122,9 +122,12 @@ async def test_a_campaign_stops_running_what_its_confirmed_crash_needs(tmp_path)
     assert crash[0].details["crash_needs"] == ["seed"]
     assert campaign.confirmer.crash_avoid == ["seed"]
     # Once the crash was learnt, no trace ran with a seed again: the crash's runs and the try that
-    # found what it needs are the only crashes.
-    learnt = next(i for i, t in enumerate(target.executed) if traits_of(t) == ("sampling",)
-                  and t.requests[0].prompt_tokens == 512)
+    # found what it needs are the only crashes. It is learnt after both: the try without the seed, and the
+    # confirmation runs of the crash's trace (in either order: the draws decide which comes first).
+    crashed = store.get_trace(crash[0].trace_hash)
+    tried = next(i for i, t in enumerate(target.executed) if traits_of(t) == ("sampling",)
+                 and t.requests[0].prompt_tokens == 512)
+    learnt = max(tried, max(i for i, t in enumerate(target.executed) if t.requests == crashed.requests)) + 1
     assert all(not any(r.seed is not None for r in t.requests) for t in target.executed[learnt:])
     assert len(target.executed) > learnt + 10  # and the campaign went on searching
     # The checkpoint keeps it: a resumed campaign avoids it too.
