@@ -65,6 +65,10 @@ def _drive(engine: Engine, specs: list[dict]) -> list:
                     assert h.blocks == [] and h.state is State.FINISHED
                     assert engine.kv.num_used <= used
                 aborts.remove((when, h))
+        # What the engine charges a request is decided when it schedules it: a decode costs its n sequences, a
+        # prompt chunk its tokens (a prompt whose last token is all that is left after a cache hit is a chunk
+        # of one, though it decodes once the step is done).
+        decoding_before = {id(r): r.decoding for r in engine._running}
         step = engine.step(t)
         if step is None:
             upcoming = [a[1]["at_s"] for a in arrivals[i:i + 1]] + [w for w, _ in aborts]
@@ -74,7 +78,7 @@ def _drive(engine: Engine, specs: list[dict]) -> list:
                 break
             t = max(t, min(upcoming))
             continue
-        cost = sum(r.n if r.decoding else tokens for r, tokens in step.scheduled)
+        cost = sum(r.n if decoding_before.get(id(r), False) else tokens for r, tokens in step.scheduled)
         assert cost <= cfg.max_num_batched_tokens
         assert engine.num_running <= cfg.max_num_seqs
         assert len({id(r) for r, _ in step.scheduled}) == len(step.scheduled)
