@@ -46,7 +46,7 @@ _EXPECT_CACHE_SIZE = 512
 #: the simulator (clean as far as the trace went) a burst of short tails sent 1 ms apart shared a step with a
 #: 2064-token chunk sent 5 ms after the first of them: more than a step on paper, and three of them were a
 #: confirmed ttft-outlier of 5x. The scaled schedules hold the later two; the first (5 ms before the chunk) is
-#: still 4.6x in two of ten runs: the step in progress when it came was longer than the last (it computed the
+#: still 4.6x in three of ten runs: the step in progress when it came was longer than the last (it computed the
 #: tails before it), which the paper does not model. A window of 1.25 held it, and also let a request of a
 #: fan-out's control (tests/test_expectation.py) wait 110 ms behind a burst's chunks, where the envelope was
 #: built to tell 99 ms from FCFS: left at one step.
@@ -264,8 +264,8 @@ def _expect(
         if r.id in beside and out_tokens > 1:
             # It could be the one preempted on a real engine: a stall of its own recompute (its
             # prompt and what it generated, from the prefix cache's share on) after a step's wait.
-            redo = _idle(r.prompt_tokens + out_tokens, 1, model, assumption, done.cached_tokens, 1).idle_ttft_s
-            stalls[r.id] = max(stalls.get(r.id, 0.0), redo + max(p.max_step_s for p in every))
+            stalls[r.id] = max(stalls.get(r.id, 0.0),
+                               _recompute_s(r, model, assumption, done.cached_tokens) + max(p.max_step_s for p in every))
         itl = max(max(p.max_step_s, p.max_itl_s or 0.0) for p in every)
         # A stall it may have had in another's place ends it that much later (a victim's own is in its E2E).
         later = max(0.0, stalls.get(r.id, 0.0) - itl) if r.id not in victims and out_tokens > 1 else 0.0
@@ -301,12 +301,17 @@ def anyone_preempted(expectations: dict[str, Expectation], trace: Trace, model: 
     out = dict(expectations)
     for r in trace.requests:
         e = out.get(r.id)
-        out_tokens = r.cancel_after_tokens or r.max_tokens
-        if e is None or e.max_itl_s is None or out_tokens < 2:
+        if e is None or e.max_itl_s is None:  # one token: no gap to stall
             continue
-        redo = _idle(r.prompt_tokens + out_tokens, 1, model, assumption, e.cached_tokens, 1).idle_ttft_s
+        redo = _recompute_s(r, model, assumption, e.cached_tokens)
         out[r.id] = replace(e, max_itl_s=e.max_itl_s + redo, e2e_s=e.e2e_s + redo, preemptible=True)
     return out
+
+
+def _recompute_s(r: Request, model: StepModel, assumption: SchedulerAssumption, cached: int) -> float:
+    """What a stream preempted for KV spends recomputing: its prompt and what it generated, from the prefix
+    cache's share on, as one idle request's TTFT."""
+    return _idle(r.prompt_tokens + (r.cancel_after_tokens or r.max_tokens), 1, model, assumption, cached, 1).idle_ttft_s
 
 
 def _reached_in_any_order(out: dict[str, Expectation], arrival: dict[str, float], slack: float) -> dict[str, Expectation]:

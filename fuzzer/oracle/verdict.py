@@ -90,9 +90,7 @@ class Verdict:
     def over_bound(self) -> float | None:
         """Observed over the FCFS bound: how far beyond what queueing by design explains, the figure
         a maintainer weighs (the slowdown over idle can be large for a request that also waited by design)."""
-        if self.observed_s is None or not self.expected_s or self.expected_s <= 0 or self.ablated:
-            return None
-        return self.observed_s / self.expected_s
+        return _over(self.observed_s, self.expected_s, self.ablated)
 
     @property
     def excess_s(self) -> float | None:
@@ -173,8 +171,12 @@ def over_bound_of(data: Mapping[str, Any]) -> float | None:
     figures); None for verdicts held against no bound (option-slowdowns, order, leaks)."""
     if data.get("over_bound") is not None:
         return float(data["over_bound"])
-    observed, expected = data.get("observed_s"), data.get("expected_s")
-    if observed is None or not expected or expected <= 0 or data.get("ablated"):
+    return _over(data.get("observed_s"), data.get("expected_s"), data.get("ablated"))
+
+
+def _over(observed: float | None, expected: float | None, ablated: str | None) -> float | None:
+    """Observed over the bound; None without both, or for an option-slowdown (its baseline is no bound)."""
+    if observed is None or not expected or expected <= 0 or ablated:
         return None
     return float(observed) / float(expected)
 
