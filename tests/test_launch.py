@@ -215,3 +215,37 @@ def test_a_server_whose_fuzzer_is_killed_outright_goes_too(tmp_path):
         proc.kill()  # SIGKILL: no cleanup of ours runs; the kernel's parent-death signal does
         proc.wait()
     assert wait_until(lambda: not servers_with(mark), 15.0), servers_with(mark)
+
+
+def test_the_scheduler_settings_a_server_was_started_with_are_read_from_its_command_and_log():
+    from fuzzer.execute.launch import told_scheduler
+
+    assert told_scheduler(["vllm", "serve", "m", "--max-num-batched-tokens", "4096", "--max-num-seqs=64"]) == {
+        "max_num_batched_tokens": 4096, "max_num_seqs": 64}
+    # vLLM states the budget it settled on (after its hardware-dependent defaults) in its startup log.
+    log = ("INFO 11-30 01:02:03 [utils.py:253] non-default args: {'model': 'm', 'max_num_seqs': 32}\n"
+           "INFO 11-30 01:02:04 [scheduler.py:205] Chunked prefill is enabled with max_num_batched_tokens=8192.\n")
+    assert told_scheduler(["vllm", "serve", "m", "--max-num-batched-tokens", "4096"], log) == {
+        "max_num_batched_tokens": 8192, "max_num_seqs": 32}
+    # Nothing stated, a flag without a value, zero or a word: nothing told.
+    assert told_scheduler(["server.py", "--max-num-seqs"], "max_num_batched_tokens=0 max_num_seqs=auto") == {}
+
+
+def test_a_launched_servers_stated_budget_is_its_configuration_not_a_default_to_probe(tmp_path):
+    from fuzzer.cli._launch import open_launched
+    from fuzzer.oracle.calibrate import scheduler_assumption
+
+    mark = marker()
+    line = "INFO [scheduler.py:205] Chunked prefill is enabled with max_num_batched_tokens=4096."
+    spec = LaunchSpec(command=("sh", "-c", f"echo {shlex.quote(line)} >&2; exec {sim_command(mark)}"),
+                      log_file=str(tmp_path / "server.log"))
+
+    async def main():
+        async with open_launched(spec, server="vllm") as target:
+            return target.info
+
+    info = asyncio.run(main())
+    assert info.scheduler["max_num_batched_tokens"] == 4096
+    assumption = scheduler_assumption(info)
+    assert assumption.token_budget == 4096 and "server-reported token_budget" in assumption.source
+    assert wait_until(lambda: not servers_with(mark), 5.0)

@@ -90,7 +90,7 @@ async def open_launched(spec: LaunchSpec, **http_options) -> AsyncIterator:
         server = ManagedServer(spec)
         try:
             url = await server.start()
-            async with HttpTarget(url, **http_options) as http:
+            async with HttpTarget(url, told=server.told(), **http_options) as http:
                 yield ManagedTarget(http, server, sleep=asyncio.sleep,
                                     on_restart=lambda note: _console.err.print(f"note: {note}"))
         finally:

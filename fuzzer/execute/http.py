@@ -120,7 +120,10 @@ class HttpTarget:
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         speed_check: bool = True,
+        told: Mapping[str, int] | None = None,
     ):
+        """``told``: scheduler settings the server was started with (a launched server's command line and
+        log, :func:`fuzzer.execute.launch.told_scheduler`); what it reports of itself overrides them."""
         if server != "auto":
             adapters.adapter(server)  # raises ConfigError for an unknown kind
         if not base_url.startswith(("http://", "https://")):
@@ -135,6 +138,7 @@ class HttpTarget:
         self._idle_timeout_s = idle_timeout_s
         self._idle_after_timeout_s = idle_after_timeout_s
         self._given_capabilities = dict(capabilities) if capabilities is not None else None
+        self._told = dict(told or {})
         self._rng = rng if rng is not None else random.Random()
         self._clock = clock
         self._wall_clock = wall_clock
@@ -198,7 +202,7 @@ class HttpTarget:
                 )
             self.info = ServerInfo(
                 kind=kind, version=version, model=model, max_model_len=max_len, capabilities=caps,
-                scheduler=detection.reported_scheduler(fp, kind),
+                scheduler={**self._told, **detection.reported_scheduler(fp, kind)},
             )
             if self._adapter.has_metrics and fp.ok(self._adapter.metrics_path or "") is not None:
                 self._scraper = Scraper(self._session, self.base_url, self._adapter, headers=self._headers)

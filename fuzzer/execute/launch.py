@@ -126,6 +126,37 @@ def _kill_leftovers() -> None:  # the last net: whatever is still running when w
 _ERROR_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): |\bFATAL\b|\bpanicked\b")
 
 
+#: vLLM's scheduler settings as a launch command gives them, and as its startup log states them
+#: (``Chunked prefill is enabled with max_num_batched_tokens=2048.``, ``non-default args: {...
+#: 'max_num_seqs': 64}``): the key of :attr:`fuzzer.execute.adapters.ServerInfo.scheduler` for each.
+_TOLD_FLAGS = {"--max-num-batched-tokens": "max_num_batched_tokens", "--max-num-seqs": "max_num_seqs"}
+_TOLD_LOG = re.compile(r"\b(max_num_batched_tokens|max_num_seqs)['\"]?\s*[=:]\s*(\d+)")
+#: How much of a life's log is read for the settings it states (a startup log is a few KB).
+_TOLD_LOG_BYTES = 1 << 20
+
+
+def told_scheduler(argv: list[str] | tuple[str, ...], log_text: str = "") -> dict[str, int]:
+    """The scheduler settings a launched server was given on its command line or states in its log.
+
+    What the server was started with is its configuration, as what it reports in /metrics is
+    (:func:`fuzzer.oracle.calibrate.scheduler_assumption`); a probe would read a planted bug's
+    behaviour as a setting (a budget ignored reads as a larger budget). The log's last statement
+    of a setting wins (vLLM logs the value it settled on, after its defaults), then the command's.
+    Positive integers only.
+    """
+    found: dict[str, int] = {}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in _TOLD_FLAGS:
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value.isdigit() and int(value) > 0:
+                found[_TOLD_FLAGS[flag]] = int(value)
+    for key, value in _TOLD_LOG.findall(log_text):
+        if int(value) > 0:
+            found[key] = int(value)
+    return found
+
+
 def last_error_line(text: str) -> str | None:
     """The last line of ``text`` naming an exception or a fatal error, stripped; None when none does."""
     found = [ln.strip() for ln in text.splitlines() if _ERROR_LINE.search(ln)]
@@ -254,6 +285,19 @@ class ManagedServer:
             fd, self._log_path = tempfile.mkstemp(prefix="fuzz-server-", suffix=".log")
             self._log = os.fdopen(fd, "ab")
             self._temporary_log = True
+
+    def told(self) -> dict[str, int]:
+        """The scheduler settings this server was started with (:func:`told_scheduler`): its command
+        line and what this life's log has stated so far."""
+        text = ""
+        if self._log_path is not None:
+            try:
+                with open(self._log_path, "rb") as f:
+                    f.seek(self._log_from)
+                    text = f.read(_TOLD_LOG_BYTES).decode(errors="replace")
+            except OSError:
+                pass
+        return told_scheduler(self.argv(), text)
 
     def tail(self, n: int = 20) -> list[str]:
         """The last ``n`` non-empty lines of the server's log."""

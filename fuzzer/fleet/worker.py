@@ -223,7 +223,7 @@ class Worker:
         server = ManagedServer(spec.launch)
         self._stack.callback(server.close)
         url = await server.start()
-        http = await self._stack.enter_async_context(HttpTarget(url, **options))
+        http = await self._stack.enter_async_context(HttpTarget(url, told=server.told(), **options))
         return ManagedTarget(http, server, sleep=asyncio.sleep)
 
 
