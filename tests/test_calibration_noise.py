@@ -8,6 +8,7 @@ import math
 import random
 
 import numpy as np
+import pytest
 
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.calibration import UNRELIABLE_NOISE
@@ -192,3 +193,36 @@ def test_only_an_uncertain_lines_probes_run_again(monkeypatch):
     host = _CountingHost()
     noisy = _calibrate(host)
     assert host.executions == pilot + 2 * one_round and noisy.probes == full.probes
+
+
+class _OneSlowRequest(_LoadedHost):
+    """The simulator, where the first request of execution ``slow`` (1-based) took 5 s longer: a pilot's
+    outlier (llama-server's first request of a pilot run took 5.6 s once, the other run's 0.004 s)."""
+
+    def __init__(self, slow: int | None):
+        super().__init__(loaded=0)
+        self.slow = slow
+        self.traces = []
+
+    async def execute(self, trace, *, cut_s=None):
+        result = await super().execute(trace, cut_s=cut_s)
+        self.traces.append(trace)
+        if self.executions != self.slow:
+            return result
+        first, *rest = result.requests
+        first = dataclasses.replace(first, ttft_s=first.ttft_s + 5.0, e2e_s=first.e2e_s + 5.0,
+                                    token_times_s=tuple(t + 5.0 for t in first.token_times_s))
+        return dataclasses.replace(result, requests=(first, *rest))
+
+
+def test_one_slow_pilot_request_does_not_pace_the_probes():
+    def span_s(slow):
+        host = _OneSlowRequest(slow)
+        cal = _calibrate(host, repeats=2, early_stop=False)
+        rounds = host.traces[cal.warmup_runs:]
+        return [t.requests[-1].at_ms for t in rounds]
+
+    quiet = span_s(None)
+    for slow in (1, 2):  # in either pilot run
+        assert span_s(slow) == pytest.approx(quiet, rel=0.25)  # the slow one paced every probe 7.5 s apart
+    assert quiet[0] < 5000  # the uncached prompts' round: well under one slow request's 5 s a probe

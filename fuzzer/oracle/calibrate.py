@@ -23,6 +23,7 @@ the stored one while it is fresh, else a new one measured now.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -100,6 +101,8 @@ SETTLED_SPREAD = 0.10
 #: ... and each judged metric has at least this many baseline ratios (three candidate samples
 #: against 16 can still reach p <= 0.01 with Mann-Whitney U).
 SETTLED_BASELINE = 16
+#: Of the pilot runs' two durations of a probe, the slower paces the probes up to this many times the faster.
+PILOT_OUTLIER = 3.0
 #: The first pilot run knows nothing yet: its largest probes are this far apart, its smallest half that.
 PILOT_SPACING_S = 1.0
 #: The frontend's per-token time is read off cached prompts (a cached token skips the prefill,
@@ -240,9 +243,17 @@ async def calibrate(
                     pilot.add(size, DECODE_TOKENS, spacing_s=gap)
                 else:
                     pilot.add(BATCH_PROMPT_TOKENS, DECODE_TOKENS, batch=size, spacing_s=gap)
+        measured: dict[tuple[str, int], float] = {}
         for probe in await run_plan(target, pilot, "calibration-pilot"):
             key = kind_of[probe.result.request_id.split("b")[0]]
-            slowest[key] = max(slowest.get(key, 0.0), probe.result.e2e_s or 0.0)
+            measured[key] = max(measured.get(key, 0.0), probe.result.e2e_s or 0.0)
+        # The slower run paces the probes, but not beyond PILOT_OUTLIER times the faster: one slow request is an
+        # outlier, and as the slowest it set the pace of every probe of its kind. On llama-server the first request
+        # of a pilot run took 5.6 s once (the other run's, 0.004 s) and 1.04 s another time (0.004 s), and every
+        # prefill probe was spaced 8.4 s apart (a 12-minute calibration, other jobs sharing the cores) or 1.6 s; on
+        # a GPU, 1.8 s apart for probes served in 10-120 ms.
+        slowest = {key: min(max(value, slowest.get(key, 0.0)), PILOT_OUTLIER * min(value, slowest.get(key, math.inf)))
+                   for key, value in measured.items()}
 
     spacing = {kind: pace(kind) for kind in sizes_of}
     # A server may report its KV capacity only once its engine is up (vLLM's cache_config_info).
