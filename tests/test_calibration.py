@@ -246,6 +246,9 @@ async def test_the_servers_own_tokenizer_caps_the_frontend_share():
     # The per-token total is kept: what leaves the frontend goes to the prefill.
     total = lambda m: m.frontend_token_s + m.prefill_token_s  # noqa: E731
     assert total(capped.model) == pytest.approx(total(free.model), rel=0.02)
+    # The tokenizer's own time is kept in the model, and stored (the uncertain frontend starts from it).
+    assert capped.model.tokenizer_token_s == pytest.approx(1e-6, rel=0.01) and free.model.tokenizer_token_s == 0.0
+    assert type(capped.model).from_dict(capped.model.to_dict()) == capped.model
 
 
 # --- the context cost of long sequences decoding together -------------------------------------

@@ -309,6 +309,39 @@ def test_a_frontend_cost_read_low_still_bounds_a_first_token_sent_behind_a_burst
     assert DEFAULT_POLICY.factor * expect(later, low, a)["r08"].ttft_s < 0.088
 
 
+def test_a_frontend_fitted_at_nothing_still_costs_what_the_servers_tokenizer_takes_on_one_thread():
+    """heldout10, clean: calibration fitted no frontend time (its /tokenize took 0.66 us a token); 24 prompts of
+    2064 tokens (2048 of them a cached prefix) sent 2 ms apart reached its one thread, which tokenized them
+    between steps: their first tokens came in groups 30 ms apart, a confirmed ttft-outlier of 14x (88 ms against
+    a 20 ms bound), and three streams decoding beside them went 52 ms without a token."""
+    from fuzzer.oracle.model import FRONTEND_UNCERTAINTY
+    from fuzzer.oracle.policy import DEFAULT_POLICY
+
+    trace = from_dict({"prefixes": {"warm": 2048}, "requests": [
+        {"id": "owner", "at_ms": 0, "prompt_tokens": 2064, "prefix": "warm", "max_tokens": 4},
+        {"id": "d", "at_ms": 1990, "prompt_tokens": 64, "max_tokens": 400},
+        *({"id": f"warm{i}", "at_ms": 2000 + 2 * i, "prompt_tokens": 2064, "prefix": "warm", "max_tokens": 16}
+          for i in range(24)),
+    ]})
+    a = SchedulerAssumption(frontend_fifo=True)
+    none = replace(MODEL, frontend_token_s=0.0)
+    told = replace(none, tokenizer_token_s=0.66e-6)
+    blind, seen = expect(trace, none, a), expect(trace, told, a)
+    # The last tail waits for the burst's tokenization, at FRONTEND_UNCERTAINTY times the tokenizer's time.
+    tokenizing = FRONTEND_UNCERTAINTY * told.tokenizer_token_s * 24 * 2064
+    assert seen["warm23"].ttft_s >= tokenizing - 0.046 > 2 * blind["warm23"].ttft_s
+    # The stream decoding meanwhile waits for the thread too: a gap as long as tokenizing most of the burst.
+    assert seen["d"].max_itl_s >= tokenizing / 2 > 3 * blind["d"].max_itl_s
+    # The control: without the burst the stream's gaps are its steps.
+    alone = trace.with_requests([r for r in trace.requests if not r.id.startswith("warm")])
+    assert DEFAULT_POLICY.factor * expect(alone, told, a)["d"].max_itl_s < seen["d"].max_itl_s
+    # On paper the stream was exposed to the hold as to a step that long (the max-ITL bound of a stream whose
+    # gaps the execution matched to steps: fuzzer.oracle.evidence.exposed_to_steps).
+    one_thread = serve(trace.requests, trace.prefixes, {}, told.with_frontend_uncertainty(), a, True, window=0.0,
+                       fifo_frontend=True, shared_frontend=True)
+    assert one_thread["d"].max_step_s >= tokenizing / 2
+
+
 def test_a_step_ending_on_paper_just_before_a_burst_of_long_prompts_sends_its_token_after_them():
     # heldout3 (a vLLM-like server written elsewhere), every bug on, seed 10: a2's first token came 100 ms
     # late behind eight 18739-token prompts sent 28 ms after it (3/3 on its clean server too); on paper its

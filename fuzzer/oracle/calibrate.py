@@ -264,12 +264,13 @@ async def calibrate(
         batch, context = long_batch
         long_batch = (batch, context // 2) if context // 2 >= LONG_BATCH_MIN_CONTEXT else None
     sizes = (lengths, prefixes, contexts, long_batch)
-    cap = await tokenize_token_s(target)
+    tokenizer = await tokenize_token_s(target)
+    cap = None if tokenizer is None else TOKENIZE_ALLOWANCE * tokenizer
 
     def fitted(probes: Probes, rounds: str) -> Calibration:
         return fit(target=target.name, created_at=clock(), assumption=assumption, prefill=probes.prefill,
                    cached=probes.cached, single=probes.single, batched=probes.batched, warmup_runs=warmup_runs,
-                   frontend_cap_s=cap, probing=rounds)
+                   frontend_cap_s=cap, tokenizer_token_s=tokenizer or 0.0, probing=rounds)
 
     async def measured() -> Calibration:
         # Half the repeats first; the other half only when the fit is not yet settled (settled()).
@@ -409,11 +410,13 @@ async def reuse_or_calibrate(
 
 
 async def tokenize_token_s(target: Target) -> float | None:
-    """The most frontend time per prompt token the target's own tokenizer explains, or None.
+    """The time per prompt token the target's own tokenizer takes (/tokenize), or None.
 
     Timed on targets that can (``tokenize_seconds``: the HTTP executor with a server that
-    tokenizes on request); the slope between a short and a long prompt, times
-    TOKENIZE_ALLOWANCE. None on targets that cannot say (the in-process simulator).
+    tokenizes on request): the slope between a short and a long prompt, each the fastest of
+    TOKENIZE_REPEATS. None on targets that cannot say (the in-process simulator). Times
+    TOKENIZE_ALLOWANCE, it caps the frontend's fitted share; as it is, it is the least frontend
+    time a prompt costs (StepModel.tokenizer_token_s).
     """
     timer = getattr(target, "tokenize_seconds", None)
     if timer is None:
@@ -425,7 +428,7 @@ async def tokenize_token_s(target: Target) -> float | None:
             return None
         fastest.append(min(times))
     short, long = TOKENIZE_PROBE_TOKENS
-    return TOKENIZE_ALLOWANCE * max(0.0, (fastest[1] - fastest[0]) / (long - short))
+    return max(0.0, (fastest[1] - fastest[0]) / (long - short))
 
 
 def long_prefill_lengths(budget: int, longest: int, *, fallback: bool = True) -> tuple[int, ...]:

@@ -201,9 +201,11 @@ def _expect(
             if assumption.frontend_fifo:
                 variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                       fifo_frontend=True))
-                for m in (model, model.with_frontend_uncertainty()):
-                    variants.append(serve(requests, prefixes, sent, m, assumption, True, window=0.0, kv_blocks=cap,
-                                          fifo_frontend=True, shared_frontend=True))
+                variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                      fifo_frontend=True, shared_frontend=True))
+        if model.has_frontend and assumption.frontend_fifo:
+            variants.append(serve(requests, prefixes, sent, model.with_frontend_uncertainty(), assumption, True,
+                                  window=0.0, kv_blocks=cap, fifo_frontend=True, shared_frontend=True))
         if assumption.low_budget:
             # The smaller budget the server showed (SchedulerAssumption.low_budget): plain, and drifted.
             low = replace(assumption, token_budget=assumption.low_budget, low_budget=0)

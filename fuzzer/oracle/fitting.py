@@ -66,13 +66,15 @@ def fit(
     batched: Sequence[Probe],
     warmup_runs: int = WARMUP_RUNS,
     frontend_cap_s: float | None = None,
+    tokenizer_token_s: float = 0.0,
     probing: str = "",
 ) -> Calibration:
     """Fit the step model from probe measurements and measure the residual noise.
 
     ``frontend_cap_s``: the most frontend time per prompt token the server's own tokenizer
     explains (:func:`tokenize_token_s`); the rest of the cached prompts' extra time is the
-    engine's (attention over the cached prefix), not the frontend's.
+    engine's (attention over the cached prefix), not the frontend's. ``tokenizer_token_s``: that
+    tokenizer's own time per token, kept in the model (StepModel.tokenizer_token_s).
     """
     # Single-sequence decode: ITL = (overhead + one sequence) + context cost x context.
     pts = [(p.prompt + p.max_tokens / 2.0, _median_itl(p.result)) for p in single]
@@ -141,6 +143,7 @@ def fit(
         request_overhead_s=request_overhead_s,
         frontend_token_s=frontend_token_s,
         prefill_pair_s=prefill_pair_s,
+        tokenizer_token_s=tokenizer_token_s,
     )
     noise, noise_s, baseline = _residuals(model, assumption, [*prefill, *cached, *single])
     return Calibration(

@@ -68,6 +68,10 @@ class StepModel:
     #: 26 ms, a decode's 5.7 ms). Idle probes cannot tell it from the request overhead (both are in
     #: every TTFT); the step probe beside a stream can (fuzzer.oracle.chunkcap.prefill_step_floor).
     prefill_step_s: float = 0.0
+    #: The server's own tokenizer's time per prompt token (/tokenize, timed at calibration; 0: not known).
+    #: The least frontend time a prompt costs, where the cached probes' slope is lost in their noise: the
+    #: uncertain frontend (with_frontend_uncertainty) starts from it.
+    tokenizer_token_s: float = 0.0
 
     def frontend_s(self, prompt_tokens: int) -> float:
         """Frontend time (tokenization) before the engine sees a request of ``prompt_tokens``."""
@@ -110,8 +114,16 @@ class StepModel:
         return replace(self, frontend_slack_s=FRONTEND_SLACK_S)
 
     def with_frontend_uncertainty(self) -> StepModel:
-        """The same model with FRONTEND_UNCERTAINTY times the frontend's per-token cost."""
-        return replace(self, frontend_token_s=self.frontend_token_s * FRONTEND_UNCERTAINTY)
+        """The same model with FRONTEND_UNCERTAINTY times the frontend's per-token cost, and at least the
+        tokenizer's own: a clean held-out server's calibration fitted no frontend time at all, where its
+        /tokenize took 0.66 us a token; its one thread then parsed and tokenized 24 prompts of 2k tokens
+        sent 2 ms apart between two steps, and their first tokens were a confirmed ttft-outlier of 14x."""
+        return replace(self, frontend_token_s=max(self.frontend_token_s, self.tokenizer_token_s) * FRONTEND_UNCERTAINTY)
+
+    @property
+    def has_frontend(self) -> bool:
+        """Whether a request costs any frontend time here, or may (the tokenizer's own time)."""
+        return self.frontend_token_s > 0 or self.tokenizer_token_s > 0
 
     def to_dict(self) -> dict[str, float]:
         return {
@@ -123,6 +135,7 @@ class StepModel:
             "frontend_token_s": self.frontend_token_s,
             "prefill_pair_s": self.prefill_pair_s,
             "prefill_step_s": self.prefill_step_s,
+            "tokenizer_token_s": self.tokenizer_token_s,
         }
 
     @classmethod

@@ -252,7 +252,8 @@ def schedule(
     it is done (the held-out server: a first token 2.5x late behind a burst 30 ms after it), and so
     does a step ending up to FRONTEND_SLACK_S before the frontend gets busy (a step's end on paper
     is a little off the engine's).
-    Pure decoding is not held up (an upper bound only for a busy period's first step).
+    Pure decoding is held up as much (a clean held-out server's three streams went 52 ms without a
+    token while its thread tokenized a burst of 2k-token prompts).
 
     With a long-prefill threshold (``a.long_prefill_threshold`` > 0), a request computes at most
     that many prompt tokens in a step while others are running or waiting (vLLM v1's
@@ -306,6 +307,7 @@ def schedule(
     t = order[0].ready_s if order else 0.0
     steps = 0
     last_dt = 0.0
+    held = 0.0  # how long the shared frontend has held the thread since the last step (a stream's gap grows by it)
     aborts = sorted(j.abort_s for j in queued if j.abort_s is not None)
 
     def too_long(j: Job, left: int) -> bool:  # ``whole``: its uncached prompt does not fit what the step has left
@@ -320,7 +322,8 @@ def schedule(
         while busy and busy[0][1] <= t:
             busy.popleft()
         if busy and busy[0][0] <= t:
-            t = busy.popleft()[1]  # the frontend holds the thread until it has handled every request it has
+            end = busy.popleft()[1]  # the frontend holds the thread until it has handled every request it has
+            held, t = held + end - t, end
         horizon = t
         if lookahead and running and pending and pending[0].ready_s <= t + last_dt:
             # The boundary may fall up to one step after the first new arrival.
@@ -350,11 +353,15 @@ def schedule(
             )
             and steps < MAX_MODEL_STEPS
         ):
-            # Nothing to prefill and nobody admissible: only decode steps until something changes.
+            # Nothing to prefill and nobody admissible: only decode steps until something changes (a client's
+            # abort, or the shared frontend taking the thread: its decodes wait too).
+            stops = [x for x in (aborts[0] if aborts else None, busy[0][0] if busy else None) if x is not None]
             t, last_dt, done = _decode_run(
                 t, last_dt, decoding, decode_seqs, context, waiting, running, pending, model,
-                lookahead=lookahead, max_steps=MAX_MODEL_STEPS - steps, kv=kv, abort_at=aborts[0] if aborts else None,
+                lookahead=lookahead, max_steps=MAX_MODEL_STEPS - steps, kv=kv, stop_at=min(stops, default=None),
+                held=held,
             )
+            held = 0.0
             steps += done
             _retire(running, t, kv)
             continue
@@ -397,7 +404,8 @@ def schedule(
         # Every request in the system during this step (or arriving while it runs) was exposed
         # to it: a step this long may sit between two of its tokens.
         for j in (*waiting, *running):
-            j.max_step = max(j.max_step, dt)
+            j.max_step = max(j.max_step, dt + held if j.prefilled else dt)
+        held = 0.0
         for j in pending:
             if j.ready_s >= t + dt:
                 break
@@ -483,16 +491,18 @@ def _decode_run(
     lookahead: bool,
     max_steps: int,
     kv: KVBlocks | None = None,
-    abort_at: float | None = None,
+    stop_at: float | None = None,
+    held: float = 0.0,
 ) -> tuple[float, float, int]:
     """Take the pure-decode steps from ``t`` on at once; returns (t, last_dt, steps taken).
 
     The run stops after the step in which the first decoding request gets its last
     token, or before the step at whose start the next arrival would be admitted to the
-    waiting queue, or before the step at whose start ``abort_at`` has come (a client's abort),
+    waiting queue, or before the step at whose start ``stop_at`` has come (a client's abort, the shared frontend's turn),
     whichever comes first (at least one step is taken: the caller found none admissible at ``t``). Step k has the context of step 0 plus k tokens of every
     decoding sequence; the times are accumulated in order, exactly as step-by-step. With
     ``kv``, it also stops before the first step whose decodes need more blocks than are free.
+    ``held``: how long the shared frontend held the thread just before (it lengthens the first gap).
     """
     left = min((j.out - j.tokens for j in decoding), default=None)
     count = min(max_steps, _DECODE_RUN_MAX if left is None else left)
@@ -513,14 +523,16 @@ def _decode_run(
         if late.size:
             count = int(late[0]) + 1
             dts, ends = dts[:count], ends[:count]
-    if abort_at is not None:
-        gone = np.flatnonzero(abort_at <= ends[:-1])  # the first step boundary at or after the abort
+    if stop_at is not None:
+        gone = np.flatnonzero(stop_at <= ends[:-1])  # the first step boundary at or after it
         if gone.size:
             count = int(gone[0]) + 1
             dts, ends = dts[:count], ends[:count]
     longest = float(dts.max())
     for j in (*waiting, *running):
         j.max_step = max(j.max_step, longest)
+    for j in decoding:  # the thread was held before the first of these steps: between two of its tokens
+        j.max_step = max(j.max_step, float(dts[0]) + held)
     if pending:
         # An arrival is exposed to every step that ends after it arrives.
         rising = bool(dts.min() > 0)
