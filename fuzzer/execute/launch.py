@@ -289,15 +289,7 @@ class ManagedServer:
     def told(self) -> dict[str, int]:
         """The scheduler settings this server was started with (:func:`told_scheduler`): its command
         line and what this life's log has stated so far."""
-        text = ""
-        if self._log_path is not None:
-            try:
-                with open(self._log_path, "rb") as f:
-                    f.seek(self._log_from)
-                    text = f.read(_TOLD_LOG_BYTES).decode(errors="replace")
-            except OSError:
-                pass
-        return told_scheduler(self.argv(), text)
+        return told_scheduler(self.argv(), self._log_text(head=True))
 
     def tail(self, n: int = 20) -> list[str]:
         """The last ``n`` non-empty lines of the server's log."""
@@ -307,12 +299,16 @@ class ManagedServer:
         """The log's last line naming an exception or a fatal error, if any (:func:`last_error_line`)."""
         return last_error_line(self._log_text())
 
-    def _log_text(self) -> str:
-        """This life's log, its last 64 KiB at most."""
+    def _log_text(self, *, head: bool = False) -> str:
+        """This life's log, its last 64 KiB at most (``head``: its first _TOLD_LOG_BYTES, where a server
+        states its settings)."""
         if self._log_path is None:
             return ""
         try:
             with open(self._log_path, "rb") as f:
+                if head:
+                    f.seek(self._log_from)
+                    return f.read(_TOLD_LOG_BYTES).decode(errors="replace")
                 f.seek(max(self._log_from, os.fstat(f.fileno()).st_size - 64 * 1024))
                 return f.read().decode(errors="replace")
         except OSError:

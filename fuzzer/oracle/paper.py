@@ -531,8 +531,9 @@ def _decode_run(
     longest = float(dts.max())
     for j in (*waiting, *running):
         j.max_step = max(j.max_step, longest)
-    for j in decoding:  # the thread was held before the first of these steps: between two of its tokens
-        j.max_step = max(j.max_step, float(dts[0]) + held)
+    if held:  # the thread was held before the first of these steps: between two of each stream's tokens
+        for j in decoding:
+            j.max_step = max(j.max_step, float(dts[0]) + held)
     if pending:
         # An arrival is exposed to every step that ends after it arrives.
         rising = bool(dts.min() > 0)
