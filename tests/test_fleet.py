@@ -15,7 +15,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,12 +55,12 @@ def fleet(tmp_path_factory):
             sim.start()
         targets = {name: FleetTarget(name, url=sims[name].url, kind=kind) for name, (_, kind) in SIMS.items()}
         template = tmp_path_factory.mktemp("fleet") / "template.db"
-        with Store.open(template) as store, ThreadPoolExecutor(len(targets)) as threads:
-            workers = [Worker(t, seed=1) for t in targets.values()]
-            for t, info in zip(targets.values(), threads.map(lambda w: w.start(), workers)):
-                store.save_calibration(t.identity, info["measured"])
-            for w in workers:
-                w.stop()
+        # One at a time, as on a quiet machine: three at once on the two cores gave calibrations of 50 % noise.
+        with Store.open(template) as store:
+            for t in targets.values():
+                worker = Worker(t, seed=1)
+                store.save_calibration(t.identity, worker.start()["measured"])
+                worker.stop()
         yield ray.get_runtime_context().gcs_address, targets, template
     finally:
         for sim in sims.values():
@@ -108,7 +107,9 @@ def test_findings_come_from_the_target_that_plants_them_and_are_rechecked_on_its
     # campaign's worst: a request queued behind a held prefix burst on the hol server may be
     # slower still.)
     on_logprobs = [f for f in findings if f.details["target"] == "logprobs"]
-    assert on_logprobs and max(on_logprobs, key=lambda f: f.slowdown or 0.0).reproduced == "3/3", [
+    worst = max(on_logprobs, key=lambda f: f.slowdown or 0.0) if on_logprobs else None
+    k, n = map(int, worst.reproduced.split("/")) if worst else (0, 0)
+    assert worst and k == n >= Settings().policy.min_runs, [
         (f.details, f.slowdown, f.reproduced) for f in findings]
     # A finding is re-checked on the other target of its kind (logprobs and clean), never elsewhere;
     # the outcome there is recorded ("k/n" or "not reproduced ...").

@@ -138,9 +138,9 @@ def test_a_fleet_tests_a_seed_that_slows_the_batch_before_its_victims_and_rechec
         assert state["option_tests"]["a"]["seed"] == [1, 16]  # tested once (other options of its children may be)
 
 
-def _coordinator(store, settings=None):
-    coordinator = Coordinator(None, [FleetTarget("a", url="http://127.0.0.1:1", kind="k"),
-                                     FleetTarget("b", url="http://127.0.0.1:2", kind="k")], store,
+def _coordinator(store, settings=None, kinds=("k", "k")):
+    coordinator = Coordinator(None, [FleetTarget("a", url="http://127.0.0.1:1", kind=kinds[0]),
+                                     FleetTarget("b", url="http://127.0.0.1:2", kind=kinds[1])], store,
                               settings or Settings())
     coordinator._open()
     coordinator.mutator = NullMutator(Limits())
@@ -233,6 +233,32 @@ def test_an_option_confirmed_on_two_targets_at_once_is_one_finding_with_both_out
     b.confirm.extend([tests["b"], Task("recheck", tests["b"].trace, candidate=tests["b"].candidate,
                                        key=tests["b"].key, finding_id=finding.id, origin="a")])
     assert coordinator._next_task(b).kind == "recheck"
+
+
+def test_an_option_found_on_one_kind_is_still_tested_and_found_on_another_as_its_own_finding(store):
+    """Another kind is another server: the fleet test of stop 48's CI, where the hol simulator (its own kind)
+    confirmed the logprobs option-slowdown first, the logprobs simulator's test was then merged into that
+    finding (a target of another kind in its targets) and the planted bug had no finding of its own."""
+    coordinator = _coordinator(store, kinds=("x", "y"))
+    a, b = coordinator.targets["a"], coordinator.targets["b"]
+    target = PaperTarget(seed=3)
+    _run(coordinator, "a", _seeded_batch(), target)
+    found = Verdict(FindingKind.OPTION_SLOWDOWN, Decision.DIFFERENT, "test", request_id="carrier",
+                    signature=option_signature("seed"), reproduced=3, runs=3)
+    coordinator._confirmed(a, a.confirm.popleft(), SimpleNamespace(runs=[], verdict=found.to_dict(), crash_needs=()))
+    assert not b.confirm  # no re-check on another kind
+    # b's own test is due, and b's children keep the option (a's finding explains nothing of b).
+    _run(coordinator, "b", _seeded_batch(), target)
+    [test] = b.confirm
+    assert test.candidate["kind"] == "option-slowdown" and coordinator._found_on(b) == set()
+    assert coordinator._found_on(a) == {option_signature("seed")}
+    coordinator._confirmed(b, b.confirm.popleft(), SimpleNamespace(runs=[], verdict=found.to_dict(), crash_needs=()))
+    findings = {f.details["target"]: f for f in store.list_findings()}
+    assert set(findings) == {"a", "b"} and all(f.details["targets"] == {n: "3/3"} for n, f in findings.items())
+    assert len({f.signature for f in findings.values()}) == 2
+    # A resumed fleet knows both as found, each on its own kind.
+    resumed = _coordinator(store, kinds=("x", "y"))
+    assert all(resumed._found_on(t) == {option_signature("seed")} for t in resumed.targets.values())
 
 
 class _AnsweringPool:

@@ -9,8 +9,9 @@ the campaign's database: every execution is stored with the id of the target it 
   :data:`SYNC_BATCH` (AFL++ secondaries sync their queues): run there, kept where it reaches
   something new.
 - A candidate is confirmed on the target it was seen on; a confirmed finding is deduplicated
-  by signature across targets and then re-checked on every other target of the same
-  ``kind``; its details say on which targets it reproduced. As in a campaign, a found family
+  by signature across the targets of its ``kind`` (:meth:`Coordinator._scoped`: another kind is
+  another server, whose finding is its own) and re-checked on every other target of that kind;
+  its details say on which targets it reproduced. As in a campaign, a found family
   is confirmed again only now and then (:class:`fuzzer.search.confirming.Families`) and children
   lose the disconnects of a confirmed leak's way; a leak of several ways is confirmed as it is
   (a campaign confirms it one way at a time).
@@ -43,7 +44,7 @@ from typing import Any
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execution import ExecutionResult
 from fuzzer.fleet.pool import WorkerLost
-from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, to_state
+from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, option_tests_from_state, to_state
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.fleet.worker import TimeCap
 from fuzzer.oracle.ablation import one_row, suspects, without_option
@@ -123,7 +124,8 @@ class Coordinator:
         self.retry: list[Task] = []
         self.orphans: list[tuple[str, Task]] = []
         self.rejected: dict[str, int] = {}
-        self.found: set[str] = {f.signature for f in store.list_findings()}
+        self.found: set[str] = {f.signature for f in store.list_findings()}  # scoped (_scoped)
+        self._kinds = {t.kind for t in targets}
         #: The back-off of found families, as a campaign's (fuzzer.search.confirming.Families).
         self.families = Families(store.list_findings())
         #: Target -> sampling option -> (times tested against its ablation there, the most requests beside it in
@@ -158,7 +160,7 @@ class Coordinator:
             self.retry, self.orphans = from_state(self.targets, state, self.store.get_trace)
             self.rejected = dict(state.get("rejected", {}))
             self.families.seen = dict(state.get("family_seen", {}))
-            self.option_tests = _option_tests(state.get("option_tests", {}), set(self.targets))
+            self.option_tests = option_tests_from_state(state.get("option_tests", {}), set(self.targets))
             self.crash_avoid = list(state.get("crash_avoid", []))
         self._operators = OperatorStats.from_dict(state.get("operators", {}))
         return latest is not None and "fleet" in latest["settings"]
@@ -298,7 +300,8 @@ class Coordinator:
         other = t.corpus.choose(self.rng).trace if len(t.corpus) > 1 else None
         child: Child = self.mutator.mutate(parent.trace, self.rng, other)
         # As a campaign's: without what a confirmed finding already explains.
-        return Task("fuzz", without_found_causes(child.trace, self.found), parent=parent.id, operators=child.operators)
+        return Task("fuzz", without_found_causes(child.trace, self._found_on(t)), parent=parent.id,
+                    operators=child.operators)
 
     # --- results ---------------------------------------------------------------------------
 
@@ -359,10 +362,10 @@ class Coordinator:
         for candidate in done.candidates:
             kind, victim = FindingKind(candidate["kind"]), candidate.get("request_id")
             judged = plain if candidate.get("metric") is not None else task.trace
-            key = signature(kind, judged, victim)
+            key = self._scoped(t, signature(kind, judged, victim))
             if self._skip(key):
                 continue
-            if self.families.pass_over(family(kind, judged, victim, self._kv(t)), sighted):
+            if self.families.pass_over(self._scoped(t, family(kind, judged, victim, self._kv(t))), sighted):
                 continue
             if judged is not task.trace:
                 self.store.put_trace(judged)  # a checkpointed task names its trace by hash
@@ -375,11 +378,11 @@ class Coordinator:
         (fuzzer.search.confirming.option_due: the campaign's rule), counted when queued, for ``t``."""
         policy = self.settings.policy
         counts = self.option_tests.get(t.name, {})
-        due = option_due(suspects(trace, result, policy), counts, self.found, policy)
+        due = option_due(suspects(trace, result, policy), counts, self._found_on(t), policy)
         if due is None:
             return
         option, overlap = due
-        key = option_signature(option)
+        key = self._scoped(t, option_signature(option))
         here = [*t.confirm, *(task for name, task in self._inflight.values() if name == t.name)]
         if any(q.key == key for q in here):
             return  # queued or under way here (another target's test of it says nothing of this one)
@@ -395,10 +398,10 @@ class Coordinator:
         while t.confirm and chosen is None:
             task = t.confirm.popleft()
             if task.kind != "confirm" or task.key not in self.found:
-                chosen = self._without_options(task)
+                chosen = self._without_options(t, task)
         return chosen
 
-    def _without_options(self, task: Task) -> Task | None:
+    def _without_options(self, t: TargetState, task: Task) -> Task | None:
         """A latency candidate of a trace with a sampling option, queued by a checkpoint of an older fleet,
         is confirmed on the trace without it, as one queued now is (None: known or rejected there)."""
         if not _is_latency(task):
@@ -406,7 +409,7 @@ class Coordinator:
         plain = without_options(task.trace)
         if plain is task.trace:
             return task
-        key = signature(FindingKind(task.candidate["kind"]), plain, task.candidate.get("request_id"))
+        key = self._scoped(t, signature(FindingKind(task.candidate["kind"]), plain, task.candidate.get("request_id")))
         if self._skip(key):
             return None
         self.store.put_trace(plain)
@@ -439,11 +442,11 @@ class Coordinator:
             if option is None:  # an option's tests are counted instead (option_tests)
                 self.rejected[task.key] = 0
             return
-        sig = verdict.signature or task.key
+        sig = self._scoped(t, verdict.signature) if verdict.signature else task.key
         details = {"request_id": verdict.request_id, "pre_signature": task.key, "target": t.name,
                    "targets": {t.name: verdict.reproduction}}
         if verdict.kind is not None and verdict.request_id is not None:
-            details["family"] = family(verdict.kind, task.trace, verdict.request_id, self._kv(t))
+            details["family"] = self._scoped(t, family(verdict.kind, task.trace, verdict.request_id, self._kv(t)))
             self.families.record(details["family"])
         finding_id, created = self.store.add_finding(
             kind=str(verdict.kind), signature=sig, trace=task.trace, verdict=verdict.to_dict(),
@@ -472,6 +475,16 @@ class Coordinator:
         self.crash_avoid += [n for n in needs if n not in self.crash_avoid]
         if finding_id is not None:
             self.store.update_finding_details(finding_id, {"crash_needs": list(needs)})
+
+    def _scoped(self, t: TargetState, key: str) -> str:
+        """``key`` (a signature or family) of ``t``'s kind: itself in a fleet of one kind, else tagged
+        with the kind, so that one server's finding neither stands for nor holds back another's."""
+        return key if len(self._kinds) == 1 else f"{key}@{t.spec.kind}"
+
+    def _found_on(self, t: TargetState) -> set[str]:
+        """The signatures found on ``t``'s kind, untagged (:meth:`_scoped`)."""
+        tag = self._scoped(t, "")
+        return {s.removesuffix(tag) for s in self.found if s.endswith(tag)}
 
     @staticmethod
     def _kv(t: TargetState) -> int | None:
@@ -555,19 +568,6 @@ class Coordinator:
         self.store.save_campaign(self.campaign_id, state=state, status=status, new_features=self._new_features)
         self._new_features = {}
         self._since_checkpoint = 0
-
-
-def _option_tests(state: dict, targets: set[str]) -> dict[str, dict[str, tuple[int, int]]]:
-    """The option tests' counts of a checkpoint, per target; an older fleet's counts (per option, of every
-    target together) are taken up by each target."""
-    counts: dict[str, dict[str, tuple[int, int]]] = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            counts.setdefault(key, {}).update({k: (int(v[0]), int(v[1])) for k, v in value.items()})
-        else:
-            for name in targets:
-                counts.setdefault(name, {})[key] = (int(value[0]), int(value[1]))
-    return counts
 
 
 def _option_of(task: Task) -> str | None:

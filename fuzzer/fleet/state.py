@@ -130,3 +130,16 @@ def from_state(targets: Mapping[str, TargetState], state: Mapping[str, Any],
         target.findings = int(data.get("findings", 0))
     retry = [Task.from_dict(d, trace_of) for d in state.get("retry", [])]
     return retry, orphans
+
+
+def option_tests_from_state(state: dict, targets: set[str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """The option tests' counts of a checkpoint, per target; an older fleet's counts (per option, of every
+    target together) are taken up by each target."""
+    counts: dict[str, dict[str, tuple[int, int]]] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            counts.setdefault(key, {}).update({k: (int(v[0]), int(v[1])) for k, v in value.items()})
+        else:
+            for name in targets:
+                counts.setdefault(name, {})[key] = (int(value[0]), int(value[1]))
+    return counts
