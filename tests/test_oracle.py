@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import random
 
@@ -217,6 +218,23 @@ def test_an_intermittent_stall_is_not_confirmed():
     assert not v.is_finding
     assert v.decision in (Decision.UNSTABLE, Decision.UNKNOWN, Decision.SAME)
     assert 0 < v.reproduced < v.runs <= OraclePolicy().max_runs
+
+
+def test_a_slowdown_over_the_baseline_in_one_run_of_three_is_no_finding():
+    """The test against the baseline is not enough: most runs must be candidates. With a baseline whose
+    requests ran at a third of their bounds, runs within their bounds are three times the baseline's median
+    (what a busy host does to every run); one stalled run of three is then no finding, two are."""
+    calibration = _calibration()
+    low = dataclasses.replace(calibration, baseline={m: tuple(0.25 + 0.01 * (i % 10) for i in range(len(v)))
+                                                     for m, v in calibration.baseline.items()})
+    target = _warm(seed=4)
+    clean = target.run(BURST)
+    target.delay_s = {"small": 0.5}
+    stalled = target.run(BURST)
+    for runs, finding in (([stalled, clean, clean], False), ([stalled, stalled, clean], True)):
+        (v,) = [v for v in judge(BURST, runs, low, rng=_rng()) if v.request_id == "small"]
+        assert v.effect > 2 and v.is_finding is finding, v
+        assert v.decision is (Decision.DIFFERENT if finding else Decision.UNKNOWN)
 
 
 def test_futility_stops_after_one_clean_rerun_and_costs_a_real_stall_nothing():
