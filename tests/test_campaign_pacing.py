@@ -282,6 +282,28 @@ async def test_confirmation_keeps_to_its_share_of_the_server_time_and_the_rest_w
     assert capped[1] >= 1  # what the share held back waits for the next run
 
 
+async def test_in_its_closing_share_a_campaign_confirms_the_candidates_that_waited():
+    """Every pathology planted, the confirmation share at 20%: at the end of an 80-second campaign (one
+    second an execution) a candidate still waits; with the last quarter a closing share, none does, the
+    waiting ones confirmed there. A campaign without a planned end has no closing share."""
+    from fuzzer.search.pacing import closing
+
+    ends = {}
+    for share in (0.0, 0.25):
+        sim = _Sim(VirtualTarget(pathologies=P.parse("all"), seed=0), exec_cost_s=1.0)
+        calibration = await _warm(sim, 0)
+        sim.now = 0.0
+        store = Store.memory()
+        seeds = [tf.load(p) for p in sorted(CORPUS.glob("*.json"))][:4]
+        campaign = _campaign(sim, store, seeds, calibration, duration_s=80.0, idle_share=0.0, confirm_share=0.2,
+                             closing_share=share)
+        assert (await campaign.run()).reason is ExitReason.DURATION
+        ends[share] = (len(campaign.confirmer.waiting), campaign.confirmer.confirmations)
+    assert ends[0.0][0] >= 1 and ends[0.25][0] == 0 and ends[0.25][1] > ends[0.0][1], ends
+    assert closing(61.0, 80.0, 0.25) and not closing(59.0, 80.0, 0.25)
+    assert not closing(10_000.0, None) and not closing(80.0, 80.0, 0.0)
+
+
 def test_an_executions_time_cap():
     from fuzzer.search.pacing import execution_budget_s, execution_cut_s
 

@@ -6,14 +6,14 @@ Hypothesis' engine does:
     calibrate -> seed (the corpus/ traces) -> fuzz (pick, mutate, execute, keep)
                  -> confirm candidates with the oracle -> record findings
 
-Time (fuzzer.search.pacing): a new corpus entry (seed or child) is kept on its first run and
-re-run for stability only when it is first picked to be fuzzed (most never are); seeds
-run cheapest first, and once the corpus has an entry, seeding takes at most a share of
-the server time and goes on between fuzz iterations. Now and then a
-fuzz iteration is a *cold probe*: the server is left idle long enough to go cold
-before a corpus trace runs, so that cold-start slowdowns can be found at all.
-``--duration`` holds during stability runs and confirmations too: a confirmation cut
-short by the deadline (or Ctrl-C) is saved as pending and done first on resume.
+Time (fuzzer.search.pacing): a new corpus entry (seed or child) is kept on its first run and re-run
+for stability only when it is first picked to be fuzzed (most never are); seeds run cheapest first,
+and once the corpus has an entry, seeding takes at most a share of the server time and goes on
+between fuzz iterations. Now and then a fuzz iteration is a *cold probe*: the server is left idle
+long enough to go cold before a corpus trace runs, so that cold-start slowdowns can be found at
+all. ``--duration`` holds during stability runs and confirmations too: a confirmation cut short by
+the deadline (or Ctrl-C) is saved as pending and done first on resume; in its closing share the
+candidates that waited for the confirmation share are confirmed (``Settings.closing_share``).
 Choosing, confirming and recording candidates is the campaign's
 :class:`~fuzzer.search.confirming.Confirmer`'s; calibrating (at the start, and again as
 the calibration ages) follows :func:`fuzzer.oracle.calibrate.reuse_or_calibrate`.
@@ -58,6 +58,7 @@ from fuzzer.search.pacing import (
     ScheduleEnds,
     ServerTime,
     TimeSpent,
+    closing,
     cheap_s,
     earliest_cut_s,
     execution_budget_s,
@@ -67,11 +68,9 @@ from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, 
 from fuzzer.store import Store
 from fuzzer.trace import Trace
 
-# Checkpoint the campaign state at least every this many executions even when nothing changed,
-# so a resumed campaign repeats little.
+#: Checkpoint at least every this many executions even when nothing changed (a resume repeats little).
 CHECKPOINT_EVERY = 10
-# A periodic recalibration that fails (a flaky server failed a probe) keeps the previous
-# calibration and is tried again this much later, not after every execution.
+#: A failed periodic recalibration (a flaky server failed a probe) keeps the old one, tried again this much later.
 RECALIBRATE_RETRY_S = 600.0
 #: Children made from one parent before the next is picked.
 CHILDREN_PER_PICK = 4
@@ -179,7 +178,8 @@ class Campaign:
             recover=self._wait_for_server, on_finding=self._on_finding, state=state,
             slo=Slo(**{f"{k}_ms": v for k, v in self.settings.slo_ms.items()}) if self.settings.slo_ms else None,
             futility=self.settings.futility, kv_tokens=self.settings.limits.kv_tokens,
-            due=lambda: self.server_time.confirm_due(self.settings.confirm_share),
+            due=lambda: (self.server_time.confirm_due(self.settings.confirm_share)
+                         or closing(self._clock() - self._started, self.settings.duration_s, self.settings.closing_share)),
         )
         if self.settings.mutator == "null":
             self.mutator = NullMutator(self.settings.limits)

@@ -14,7 +14,7 @@ from typing import Any
 from fuzzer.oracle.calibration import REFRESH_AFTER_S
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.mutators import Limits
-from fuzzer.search.pacing import CONFIRM_SHARE, IDLE_SHARE, SEED_SHARE, fuzz_share
+from fuzzer.search.pacing import CLOSING_SHARE, CONFIRM_SHARE, IDLE_SHARE, SEED_SHARE, fuzz_share
 
 # AFL calibrates a new queue entry with 3-7 runs (CAL_CYCLES); our runs cost seconds, so 2 (the
 # first run and one re-run), done when it is first fuzzed. 3 found the simulator's pathologies in
@@ -68,6 +68,8 @@ class Settings:
     #: Confirmation runs may take at most this share of the server time before a latency candidate
     #: of a kind already found waits, ranked (fuzzer.search.confirming); 1 confirms every one at once.
     confirm_share: float = CONFIRM_SHARE
+    #: In this last share of --duration the candidates waiting for the confirmation share are confirmed.
+    closing_share: float = CLOSING_SHARE
     #: The user's SLOs in ms (``--goodput``: ttft, tpot, e2el); None: no SLO check.
     slo_ms: Mapping[str, float] | None = None
     #: Sequential confirmation with a futility stop: one re-run first, SAME at once when it
@@ -84,6 +86,7 @@ class Settings:
             "mutator": self.mutator, "stability_runs": self.stability_runs,
             "recalibrate_after_s": self.recalibrate_after_s,
             "idle_share": self.idle_share, "seed_share": self.seed_share, "confirm_share": self.confirm_share,
+            "closing_share": self.closing_share,
             "limits": self.limits.to_dict(), "policy": asdict(self.policy),
             "slo_ms": dict(self.slo_ms) if self.slo_ms else None, "futility": self.futility,
             "recover_patience_s": self.recover_patience_s,
