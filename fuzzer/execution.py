@@ -78,6 +78,9 @@ class RequestResult:
     first_event_s: float | None = None
     #: Arrival of every content-bearing event of choice 0, from send.
     token_times_s: tuple[float, ...] = ()
+    #: With n > 1 streamed: the longest any other choice went without text once the first token came (from
+    #: it to the choice's first, or between two of its events); None otherwise. A choice held back is a stall.
+    choice_gap_s: float | None = None
     #: Send to the end of the response (or to the cancel); None when it never ended.
     e2e_s: float | None = None
     finish_reason: str | None = None
@@ -101,7 +104,8 @@ class RequestResult:
 
     @property
     def max_itl_s(self) -> float | None:
-        gaps = self.itl_s
+        """The longest silence of any choice once the stream's first token came (choice 0's gaps, ``choice_gap_s``)."""
+        gaps = [*self.itl_s, *(() if self.choice_gap_s is None else (self.choice_gap_s,))]
         return max(gaps) if gaps else None
 
 

@@ -424,3 +424,19 @@ async def test_option_slowdown_script_runs_pairs_against_a_server(tmp_path, slow
     # 3/3 with a slowdown; without one at most 1/3: one pair of a loaded machine (CI, 2 cores shared) measured 3.9x
     assert ("reproduced in 3/3 runs" in out) if expected_rc else ("reproduced in 0/3 runs" in out or "reproduced in 1/3 runs" in out)
     assert "median E2E of the others, median over runs" in out and "<- has seed" in out
+
+
+def test_the_repro_measures_a_held_back_choice_as_the_executor_does():
+    """The stand-alone script's stream reader and metric: with n > 1, the longest silence of any choice is
+    the request's max ITL (fuzzer.execute.sse.StreamAccount.choice_gap), else a held-back choice's finding
+    could not reproduce."""
+    from fuzzer.report.repro import _script_main, _script_run
+
+    stream = _script_run.Stream()
+    for t, index in ((1.0, 0), (1.01, 0), (1.02, 0), (1.5, 1), (1.5, 1)):
+        stream.line(b"data: " + json.dumps({"choices": [{"index": index, "text": "x"}]}).encode(), t)
+        stream.line(b"", t)
+    assert stream.token_times == [1.0, 1.01, 1.02] and stream.choice_gap == pytest.approx(0.5)
+    result = {"token_times_s": [0.1, 0.11, 0.12], "choice_gap_s": stream.choice_gap, "outcome": "ok"}
+    assert _script_main.metric_value(result, "max_itl") == pytest.approx(0.5)
+    assert _script_main.metric_value({**result, "choice_gap_s": None}, "max_itl") == pytest.approx(0.01)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fuzzer.execute.sse import StreamAccount, usage_counts
-from fuzzer.execution import Outcome
+from fuzzer.execution import Outcome, RequestResult
 
 
 def ev(obj) -> bytes:
@@ -88,6 +90,24 @@ def test_only_choice_zero_makes_token_times_but_any_choice_is_a_first_token():
     a.feed(comp("x", index=1), 1.0)
     a.feed(comp("y", index=0), 2.0)
     assert a.first_token_t == 1.0 and a.token_times == [2.0]
+
+
+def test_a_choice_held_back_is_the_longest_silence_of_the_request():
+    """heldout12's bug4: choices 1.. of an n > 1 stream held until choice 0 finished, then sent at once. Choice 0's
+    gaps stay small; choice 1 went 0.5 s without text from the stream's first token."""
+    a = StreamAccount()
+    for t in (1.0, 1.01, 1.02):
+        a.feed(comp("x", index=0), t)
+    a.feed(comp("a", index=1) + comp("b", index=1), 1.5)
+    assert a.first_token_t == 1.0 and a.token_times == [1.0, 1.01, 1.02]
+    assert abs(a.choice_gap - 0.5) < 1e-9
+    lockstep = StreamAccount()
+    for t in (1.0, 1.01, 1.02):
+        lockstep.feed(comp("x", index=0) + comp("y", index=1), t)
+    assert abs(lockstep.choice_gap - 0.01) < 1e-9
+    result = RequestResult("m", "m-1", 0.0, 0.0, Outcome.OK, token_times_s=(0.1, 0.11, 0.12), choice_gap_s=0.5)
+    assert result.max_itl_s == 0.5
+    assert replace(result, choice_gap_s=None).max_itl_s == pytest.approx(0.01)
 
 
 def test_reasoning_deltas_are_tokens():

@@ -4,7 +4,8 @@
 reading taken when it arrived; every event in a read gets that time (they arrived
 together). It keeps what ARCHITECTURE.md, "Execute" asks of a stream: the first event of any kind,
 the first event with non-empty text (a role-only or empty delta is not a token),
-every content-bearing event of choice 0, the finish reason, ``usage``, the
+every content-bearing event of choice 0, the longest any other choice went without text
+once the stream's first token came (``n > 1``), the finish reason, ``usage``, the
 ``[DONE]`` marker, and the first protocol fault (an unparsable event, a line that
 is not SSE, an error object in the stream).
 """
@@ -34,6 +35,8 @@ class StreamAccount:
         "first_event_t",
         "first_token_t",
         "token_times",
+        "choice_gap",
+        "_choice_last",
         "events",
         "finish_reason",
         "usage",
@@ -49,6 +52,10 @@ class StreamAccount:
         self.first_token_t: float | None = None
         #: Arrival of every event carrying non-empty text for choice 0.
         self.token_times: list[float] = []
+        #: The longest silence of a choice other than 0 (n > 1): from the stream's first token to its first, or
+        #: between two of its events; None until such a choice has text.
+        self.choice_gap: float | None = None
+        self._choice_last: dict[Any, float] = {}
         self.events = 0
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -143,8 +150,13 @@ class StreamAccount:
             if _has_text(choice):
                 if self.first_token_t is None:
                     self.first_token_t = now
-                if choice.get("index", 0) == 0:
+                index = choice.get("index", 0)
+                if index == 0:
                     self.token_times.append(now)
+                else:
+                    gap = now - self._choice_last.get(index, self.first_token_t)
+                    self.choice_gap = gap if self.choice_gap is None else max(self.choice_gap, gap)
+                    self._choice_last[index] = now
             reason = choice.get("finish_reason")
             if reason and choice.get("index", 0) == 0:
                 self.finish_reason = str(reason)

@@ -58,12 +58,15 @@ def has_text(choice):
 
 
 class Stream:
-    """An SSE stream read line by line: first token, every token of choice 0, usage, [DONE], faults."""
+    """An SSE stream read line by line: first token, every token of choice 0, the longest silence of any other
+    choice (n > 1), usage, [DONE], faults."""
 
     def __init__(self):
         self.data = []
         self.ttft = None
         self.token_times = []
+        self.choice_gap = None
+        self.choice_last = {}
         self.usage = None
         self.done = False
         self.fault = None
@@ -106,15 +109,20 @@ class Stream:
             if isinstance(choice, dict) and has_text(choice):
                 if self.ttft is None:
                     self.ttft = now
-                if choice.get("index", 0) == 0:
+                index = choice.get("index", 0)
+                if index == 0:
                     self.token_times.append(now)
+                else:
+                    gap = now - self.choice_last.get(index, self.ttft)
+                    self.choice_gap = gap if self.choice_gap is None else max(self.choice_gap, gap)
+                    self.choice_last[index] = now
         return True
 
 
 def send(server, conn, r, path, body, xid, timeout_s):
     """Send one request on an open connection and read the answer; every failure is an outcome."""
     result = {"id": r["id"], "x_request_id": xid, "outcome": "ok", "status": None, "detail": "",
-              "ttft_s": None, "token_times_s": [], "e2e_s": None, "usage": None}
+              "ttft_s": None, "token_times_s": [], "choice_gap_s": None, "e2e_s": None, "usage": None}
     headers = dict(server.headers)
     headers["X-Request-Id"] = xid
     sent = time.perf_counter()
@@ -191,6 +199,7 @@ def read_stream(resp, conn, r, result, sent):
         result["outcome"], result["detail"] = stream.fault
     result["ttft_s"] = None if stream.ttft is None else stream.ttft - sent
     result["token_times_s"] = [t - sent for t in stream.token_times]
+    result["choice_gap_s"] = stream.choice_gap
     result["usage"] = stream.usage
 
 
