@@ -441,7 +441,10 @@ async def test_timings_agree_with_the_simulators_ground_truth(sim):
             median = sorted(diffs)[len(diffs) // 2]
             if median >= SIM_MEDIAN_TOLERANCE_S:
                 bad.append(f"median client - server {median * 1000:.1f} ms")
-            return bad
+            # r05 (sent 8 ms after r08) hits r08's prefix only once r08's prefill has run: a loaded host can
+            # delay that past r05's admission (stop 49's CI: 0 tokens cached), as it delays the timings above.
+            cached = [truth[result.request("r05").x_request_id]["cached_tokens"] for result in runs]
+            return bad + [f"r05 cached {c} tokens" for c in cached if c != 32]
 
         runs = await holds_in_some_attempt(two_runs, off_truth)
     truth = _truth(gt)
