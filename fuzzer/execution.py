@@ -105,8 +105,11 @@ class RequestResult:
     @property
     def max_itl_s(self) -> float | None:
         """The longest silence of any choice once the stream's first token came (choice 0's gaps, ``choice_gap_s``)."""
-        gaps = [*self.itl_s, *(() if self.choice_gap_s is None else (self.choice_gap_s,))]
-        return max(gaps) if gaps else None
+        gaps = self.itl_s
+        longest = max(gaps) if gaps else None
+        if self.choice_gap_s is None or (longest is not None and longest >= self.choice_gap_s):
+            return longest
+        return self.choice_gap_s
 
 
 @dataclass(frozen=True)

@@ -147,10 +147,10 @@ class StreamAccount:
             if not isinstance(choice, dict):
                 self._fail(Outcome.MALFORMED, f"a choice is not an object: {payload[:80]!r}")
                 return
+            index = choice.get("index", 0)
             if _has_text(choice):
                 if self.first_token_t is None:
                     self.first_token_t = now
-                index = choice.get("index", 0)
                 if index == 0:
                     self.token_times.append(now)
                 else:
@@ -158,7 +158,7 @@ class StreamAccount:
                     self.choice_gap = gap if self.choice_gap is None else max(self.choice_gap, gap)
                     self._choice_last[index] = now
             reason = choice.get("finish_reason")
-            if reason and choice.get("index", 0) == 0:
+            if reason and index == 0:
                 self.finish_reason = str(reason)
 
     def _fail(self, outcome: Outcome, detail: str) -> None:

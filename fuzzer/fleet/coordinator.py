@@ -483,6 +483,8 @@ class Coordinator:
 
     def _found_on(self, t: TargetState) -> set[str]:
         """The signatures found on ``t``'s kind, untagged (:meth:`_scoped`)."""
+        if len(self._kinds) == 1:
+            return self.found
         tag = self._scoped(t, "")
         return {s.removesuffix(tag) for s in self.found if s.endswith(tag)}
 

@@ -99,7 +99,7 @@ def request_from_row(row: Mapping[str, Any]) -> RequestResult:
         ttft_s=row["ttft_s"],
         first_event_s=row["first_event_s"],
         token_times_s=tuple(json.loads(row["token_times_s"] or "[]")),
-        choice_gap_s=row.get("choice_gap_s"),
+        choice_gap_s=row["choice_gap_s"],
         e2e_s=row["e2e_s"],
         finish_reason=row["finish_reason"],
         prompt_tokens=row["prompt_tokens"],
