@@ -34,7 +34,12 @@ class PaperTarget:
     - ``seeded_slowdown``: every token gap of every request is this many times longer in a trace
       where some request has a sampling seed and some has none (one seeded row slows the batch,
       vllm-omni#6178; seeded rows alone take the per-row path at no extra cost); with
-      ``seeded_alone``, seeded rows alone are that much slower too (the option's own cost).
+      ``seeded_alone``, seeded rows alone are that much slower too (the option's own cost);
+    - ``seeded_row_s``: each seeded row (a seeded request's choices) adds this to every token gap of
+      every request of the trace: a per-row sampler cost, which FCFS charges to every step the rows
+      share (heldout7's clean logprobs, stop 42); ``seeded_batch_s``: with a seeded row in the trace,
+      every row of the batch adds this to every token gap after the first of every request (a sampler that
+      computes for the whole batch when one row asks: heldout12's bug5, vllm#37343).
     """
 
     def __init__(
@@ -54,6 +59,8 @@ class PaperTarget:
         assumption: SchedulerAssumption | None = None,
         seeded_slowdown: float = 1.0,
         seeded_alone: bool = False,
+        seeded_row_s: float = 0.0,
+        seeded_batch_s: float = 0.0,
     ):
         self.name = "paper://known-model"
         self.model = model
@@ -70,6 +77,8 @@ class PaperTarget:
         self.assumption = assumption or SchedulerAssumption()
         self.seeded_slowdown = seeded_slowdown
         self.seeded_alone = seeded_alone
+        self.seeded_row_s = seeded_row_s
+        self.seeded_batch_s = seeded_batch_s
         self.executions = 0
         #: A freshly started server has been idle "for ever".
         self._idle_s = 3600.0
@@ -86,11 +95,15 @@ class PaperTarget:
         paper = paper_schedule(trace, self.model, self.assumption)
         seeded = {r.seed is not None for r in trace.requests}
         slowdown = self.seeded_slowdown if seeded == {True, False} or (self.seeded_alone and True in seeded) else 1.0
+        rows = sum(r.n for r in trace.requests if r.seed is not None)
+        batch = sum(r.n for r in trace.requests)
         results = []
         for r in trace.requests:
             p = paper[r.id]
             gaps = np.diff(np.concatenate([[0.0], p.token_times_s]))
-            gaps = gaps * slowdown * np.exp(self.rng.normal(0.0, self.noise, len(gaps)))
+            gaps = gaps * slowdown + self.seeded_row_s * rows
+            gaps[1:] += self.seeded_batch_s * batch if rows else 0.0
+            gaps = gaps * np.exp(self.rng.normal(0.0, self.noise, len(gaps)))
             gaps[0] += self.delay_s.get(r.id, 0.0) + (self.cold_penalty_s if cold else 0.0)
             if r.id in self.stall_s and len(gaps) > 2:
                 gaps[len(gaps) // 2] += self.stall_s[r.id]

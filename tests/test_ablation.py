@@ -9,7 +9,17 @@ import pytest
 from paper_target import PaperTarget
 from test_confirming import _calibration, _confirmer
 
-from fuzzer.oracle.ablation import confirm_option, decide, options_of, others_e2e, suspects, without_option
+from fuzzer.execution import Outcome
+from fuzzer.oracle.ablation import (
+    confirm_option,
+    decide,
+    options_of,
+    others_e2e,
+    others_itl,
+    statistic_of,
+    suspects,
+    without_option,
+)
 from fuzzer.oracle.judge import candidates
 from fuzzer.oracle.kinds import Decision, FindingKind
 from fuzzer.oracle.policy import OraclePolicy
@@ -70,13 +80,54 @@ async def test_an_option_that_slows_its_own_rows_as_much_as_the_batch_is_its_rea
     # logprobs made every shared step, so the others' e2e, 1.95x: the carriers' own work, which FCFS
     # with the engine's real costs gives everyone who shares their steps. Their cost alone sets the bar.
     trace = _seeded_batch()
-    own = PaperTarget(seeded_slowdown=1.8, seeded_alone=True, seed=1)
-    verdict = await confirm_option(own, trace, "seed")
+    per_row = PaperTarget(seeded_row_s=0.005, seed=1)
+    verdict = await confirm_option(per_row, trace, "seed")
     assert not verdict.is_finding and verdict.decision is Decision.SAME, verdict.detail
-    assert "cost its carriers alone 1.7" in verdict.detail or "cost its carriers alone 1.8" in verdict.detail
-    assert verdict.threshold == pytest.approx(1.25 * 1.8, rel=0.05)
+    assert verdict.compared == "itl" and "median ITL" in verdict.detail
+    # One row's added seconds over the others' token gap: what the carrier's row adds to each of their steps.
+    assert "own rows explain 1.9" in verdict.detail and verdict.effect == pytest.approx(1.92, abs=0.08)
+    assert verdict.threshold == pytest.approx(1.25 * verdict.effect, rel=0.06)
     assert decide([1.95, 1.93, 1.97], OraclePolicy(), own=1.8)[0] is Decision.SAME
     assert decide([3.0, 2.9, 3.1], OraclePolicy(), own=1.8)[0] is Decision.DIFFERENT  # beyond it: the batch pays
+
+
+async def test_a_cost_of_every_row_of_the_batch_shows_in_the_others_token_gaps_where_their_e2e_dilutes_it():
+    # heldout12's bug5 (stop 50): with one request asking for logprobs the sampler computed them for every
+    # row of the batch. Its carrier (n=8) alone paid its own row; beside 1000-token prompts the others'
+    # e2e, mostly prefill, grew 1.3x where their token gaps grew 1.66x, and the bar over e2e (the row's
+    # ratio over its own short steps, times eight rows) was 5x: missed. The same others' gaps from eight
+    # rows that each cost their own steps are the carriers' own work.
+    rows = [Request(id=f"row{i}", at_ms=float(i), prompt_tokens=4000, max_tokens=16) for i in range(16)]
+    carrier = Request(id="carrier", at_ms=0.0, prompt_tokens=64, max_tokens=64, n=8, seed=7, temperature=1.0)
+    trace = Trace(requests=(carrier, *rows))
+    batch_wide = await confirm_option(PaperTarget(seeded_batch_s=0.002, seed=1), trace, "seed")
+    assert batch_wide.is_finding and batch_wide.compared == "itl", batch_wide.detail
+    assert 1.55 < batch_wide.effect < 1.75 and batch_wide.threshold < 1.6
+    pair = PaperTarget(seeded_batch_s=0.002, noise=0.0)
+    with_it, without_it = pair.run(trace), pair.run(without_option(trace, "seed"))
+    assert others_e2e(trace, with_it, "seed") < 1.35 * others_e2e(trace, without_it, "seed")
+    per_row = await confirm_option(PaperTarget(seeded_row_s=0.002 * 24 / 8, seed=1), trace, "seed")
+    assert not per_row.is_finding and per_row.decision is Decision.SAME, per_row.detail
+    assert per_row.effect == pytest.approx(batch_wide.effect, rel=0.05)
+
+
+def test_the_others_token_gaps_are_compared_when_most_of_them_stream():
+    trace = _seeded_batch()
+    assert statistic_of(trace, "seed") == "itl"
+    quiet = trace.with_requests([replace(r, stream=False) if r.seed is None and i % 2 else r
+                                 for i, r in enumerate(trace.requests)])
+    assert statistic_of(quiet, "seed") == "e2e"  # half of the others do not stream: no majority
+    result = PaperTarget(noise=0.0).run(trace)
+    gaps = sorted((r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
+                  for r in result.requests if r.request_id != "carrier")
+    assert others_itl(trace, result, "seed") == pytest.approx(gaps[len(gaps) // 2])
+    # A request the cap closed: without ``at_least`` the statistic is unknown; with it, its gaps so far,
+    # the open one to the cap included, are a lower bound of its mean.
+    first = result.requests[0]
+    cut = replace(first, outcome=Outcome.CUT, token_times_s=first.token_times_s[:3], e2e_s=first.token_times_s[2] + 1.0)
+    closed = replace(result, requests=(cut, *result.requests[1:]))
+    assert others_itl(trace, closed, "seed") is None
+    assert others_itl(trace, closed, "seed", at_least=True) >= others_itl(trace, result, "seed")
 
 
 async def test_a_slowdown_below_the_candidate_factor_is_tested_and_found_once_by_the_campaign():

@@ -410,6 +410,28 @@ def test_option_slowdown_script_parses_and_judges_a_pair(tmp_path):
     assert "without seed" in namespace["describe"](crit, None) and "1.25 x" in namespace["describe"](crit, None)
 
 
+def test_an_option_slowdown_decided_on_token_gaps_is_judged_on_them_by_its_script(tmp_path):
+    """A verdict that compared the others' ITL (fuzzer.oracle.ablation.statistic_of) gives a script that
+    compares their mean token gaps, not their e2e, which prefill dilutes."""
+    verdict = {**OPTION_VERDICT, "compared": "itl"}
+    assert criterion_from_verdict("option-slowdown", verdict).metric == "itl"
+    assert criterion_from_verdict("option-slowdown", OPTION_VERDICT).metric == "e2e"  # stored before the field
+    source = _option_script(tmp_path, verdict=verdict).read_text()
+    namespace: dict = {"__name__": "not_main"}
+    exec(compile(source, "repro.py", "exec"), namespace)  # noqa: S102 - defines, does not run
+    crit, trace = namespace["DATA"]["criterion"], namespace["DATA"]["trace"]
+
+    def results(gap_s, e2e_s=1.0):  # ten tokens after a 0.5 s prefill
+        times = [0.5 + i * gap_s for i in range(10)]
+        return [{"id": "carrier", "outcome": "ok", "e2e_s": 9.0, "token_times_s": [0.1, 9.0]}] + [
+            {"id": f"ok{i}", "outcome": "ok", "e2e_s": e2e_s, "token_times_s": times} for i in (1, 2, 3)]
+
+    hit, words, medians = namespace["judge_option"](crit, trace, results(0.02), results(0.01))
+    assert hit is True and medians == (pytest.approx(0.02), pytest.approx(0.01)) and "ITL" in words
+    assert "2.00x >= 1.25x" in words  # the same e2e both times: an e2e criterion would not see it
+    assert "median ITL" in namespace["describe"](crit, None)
+
+
 @pytest.mark.parametrize(("slowdown", "expected_rc"), [(3.0, 1), (1.0, 0)])
 async def test_option_slowdown_script_runs_pairs_against_a_server(tmp_path, slowdown, expected_rc):
     path = _option_script(tmp_path)

@@ -43,7 +43,7 @@ from fuzzer.oracle.kinds import Decision, FindingKind, Metric
 from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
 from fuzzer.oracle.signature import option_signature
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.trace import Trace
+from fuzzer.trace import Request, Trace
 
 #: The options whose removal changes no token work (request fields of fuzzer.trace.Request).
 OPTIONS = ("seed", "logprobs")
@@ -67,7 +67,7 @@ CAP_FACTOR = 4.0
 CAP_MIN_S = 1.0
 
 METHOD = ("paired runs of the trace with and without the option, alternating; one-sided t interval "
-          "of the log ratios of the other requests' median e2e")
+          "of the log ratios of the other requests' median ITL (or e2e)")
 EVIDENCE = "the same trace with the option removed from every request, run alternately with it"
 
 
@@ -103,6 +103,53 @@ def others_e2e(trace: Trace, result: ExecutionResult, option: str, *, at_least: 
         return None
     values = [r.e2e_s for r in others if r.outcome in (Outcome.OK, Outcome.CUT) and r.e2e_s is not None]
     return statistics.median(values) if len(values) >= MIN_OTHERS else None
+
+
+def streamed(request: Request) -> bool:
+    """Whether ``request`` streams tokens whose gaps can be measured."""
+    return request.stream and request.max_tokens >= 2
+
+
+def statistic_of(trace: Trace, option: str) -> str:
+    """What a test of ``option`` on ``trace`` compares: the other requests' ITL ("itl", the median of their
+    mean token gaps) when at least MIN_OTHERS of them, and most, stream tokens; their e2e ("e2e") otherwise.
+
+    A sampling option costs per step: its rows' sampler work lengthens each step they share. The others'
+    token gaps are those steps; their e2e also holds their prefill and queueing, which the cost touches less,
+    so it dilutes it (heldout12's batch-wide logprobs cost: the others' token gaps 30x, their e2e 7x, under
+    a bar of 12x)."""
+    mine = set(carriers(trace, option))
+    others = [r for r in trace.requests if r.id not in mine]
+    gapped = sum(streamed(r) for r in others)
+    return "itl" if gapped >= MIN_OTHERS and 2 * gapped > len(others) else "e2e"
+
+
+def others_itl(trace: Trace, result: ExecutionResult, option: str, *, at_least: bool = False) -> float | None:
+    """The median, over the streamed requests of ``trace`` that do not set ``option``, of their mean token
+    gap (first token to last); None with fewer than MIN_OTHERS of them.
+
+    A request the run's time cap closed (Outcome.CUT): with ``at_least`` its gaps so far count, the open
+    one up to the cap included (a lower bound of its mean); without, any such request makes it unknown."""
+    mine = set(carriers(trace, option))
+    gapped = {r.id for r in trace.requests if r.id not in mine and streamed(r)}
+    others = [r for r in result.requests if r.request_id in gapped]
+    if not at_least and any(r.outcome is Outcome.CUT for r in others):
+        return None
+    values = []
+    for r in others:
+        times = r.token_times_s
+        if r.outcome is Outcome.CUT and times and r.e2e_s is not None:
+            values.append(max(0.0, r.e2e_s - times[0]) / len(times))
+        elif r.outcome in (Outcome.OK, Outcome.CANCELLED) and len(times) >= 2:
+            values.append((times[-1] - times[0]) / (len(times) - 1))
+    return statistics.median(values) if len(values) >= MIN_OTHERS else None
+
+
+def others_value(statistic: str, trace: Trace, result: ExecutionResult, option: str, *,
+                 at_least: bool = False) -> float | None:
+    """The others' :func:`others_itl` or :func:`others_e2e`, by ``statistic`` (:func:`statistic_of`)."""
+    measure = others_itl if statistic == "itl" else others_e2e
+    return measure(trace, result, option, at_least=at_least)
 
 
 def ended_s(trace: Trace, result: ExecutionResult, option: str) -> float | None:
@@ -237,39 +284,62 @@ def _step_s(result: ExecutionResult) -> float | None:
     return (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 2 and times[-1] > times[0] else r.e2e_s
 
 
-async def own_ratio(target: Target, trace: Trace, option: str) -> float:
-    """The slowdown the carriers' own rows of ``option`` explain in a step: one carrier row alone is run
-    with it and without it (:func:`one_row`, OWN_PAIRS pairs of runs), and each of the carriers' rows (their choices,
-    in all) adds what it cost that row's steps (its mean token gap, :func:`_step_s`): 1 + rows x (the
-    ratio of its gaps - 1), the larger of OWN_PAIRS pairs' (a noisy pair understates it as often as
-    not), 1.0 when no pair completed.
-
-    A bound from above for a batch that shares steps with the carriers (its steps are no shorter than one
-    row's alone). One row, not the carriers as they are: a cost that grows with the rows beside it (the
-    batch-wide bug the test looks for) would show among a carrier's own choices too. Its gaps, not its
-    e2e, whose prefill and frontend pay none of a sampler's cost: on heldout7's clean configuration one
-    row's e2e was 1.08-1.09x with 20 logprobs, and left the others' 1.91x against a bar of 2.05x."""
+async def own_steps(target: Target, trace: Trace, option: str) -> list[tuple[float, float]]:
+    """One carrier row's mean token gap (:func:`_step_s`) with ``option`` and without it, alone
+    (:func:`one_row`), in OWN_PAIRS pairs of runs; a pair that did not complete is left out."""
     probe = one_row(trace, option)
-    rows = sum(r.n for r in trace.requests if getattr(r, option) is not None)
-    ratios = []
+    steps = []
     for _ in range(OWN_PAIRS):
         with_s, without_s = [_step_s(await target.execute(t)) for t in (probe, without_option(probe, option))]
         if with_s is not None and without_s:
-            ratios.append(with_s / without_s)
-    return 1.0 + rows * max(0.0, max(ratios) - 1.0) if ratios else 1.0
+            steps.append((with_s, without_s))
+    return steps
+
+
+def own_of(steps: Sequence[tuple[float, float]], rows: int, base_s: float | None = None) -> float:
+    """The slowdown the carriers' ``rows`` explain in a step that one row alone took ``steps`` (with and
+    without the option, :func:`own_steps`) for: each row adds to a step what the option added to that
+    row's, the larger of the pairs' (a noisy pair understates it as often as not); 1.0 without a pair.
+
+    Over ``base_s`` (the others' mean token gap without the option, when the test compares token gaps):
+    1 + rows x the added seconds / base_s, what FCFS with the engine's real costs gives a step of theirs.
+    Without: 1 + rows x (the row's ratio - 1), a bound from above for a batch whose steps are no shorter
+    than one row's alone."""
+    if not steps:
+        return 1.0
+    if base_s:
+        return 1.0 + rows * max(0.0, max(a - b for a, b in steps)) / base_s
+    return 1.0 + rows * max(0.0, max(a / b for a, b in steps) - 1.0)
+
+
+def rows_of(trace: Trace, option: str) -> int:
+    """The carriers' rows of ``option``: their choices, in all."""
+    return sum(r.n for r in trace.requests if getattr(r, option) is not None)
+
+
+async def own_ratio(target: Target, trace: Trace, option: str) -> float:
+    """The slowdown the carriers' own rows of ``option`` explain in a step (:func:`own_of` over one row's
+    ratio, :func:`own_steps`).
+
+    One row, not the carriers as they are: a cost that grows with the rows beside it (the
+    batch-wide bug the test looks for) would show among a carrier's own choices too. Its gaps, not its
+    e2e, whose prefill and frontend pay none of a sampler's cost: on heldout7's clean configuration one
+    row's e2e was 1.08-1.09x with 20 logprobs, and left the others' 1.91x against a bar of 2.05x."""
+    return own_of(await own_steps(target, trace, option), rows_of(trace, option))
 
 
 async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bool = True,
                    ablated: Trace | None = None, record: Callable[[Trace, ExecutionResult], None] | None = None,
-                   cut_s: float | None = None, ended: float | None = None,
+                   cut_s: float | None = None, ended: float | None = None, statistic: str | None = None,
                    ) -> tuple[float | None, float | None, list[tuple[Trace, ExecutionResult]]]:
     """One pair: ``trace`` and its ablation of ``option`` (``ablated``, made when not given), in that order or
     the other, each capped at ``cut_s`` when given; ``record`` hears of each run as it ends. ``ended``: when
     the other requests had all ended in an earlier run without the option; that, or this pair's own run
     without it when it comes first, caps the run with it (:func:`option_cap_s`). Returns the other requests'
-    median e2e with (at least, when cut) and without the option (None: too few completed, or cut before
-    they ended) and the runs, in the order they ran."""
+    ``statistic`` (:func:`statistic_of` by default) with (at least, when cut) and without the option (None:
+    too few completed, or cut before they ended) and the runs, in the order they ran."""
     ablated = without_option(trace, option) if ablated is None else ablated
+    statistic = statistic_of(trace, option) if statistic is None else statistic
     runs = []
     for t in (trace, ablated) if trace_first else (ablated, trace):
         runs.append((t, await target.execute(t, cut_s=option_cap_s(ended, cut_s) if t is trace else cut_s)))
@@ -278,7 +348,7 @@ async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bo
         if t is ablated and not trace_first:  # the run with it comes next
             ended = later_end(ended, trace, runs[-1][1], option)
     # The carriers' ids are the original's in both runs.
-    medians = {t is trace: others_e2e(trace, result, option, at_least=t is trace) for t, result in runs}
+    medians = {t is trace: others_value(statistic, trace, result, option, at_least=t is trace) for t, result in runs}
     return medians[True], medians[False], runs
 
 
@@ -297,14 +367,16 @@ async def confirm_option(
     is theirs). A run with the option that the cap closed before all of them ended counts what they ran
     so far (a lower bound of its slowdown); one without it is then no pair, and the test runs whole."""
     ablated = without_option(trace, option)
-    own: float | None = None  # measured once a pair shows a slowdown (SAME under 1.0 is SAME over any)
+    statistic = statistic_of(trace, option)
+    steps: list[tuple[float, float]] | None = None  # measured once a pair shows a slowdown (SAME under 1.0 is SAME over any)
+    own = 1.0
     pairs: list[tuple[float, float]] = []
     decision, p, effect = Decision.INSUFFICIENT_DATA, None, math.nan
     ended: float | None = None
     bounds = 0  # pairs whose run with the option a cap closed before the others ended
     for done in range(0, policy.max_runs, 2):
         with_s, without_s, runs = await run_pair(target, trace, option, trace_first=done % 4 == 2,
-                                                 ablated=ablated, cut_s=cut_s, ended=ended)
+                                                 ablated=ablated, cut_s=cut_s, ended=ended, statistic=statistic)
         for t, result in runs:
             if t is ablated:
                 ended = later_end(ended, trace, result, option)
@@ -314,19 +386,23 @@ async def confirm_option(
             pairs.append((with_s, without_s))
             bounds += any(t is trace and capped(trace, result, option) for t, result in runs)
         ratios = [a / b for a, b in pairs]
-        decision, p, effect = decide(ratios, policy, futility=futility, own=own or 1.0)
-        if own is None and ratios and decision is not Decision.SAME:
-            own = await own_ratio(target, trace, option)
+        decision, p, effect = decide(ratios, policy, futility=futility, own=own)
+        if steps is None and ratios and decision is not Decision.SAME:
+            steps = await own_steps(target, trace, option)
+        if steps is not None and pairs:
+            base = statistics.median(b for _, b in pairs) if statistic == "itl" else None
+            own = own_of(steps, rows_of(trace, option), base)
             decision, p, effect = decide(ratios, policy, futility=futility, own=own)
         if decision in (Decision.DIFFERENT, Decision.SAME):
             break
     if len(pairs) < 2 and decision is not Decision.SAME:
         decision = Decision.INSUFFICIENT_DATA
-    return _verdict(trace, option, pairs, decision, p, effect, policy, bounds, own or 1.0)
+    return _verdict(trace, option, pairs, decision, p, effect, policy, bounds, own, statistic)
 
 
 def _verdict(trace: Trace, option: str, pairs: list[tuple[float, float]], decision: Decision, p: float | None,
-             effect: float, policy: OraclePolicy, bounds: int = 0, own: float = 1.0) -> Verdict:
+             effect: float, policy: OraclePolicy, bounds: int = 0, own: float = 1.0,
+             statistic: str = "e2e") -> Verdict:
     mine = carriers(trace, option)
     others = len(trace.requests) - len(mine)
     with_s = statistics.median(a for a, _ in pairs) if pairs else None
@@ -334,11 +410,12 @@ def _verdict(trace: Trace, option: str, pairs: list[tuple[float, float]], decisi
     factor = option_bar(policy, own)
     reproduced = sum(a >= factor * b for a, b in pairs)
     if with_s is not None and without_s is not None:
-        detail = (f"with {option} on {', '.join(mine)}, the other {others} requests' median e2e was "
+        what = "median ITL (mean token gap)" if statistic == "itl" else "median e2e"
+        detail = (f"with {option} on {', '.join(mine)}, the other {others} requests' {what} was "
                   f"{effect:.2f}x that of the same trace without it ({with_s * 1000:.0f} ms vs "
                   f"{without_s * 1000:.0f} ms; {len(pairs)} alternating pair(s), {reproduced} at least "
-                  f"{factor:.3g}x); the option changes no token work, and cost its carriers alone "
-                  f"{own:.2f}x")
+                  f"{factor:.3g}x); the option changes no token work, and the carriers' own rows explain "
+                  f"{own:.2f}x of a step (one row alone, with and without it)")
         if bounds:
             detail += (f"; in {bounds} pair(s) the run with it was closed before the others ended (a lower "
                        f"bound: the slowdown is at least this)")
@@ -352,4 +429,5 @@ def _verdict(trace: Trace, option: str, pairs: list[tuple[float, float]], decisi
         observed_s=with_s, expected_s=without_s, idle_s=without_s,
         assumption=f"{option} changes no token work: the baseline is the server without it",
         signature=option_signature(option), detail=detail, evidence=EVIDENCE, ablated=option,
+        compared=statistic,
     )

@@ -68,6 +68,9 @@ class Verdict:
     #: For an option-slowdown: the sampling option (seed, logprobs) whose removal from the trace
     #: gave the baseline (fuzzer.oracle.ablation).
     ablated: str | None = None
+    #: For an option-slowdown: what of the other requests its pairs compared, "itl" (their median mean
+    #: token gap) or "e2e" (their median e2e; also a verdict stored before this field).
+    compared: str | None = None
 
     @property
     def is_finding(self) -> bool:
@@ -132,6 +135,7 @@ class Verdict:
             "overtakers": list(self.overtakers),
             "min_excess_s": self.min_excess_s,
             "ablated": self.ablated,
+            "compared": self.compared,
         }
 
     @classmethod
@@ -163,6 +167,7 @@ class Verdict:
             overtakers=tuple(data.get("overtakers") or ()),
             min_excess_s=data.get("min_excess_s"),
             ablated=data.get("ablated"),
+            compared=data.get("compared"),
         )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from fuzzer import trace as trace_format
 from fuzzer.errors import FuzzError, NotFoundError, OutputError
 from fuzzer.execution import ExecutionResult
-from fuzzer.oracle.ablation import OPTIONS, carriers, others_e2e, without_option
+from fuzzer.oracle.ablation import OPTIONS, carriers, others_value, without_option
 from fuzzer.oracle.calibration import Calibration, calibration_keys
 from fuzzer.oracle.judge import observe
 from fuzzer.oracle.kinds import FindingKind, Metric
@@ -178,8 +178,9 @@ def verdict_for(
 
 def _option_verdict(store: Store, verdict: dict[str, Any], trace: Trace) -> dict[str, Any]:
     """An option-slowdown's verdict for its minimized trace: the request named is one with the
-    option, and the other requests' median e2e with and without it are those of the stored runs of
-    the minimized trace and of its ablation (the minimizer stores both), when there are some."""
+    option, and the other requests' median ITL (or e2e: the verdict's ``compared``) with and without it
+    are those of the stored runs of the minimized trace and of its ablation (the minimizer stores both),
+    when there are some."""
     option = verdict.get("ablated")
     if option not in OPTIONS:
         return verdict
@@ -189,7 +190,7 @@ def _option_verdict(store: Store, verdict: dict[str, Any], trace: Trace) -> dict
 
     def medians(t: Trace) -> list[float]:
         ids = store.execution_ids(trace_hash=t.content_hash())[-MAX_EXECUTIONS_EXAMINED:]
-        values = [others_e2e(trace, store.get_execution(i), option) for i in ids]
+        values = [others_value(verdict.get("compared") or "e2e", trace, store.get_execution(i), option) for i in ids]
         return [v for v in values if v is not None]
 
     with_s, without_s = medians(trace), medians(without_option(trace, option))

@@ -99,17 +99,20 @@ def make_check(
     others: dict[str, Candidate] | None = None,
     by_order: bool = False,
     option: str | None = None,
+    compared: str = "e2e",
 ) -> Callable[[Trace, bool], Awaitable[Check]]:
     """The noisy predicate of one finding, for :class:`fuzzer.shrink.engine.Minimizer`.
 
     ``option``: for an option-slowdown, the option whose removal gives the baseline
-    (the verdict's ``ablated``); the factor is ``policy.option_factor``.
+    (the verdict's ``ablated``); the factor is ``policy.option_factor``, over the other requests'
+    ``compared`` (the verdict's: itl or e2e, fuzzer.oracle.ablation.statistic_of).
     """
     shrinking = replace(policy, factor=policy.factor * HYSTERESIS)
     if kind is FindingKind.OPTION_SLOWDOWN:
         if not option:
             raise ValueError("an option-slowdown check needs the option it ablates")
-        return _option_check(target, option, calibration, policy=policy, record=record, others=others)
+        return _option_check(target, option, calibration, policy=policy, record=record, others=others,
+                             compared=compared)
 
     async def check(trace: Trace, strict: bool) -> Check:
         if kind is FindingKind.COLD_START:
@@ -140,10 +143,11 @@ def _option_check(
     policy: OraclePolicy,
     record: Callable[[Trace, ExecutionResult], None],
     others: dict[str, Candidate] | None,
+    compared: str = "e2e",
 ) -> Callable[[Trace, bool], Awaitable[Check]]:
     """One pair of runs, the trace and ``without_option(trace, option)``, the order alternating
-    call by call (a drifting server favours neither): holds when the other requests' median e2e
-    with the option is the factor (x HYSTERESIS when ``strict``) times that without it."""
+    call by call (a drifting server favours neither): holds when the other requests' ``compared``
+    (median ITL or e2e) with the option is the factor (x HYSTERESIS when ``strict``) times that without it."""
     shrinking_factor = policy.option_factor * HYSTERESIS
     calls = [0]
 
@@ -151,7 +155,8 @@ def _option_check(
         mine = carriers(trace, option)
         if not mine or len(trace.requests) - len(mine) < MIN_OTHERS:
             return Check(False, None, 0.0 if strict else None)  # not this finding: no run needed
-        with_s, without_s, runs = await run_pair(target, trace, option, trace_first=calls[0] % 2 == 0, record=record)
+        with_s, without_s, runs = await run_pair(target, trace, option, trace_first=calls[0] % 2 == 0, record=record,
+                                                 statistic=compared)
         calls[0] += 1
         sig = None
         for t, result in runs:
@@ -219,7 +224,8 @@ async def minimize_finding(
             policy = replace(policy, option_factor=float(finding.verdict["threshold"]))
     minimizer = Minimizer(
         make_check(target, kind, metric, victim, calibration, policy=policy, sleep=sleep, record=record, others=met,
-                   by_order=bool(finding.verdict.get("overtakers")), option=option),
+                   by_order=bool(finding.verdict.get("overtakers")), option=option,
+                   compared=finding.verdict.get("compared") or "e2e"),
         keep=frozenset({victim} if victim and victim in {r.id for r in trace.requests} else ()),
         state=store.minimization_state(finding.id),
         on_state=lambda state: store.save_minimization(finding.id, state, status="running"),

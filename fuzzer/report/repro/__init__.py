@@ -16,8 +16,9 @@ The criterion comes from the stored verdict (:meth:`fuzzer.oracle.verdict.Verdic
   ``reach_s`` after it;
 - cold-start: the same, each run after ``idle_before_s`` of idleness;
 - option-slowdown: a run is a pair, the trace and the same trace with the option
-  (``ablate``: seed or logprobs) removed from every request; the median e2e of the
-  requests without the option is at least ``factor`` x that without it;
+  (``ablate``: seed or logprobs) removed from every request; the median ITL (mean token
+  gap; ``metric`` itl) or e2e of the requests without the option is at least ``factor`` x
+  that without it;
 - error / hang / protocol: the victim request fails the same way;
 - crash: the server stops answering /health after the trace;
 - leak: running + waiting do not return to 0 within ``leak_wait_s``.
@@ -72,13 +73,14 @@ class Criterion:
 
     kind: str
     request_id: str | None = None
-    #: ttft | max_itl | e2e, for latency kinds.
+    #: ttft | max_itl | e2e, for latency kinds; for an option-slowdown, what of the other requests
+    #: it compares: itl (their median mean token gap) or e2e.
     metric: str | None = None
     #: The candidate factor over the FCFS bound (the verdict's threshold); for an
-    #: option-slowdown, over the other requests' median e2e without the option.
+    #: option-slowdown, over the other requests' median ITL (or e2e) without the option.
     factor: float = CANDIDATE_FACTOR
     #: The victim's FCFS bound in the verdict's runs (median), seconds; for an option-slowdown,
-    #: the other requests' median e2e without the option (informational: each run measures its own).
+    #: the other requests' median ITL (or e2e) without the option (informational: each run measures its own).
     expected_s: float | None = None
     #: The absolute margin above the bound, as in the oracle.
     margin_s: float = MIN_MARGIN_S
@@ -132,7 +134,7 @@ def criterion_from_verdict(kind: str, verdict: Mapping[str, Any], *, note: str =
         if option not in OPTIONS or not request_id:
             raise ConfigError(f"an {kind} verdict must name a request and the option it ablates "
                               f"({', '.join(OPTIONS)}), got {option!r}")
-        return Criterion(kind=kind, request_id=request_id, metric="e2e",
+        return Criterion(kind=kind, request_id=request_id, metric="itl" if verdict.get("compared") == "itl" else "e2e",
                          factor=float(verdict.get("threshold") or OPTION_FACTOR),
                          expected_s=verdict.get("expected_s"), note=note, ablate=option)
     if kind in _FAILURE_OUTCOMES:

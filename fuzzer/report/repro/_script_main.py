@@ -32,7 +32,7 @@ from fuzzer.report.repro._script_net import (
     check_server,
     say,
 )
-from fuzzer.report.repro._script_run import carriers, idle_barrier, others_e2e, run_once, without_option
+from fuzzer.report.repro._script_run import carriers, idle_barrier, others_value, run_once, without_option
 
 # --- repro.py begins ---
 
@@ -132,17 +132,24 @@ def judge_order(criterion, victim, by_id):
 
 
 def judge_option(criterion, trace, with_results, without_results):
-    """(verdict, words, medians) of one pair: the other requests' median E2E with the option at
-    least factor x that of the same trace without it; medians is (with, without) or None."""
+    """(verdict, words, medians) of one pair: the other requests' median ITL (or E2E, the criterion's
+    metric) with the option at least factor x that of the same trace without it; medians is (with,
+    without) or None."""
     option = criterion["ablate"]
-    with_s, without_s = others_e2e(trace, with_results, option), others_e2e(trace, without_results, option)
+    with_s, without_s = others_value(criterion, trace, with_results), others_value(criterion, trace, without_results)
     if with_s is None or without_s is None or without_s <= 0:
         return None, "fewer than %d requests without %s completed in the run %s it" % (
             MIN_OTHERS, option, "with" if with_s is None else "without"), None
     ratio = with_s / without_s
     hit = ratio >= criterion["factor"]
-    return hit, "median E2E of the others %.1f ms with %s, %.1f ms without: %.2fx %s %gx" % (
-        with_s * 1000, option, without_s * 1000, ratio, ">=" if hit else "<", criterion["factor"]), (with_s, without_s)
+    return hit, "median %s of the others %.1f ms with %s, %.1f ms without: %.2fx %s %gx" % (
+        others_name(criterion), with_s * 1000, option, without_s * 1000, ratio, ">=" if hit else "<",
+        criterion["factor"]), (with_s, without_s)
+
+
+def others_name(crit):
+    """What of the other requests an option-slowdown compares."""
+    return "ITL (mean token gap)" if crit.get("metric") == "itl" else "E2E"
 
 
 # --- output ---------------------------------------------------------------------------------------
@@ -297,9 +304,9 @@ def reproduce(args):
             min(values) * 1000, max(values) * 1000, limit_s * 1000))
     if pairs:
         ratios = [a / b for a, b in pairs]
-        say("  median E2E of the others, median over runs: %.1f ms with %s, %.1f ms without; ratio median %.2fx "
+        say("  median %s of the others, median over runs: %.1f ms with %s, %.1f ms without; ratio median %.2fx "
             "(min %.2fx, max %.2fx); factor %gx" % (
-                statistics.median(a for a, _ in pairs) * 1000, crit["ablate"],
+                others_name(crit), statistics.median(a for a, _ in pairs) * 1000, crit["ablate"],
                 statistics.median(b for _, b in pairs) * 1000, statistics.median(ratios), min(ratios), max(ratios),
                 crit["factor"]))
     if crit.get("note"):
@@ -313,9 +320,10 @@ def describe(crit, limit_s):
     if kind == OPTION_KIND:
         option = crit["ablate"]
         mine = carriers(DATA["trace"], option)
-        how = ("median E2E of the %d requests without %s >= %g x that of the same trace with %s removed from every "
+        how = ("median %s of the %d requests without %s >= %g x that of the same trace with %s removed from every "
                "request (%s has it), in a majority of runs; a run is a pair of executions, each after the idle "
-               "barrier, in alternating order" % (len(DATA["trace"]["requests"]) - len(mine), option, crit["factor"],
+               "barrier, in alternating order" % (others_name(crit), len(DATA["trace"]["requests"]) - len(mine),
+                                                  option, crit["factor"],
                                                   option, ", ".join(mine)))
         if crit.get("expected_s") is not None:
             how += " (in the fuzzer: %.1f ms without %s)" % (crit["expected_s"] * 1000, option)

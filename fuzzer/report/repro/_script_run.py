@@ -294,6 +294,24 @@ def others_e2e(trace, results, option):
     return statistics.median(values) if len(values) >= MIN_OTHERS else None
 
 
+def others_itl(trace, results, option):
+    """Median, over the streamed requests of the (original) trace without ``option`` (max_tokens 2 or
+    more), of their mean token gap (first token to last); None with fewer than MIN_OTHERS of them."""
+    mine = set(carriers(trace, option))
+    gapped = {r["id"] for r in trace["requests"]
+              if r["id"] not in mine and r.get("stream", True) and r["max_tokens"] >= 2}
+    values = [(res["token_times_s"][-1] - res["token_times_s"][0]) / (len(res["token_times_s"]) - 1)
+              for res in results if res["id"] in gapped and res["outcome"] in ("ok", "cancelled")
+              and len(res["token_times_s"]) >= 2]
+    return statistics.median(values) if len(values) >= MIN_OTHERS else None
+
+
+def others_value(crit, trace, results):
+    """The others' statistic the finding compared: their ITL (crit metric "itl") or e2e."""
+    measure = others_itl if crit.get("metric") == "itl" else others_e2e
+    return measure(trace, results, crit["ablate"])
+
+
 # --- the criterion --------------------------------------------------------------------------------
 
 
