@@ -11,15 +11,16 @@ same trace with the option removed from every request, run alternately with the 
 
 The test (:func:`confirm_option`) runs pairs (ablated, original first; the order alternates, so a
 drifting server favours neither; a run with the option closes at CAP_FACTOR x the end of the other
-requests in the runs without it, a lower bound past that) and takes, per run, the median e2e of the requests without the
-option. Per pair it has the ratio of the two; on the log ratios a one-sided t interval at the
+requests in the runs without it, a lower bound past that) and takes, per run, the median ITL (mean token
+gap) of the requests without the option, or their median e2e when most of them do not stream
+(:func:`statistic_of`). Per pair it has the ratio of the two; on the log ratios a one-sided t interval at the
 policy's alpha decides: DIFFERENT when the slowdown is significant, the geometric mean ratio
 reaches ``policy.option_factor`` and most pairs do, SAME when the interval lies below that factor, and one pair
 far below it stops at once (sequential futility). The factor is over what the option costs its own
 rows: one carrier row alone, with and without it, runs twice each once a pair shows a slowdown, and
 each of the carriers' rows may add to a step what the option added to that row's
-(:func:`own_ratio`): every step the others share with them is that much longer under FCFS with the
-engine's real costs (on a held-out server whose sampler charges each logprob to its row, eight rows
+(:func:`own_of`, in seconds over the others' token gap without it): every step the others share with
+them is that much longer under FCFS with the engine's real costs (on a held-out server whose sampler charges each logprob to its row, eight rows
 of 20 logprobs made the others' e2e 1.95x without any batch-wide cost: a confirmed false finding).
 The factor is ``policy.option_factor`` times that ratio where it is above 1. No model is involved: a
 campaign tests a trace when enough requests, and most of those without the option, ran beside a carrier for half their
