@@ -71,7 +71,8 @@ def expect(
             idle_max_itl_s=alone.idle_max_itl_s,
             idle_e2e_s=alone.idle_e2e_s,
             ttft_s=max(p.ttft_s for p in every),
-            max_itl_s=max(max(p.max_step_s, p.max_itl_s or 0.0) for p in every) if out_tokens > 1 else None,
+            max_itl_s=max(max(p.max_step_s, p.max_itl_s or 0.0, p.choice_wait_s if r.stream else 0.0) for p in every)
+            if out_tokens > 1 else None,
             e2e_s=max(p.e2e_s for p in every),
             cached_tokens=done.cached_tokens,
         )
@@ -95,6 +96,8 @@ def _fanout(trace: Trace, model: StepModel, assumption: SchedulerAssumption, res
         out[r.id] = replace(
             first, e2e_s=max(p.e2e_s for p in (first, *others)), max_step_s=max(p.max_step_s for p in (first, *others)),
             chunk_steps=first.chunk_steps + tuple(s for p in others for s in p.chunk_steps),
+            # The last choice's first token after choice 0's: a gap of the stream (n > 1 streamed).
+            choice_wait_s=max([0.0] + [p.token_times_s[0] - first.token_times_s[0] for p in others]),
         )
     return out
 

@@ -183,6 +183,24 @@ def test_a_cache_hit_never_covers_the_whole_prompt():
     assert paper_schedule(trace, MODEL, FCFS)["b"].cached_tokens == 48
 
 
+def test_a_streamed_choice_admitted_after_choice_0_is_a_gap_its_max_itl_bound_holds():
+    # heldout7, clean (stop 50): an engine that admits each choice as a request of its own gave an n=2
+    # stream's choice 1 its first token 0.5 s after choice 0's, when a seat freed; the stream's max ITL
+    # counts that silence (RequestResult.max_itl_s), and the bound, 0.05 s, did not: two confirmed false
+    # itl-stalls. The fan-out schedule's last choice's first token is a gap of the stream.
+    trace = Trace(requests=(
+        _req("long", 0, 64, out=120),
+        Request(id="pair", at_ms=1, prompt_tokens=64, max_tokens=40, n=2),
+    ))
+    seats = SchedulerAssumption(max_num_seqs=2)
+    bounds = expect(trace, MODEL, seats)
+    fanned = reference._fanout(trace, MODEL, seats, None)["pair"].choice_wait_s
+    assert fanned > 30 * MODEL.overhead_s  # choice 1 waits for a seat: choice 0 of its own ends first
+    assert bounds["pair"].max_itl_s >= fanned
+    quiet = Trace(requests=(trace.requests[0], dataclasses.replace(trace.requests[1], stream=False)))
+    assert expect(quiet, MODEL, seats)["pair"].max_itl_s < fanned  # no stream: no gap seen
+
+
 def test_max_num_seqs_holds_later_requests_until_a_slot_frees():
     trace = Trace(requests=(_req("a", 0, 100, out=10), _req("b", 0, 100, out=10)))
     one = paper_schedule(trace, MODEL, SchedulerAssumption(max_num_seqs=1))

@@ -268,7 +268,8 @@ def _expect(
             # prompt and what it generated, from the prefix cache's share on) after a step's wait.
             stalls[r.id] = max(stalls.get(r.id, 0.0),
                                _recompute_s(r, model, assumption, done.cached_tokens) + max(p.max_step_s for p in every))
-        itl = max(max(p.max_step_s, p.max_itl_s or 0.0) for p in every)
+        # With n > 1 streamed, a choice's first token after choice 0's is a gap of the stream (RequestResult.max_itl_s).
+        itl = max(max(p.max_step_s, p.max_itl_s or 0.0, p.choice_wait_s if r.stream else 0.0) for p in every)
         # A stall it may have had in another's place ends it that much later (a victim's own is in its E2E).
         later = max(0.0, stalls.get(r.id, 0.0) - itl) if r.id not in victims and out_tokens > 1 else 0.0
         out[r.id] = Expectation(

@@ -87,6 +87,8 @@ class PaperRequest:
     #: (start, duration) of each step that computed a chunk of its prompt, in execution time
     #: (not from its send): a step that long happens at that moment.
     chunk_steps: tuple[tuple[float, float], ...] = ()
+    #: n in waves (fan-out, or beyond max_num_seqs): the last wave's first token after choice 0's, by design.
+    choice_wait_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
@@ -117,8 +119,7 @@ def serve(
 ) -> dict[str, PaperRequest]:
     """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
 
-    ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited).
-    ``fifo_frontend``, ``shared_frontend``, ``one_long``, ``fanout``, ``partial_hits``: see :func:`schedule`.
+    ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited); the others: :func:`schedule`.
     """
     jobs = [
         Job(
@@ -180,6 +181,7 @@ class Job:
     #: sequence (vLLM v1 splits n into child requests).
     preempted_sequences: int = 0
     chunk_steps: list[tuple[float, float]] = field(default_factory=list)
+    last_choice: float = -math.inf  # its last wave's first token (PaperRequest.choice_wait_s)
 
     @property
     def prefilled(self) -> bool:
@@ -188,18 +190,18 @@ class Job:
     def paper(self, model: StepModel) -> PaperRequest:
         assert self.finish_s is not None and (self.token_times or self.abort_s is not None)
         shift = model.request_overhead_s - self.arrival_s
-        times = self.token_times or [self.finish_s]  # aborted before its first token: none came
+        times = (np.array(self.token_times or [self.finish_s]) + shift).tolist()  # aborted before a token: none came
         return PaperRequest(
             request_id=self.id,
             arrival_s=self.arrival_s,
-            token_times_s=tuple((np.array(times) + shift).tolist()),
+            token_times_s=tuple(times),
             e2e_s=self.finish_s + shift,
             cached_tokens=self.cached,
             max_step_s=self.max_step,
             preemptions=self.preemptions,
             churn=self.churn,
             preempted_sequences=self.preempted_sequences,
-            chunk_steps=tuple(self.chunk_steps),
+            chunk_steps=tuple(self.chunk_steps), choice_wait_s=max(0.0, (self.last_choice + shift) - times[0]),
         )
 
 
@@ -447,6 +449,7 @@ def schedule(
             j.churn += w.churn
             j.preempted_sequences += w.preempted_sequences
             j.chunk_steps += w.chunk_steps
+            j.last_choice = max(j.last_choice, w.token_times[0]) if w.token_times else j.last_choice
     return jobs
 
 
