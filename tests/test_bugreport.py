@@ -48,3 +48,20 @@ def test_a_long_excess_finding_says_the_excess_it_needed():
                "idle_s": 1.1, "threshold": 1.5, "min_excess_s": 1.35, "reproduced": "3/3"}
     text = markdown(Exhibit(finding_id=2, kind="ttft-outlier", signature="s", trace=TRACE, verdict=verdict))
     assert "**1.6x**; a finding needs 1.5x and 1350.0 ms above it (far beyond its own work)." in text
+
+
+def test_an_option_slowdown_names_what_of_the_others_it_compared():
+    trace = tf.from_dict({"requests": [*({"id": f"r{i}", "at_ms": i, "prompt_tokens": 8, "max_tokens": 8} for i in range(3)),
+                                       {"id": "carrier", "at_ms": 3, "prompt_tokens": 8, "max_tokens": 8, "logprobs": 20}]})
+    verdict = {"kind": "option-slowdown", "request_id": "carrier", "ablated": "logprobs", "threshold": 8.8,
+               "metric": "e2e", "observed_s": 0.36, "expected_s": 0.012, "reproduced": "3/3", "effect": 30.0}
+    gaps = Exhibit(finding_id=3, kind="option-slowdown", signature="s", trace=trace,
+                   verdict={**verdict, "compared": "itl"})
+    assert "requests' median inter-token latency (each one's mean gap between tokens) 30.0x" in title(gaps)
+    text = markdown(gaps)
+    assert "| median inter-token latency (each one's mean gap between tokens) of the 3 requests" in text
+    assert "other requests' median inter-token latency (each one's mean gap between tokens) with `logprobs`" in text
+    assert "reproduces when the median inter-token latency (each one's mean gap between tokens) of the" in text
+    # A verdict stored before the test compared token gaps compared the others' e2e.
+    e2e = Exhibit(finding_id=3, kind="option-slowdown", signature="s", trace=trace, verdict=verdict)
+    assert "median end-to-end latency 30.0x" in title(e2e) and "| median end-to-end latency of the 3" in markdown(e2e)

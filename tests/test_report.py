@@ -121,3 +121,8 @@ def test_an_option_slowdown_names_the_others_as_its_victims(tmp_path):
     shown = CliRunner().invoke(cli, ["show", str(fid), "--db", str(db)])
     assert shown.exit_code == 0, shown.output
     assert "slowdown: 2.0x (the other requests' median e2e with seed over without it)" in shown.output
+    with Store.open(db) as store:  # a test that compared the others' token gaps (fuzzer.oracle.ablation.statistic_of)
+        fid, _ = store.add_finding(kind="option-slowdown", signature="option-slowdown:y", trace=trace,
+                                   verdict={**verdict, "compared": "itl"}, slowdown=2.0, reproduced="3/3")
+    shown = CliRunner().invoke(cli, ["show", str(fid), "--db", str(db)])
+    assert "slowdown: 2.0x (the other requests' median ITL with seed over without it)" in shown.output

@@ -48,7 +48,8 @@ def command(finding_id, db_path, as_json) -> None:
     out.print(f"signature: {finding.signature}")
     if finding.slowdown is not None:
         option = finding.verdict.get("ablated")
-        what = f" (the other requests' median e2e with {option} over without it)" if option else " over idle"
+        statistic = "ITL" if finding.verdict.get("compared") == "itl" else "e2e"
+        what = f" (the other requests' median {statistic} with {option} over without it)" if option else " over idle"
         beyond = over_bound_of(finding.verdict)
         bound = f", {beyond:.1f}x its FCFS bound" if beyond else ""
         out.print(f"slowdown: {finding.slowdown:.1f}x{what}{bound}, reproduced {finding.reproduced or '-'}")

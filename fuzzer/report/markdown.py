@@ -116,8 +116,8 @@ def title(x: Exhibit) -> str:
         others = sum(getattr(r, x.option) is None for r in x.trace.requests)
         if observed is None or not bound:
             return f"{x.kind}: `{x.option}` on request {rid} slows the other {others} requests ({reproduction_of(v)} pairs)"
-        return (f"{x.kind}: `{x.option}` on request {rid} makes the other {others} requests' median end-to-end "
-                f"latency {observed / bound:.1f}x that of the same trace without it ({_ms(observed)} ms vs "
+        return (f"{x.kind}: `{x.option}` on request {rid} makes the other {others} requests' "
+                f"{_compared(v)} {observed / bound:.1f}x that of the same trace without it ({_ms(observed)} ms vs "
                 f"{_ms(bound)} ms), with {len(x.trace.requests)} requests")
     if metric and observed is not None and v.get("overtakers"):
         what = (f"{_METRIC_WORDS.get(metric, metric)} of request {rid} is {_ms(observed)} ms: served after "
@@ -214,11 +214,18 @@ def _expected_order(v: Mapping[str, Any], name: str) -> list[str]:
     return out + _notes(v, "Scheduler assumption", "Evidence")
 
 
+def _compared(verdict: Mapping[str, Any]) -> str:
+    """What of the other requests an option-slowdown compared (fuzzer.oracle.ablation.statistic_of)."""
+    if verdict.get("compared") == "itl":
+        return "median inter-token latency (each one's mean gap between tokens)"
+    return "median end-to-end latency"
+
+
 def _expected_option(x: Exhibit) -> list[str]:
     """Expected vs observed of an option-slowdown: the trace against itself without the option."""
     v, option = x.verdict, x.option
     others = sum(getattr(r, option) is None for r in x.trace.requests)
-    rows = [f"| median end-to-end latency of the {others} requests without `{option}` | ms |", "|---|---:|",
+    rows = [f"| {_compared(v)} of the {others} requests without `{option}` | ms |", "|---|---:|",
             f"| without `{option}` (removed from every request: the baseline) | {_ms(v.get('expected_s'))} |",
             f"| with `{option}` on {v.get('request_id')} (the trace as found) | {_ms(v.get('observed_s'))} |", ""]
     out = rows + [f"Expected: `{option}` changes no token work, so the other requests take as long with it as "
@@ -250,8 +257,8 @@ def _statistics(x: Exhibit) -> list[str]:
             out.append(f"- Effect size: {v['effect']:.2f}x (the victim's TTFT over its TTFT had it been served no later "
                        "than the requests that overtook it: a lower bound on what the inversion cost it)")
         elif x.option:
-            out.append(f"- Effect size: {v['effect']:.2f}x (geometric mean over the pairs of the other requests' median "
-                       f"end-to-end latency with `{x.option}` over that without it)")
+            out.append(f"- Effect size: {v['effect']:.2f}x (geometric mean over the pairs of the other requests' "
+                       f"{_compared(v)} with `{x.option}` over that without it)")
         else:
             out.append(f"- Effect size: {v['effect']:.2f}x (the victim's median observed/bound ratio over the calibration baseline's median{interval})")
     if v.get("n_sample") and x.option:
@@ -286,7 +293,7 @@ def _reproduce(x: Exhibit) -> list[str]:
                 "(override with `--threshold-ms`).", ""]
     elif x.option:
         out += [f"Criterion: a run is a pair, the trace as is and with `{x.option}` removed from every request (each "
-                "after the server is idle, in alternating order); it reproduces when the median end-to-end latency of "
+                f"after the server is idle, in alternating order); it reproduces when the {_compared(x.verdict)} of "
                 f"the requests without `{x.option}` is at least {x.verdict.get('threshold') or '?'}x that without it.",
                 ""]
     out += ["Bisect a regression (build and start the server at each step, then):", "",

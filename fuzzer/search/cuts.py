@@ -9,7 +9,7 @@ server that does not free what the client closed (the executor finds it not idle
 keeps computing it; the confirmation target then stops cutting that trace, and every trace once
 LEAKY_CUTS of them did (:class:`Cuts`).
 An option test's runs close the same way after the other requests' end, when its carriers outlasted
-them (the test's statistic is the others' e2e): heldout4's test of ``logprobs`` ran 35 s traces whose
+them (the test's statistic is the others'): heldout4's test of ``logprobs`` ran 35 s traces whose
 other requests were done at 5 s, and their ablations 19 s ones.
 """
 

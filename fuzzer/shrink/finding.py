@@ -8,7 +8,8 @@ not sit on the border; the final 10-run confirmation uses the report threshold.
 
 An option-slowdown (fuzzer.oracle.ablation) is a comparison, not a bound: one check runs
 the trace and the same trace without the option (in alternating order), and holds when the
-median e2e of the requests without the option is the factor times that without it. A
+median ITL (or e2e: the verdict's ``compared``) of the requests without the option is the
+factor times that without it. A
 candidate needs a request with the option and MIN_OTHERS without it; the first request
 with the option is kept (others may go, if one is enough).
 
