@@ -9,7 +9,7 @@ import pytest
 from paper_target import PaperTarget
 from test_confirming import _calibration, _confirmer
 
-from fuzzer.execution import Outcome
+from fuzzer.execution import ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.ablation import (
     confirm_option,
     decide,
@@ -236,3 +236,39 @@ async def test_the_carriers_own_cost_is_one_rows_times_their_rows_so_a_batch_wid
                                          replace(_seeded_batch().requests[-1], n=3)])
     assert await own_ratio(PaperTarget(seeded_slowdown=1.2, seeded_alone=True, noise=0.0), rows, "seed") \
         == pytest.approx(1.6, rel=0.05)
+
+
+class _Stalling:
+    """A server on which a seeded request keeps every other request from its first token for 10 s (vllm#37343:
+    76-423x TTFT): the runs with the seed are capped (``cut_s``) before any other request streams a token."""
+
+    def __init__(self):
+        self.cuts = []
+
+    async def execute(self, trace, *, cut_s=None):
+        self.cuts.append(cut_s)
+        seeded = any(r.seed is not None for r in trace.requests)
+        results = []
+        for r in trace.requests:
+            alone = len(trace.requests) == 1
+            if seeded and not alone and r.seed is None:
+                end = min(cut_s or 10.0, 10.0)
+                results.append(RequestResult(r.id, r.id, 0.0, 0.0, Outcome.CUT, e2e_s=end))
+                continue
+            gap = 0.011 if seeded else 0.010
+            times = tuple(0.05 + gap * i for i in range(8))
+            results.append(RequestResult(r.id, r.id, 0.0, 0.0, Outcome.OK, ttft_s=times[0], first_event_s=times[0],
+                                         token_times_s=times, e2e_s=times[-1]))
+        return ExecutionResult(trace_hash=trace.content_hash(), target="stalling", started_at=0.0,
+                               duration_s=max(x.e2e_s for x in results), requests=tuple(results))
+
+
+async def test_others_closed_before_their_second_token_are_judged_on_their_e2e_so_far():
+    # The others' token gaps say nothing when the cap closed them before two tokens came: the test falls back
+    # to their e2e so far, a lower bound (CAP_FACTOR x their end without the seed), and finds the slowdown.
+    stalling = _Stalling()
+    verdict = await confirm_option(stalling, _seeded_batch(), "seed")
+    assert statistic_of(_seeded_batch(), "seed") == "itl"
+    assert verdict.is_finding and verdict.compared == "e2e", verdict.detail
+    assert verdict.effect >= 3.5 and "lower bound" in verdict.detail
+    assert any(cut is not None for cut in stalling.cuts)  # the runs with the seed were capped
