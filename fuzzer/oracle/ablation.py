@@ -348,9 +348,16 @@ async def run_pair(target: Target, trace: Trace, option: str, *, trace_first: bo
             record(*runs[-1])
         if t is ablated and not trace_first:  # the run with it comes next
             ended = later_end(ended, trace, runs[-1][1], option)
+    return (*pair_values(statistic, trace, option, runs), runs)
+
+
+def pair_values(statistic: str, trace: Trace, option: str,
+                runs: Sequence[tuple[Trace, ExecutionResult]]) -> tuple[float | None, float | None]:
+    """The others' ``statistic`` in a pair's runs of ``trace`` (with the option, at least when cut) and of
+    its ablation (:func:`others_value`)."""
     # The carriers' ids are the original's in both runs.
-    medians = {t is trace: others_value(statistic, trace, result, option, at_least=t is trace) for t, result in runs}
-    return medians[True], medians[False], runs
+    values = {t is trace: others_value(statistic, trace, result, option, at_least=t is trace) for t, result in runs}
+    return values[True], values[False]
 
 
 async def confirm_option(
@@ -385,8 +392,7 @@ async def confirm_option(
             # The cap closed the run with it before enough of the others had two tokens (vllm#37343: 76-423x
             # their TTFT): their e2e so far is the lower bound there is, for this test's pairs from here on.
             statistic, pairs, bounds = "e2e", [], 0
-            with_s, without_s = (others_e2e(trace, result, option, at_least=t is trace)
-                                 for t, result in sorted(runs, key=lambda run: run[0] is not trace))
+            with_s, without_s = pair_values(statistic, trace, option, runs)
         if without_s is None:
             cut_s = None
         if with_s is not None and without_s is not None and without_s > 0:
