@@ -65,3 +65,13 @@ def test_an_option_slowdown_names_what_of_the_others_it_compared():
     # A verdict stored before the test compared token gaps compared the others' e2e.
     e2e = Exhibit(finding_id=3, kind="option-slowdown", signature="s", trace=trace, verdict=verdict)
     assert "median end-to-end latency 30.0x" in title(e2e) and "| median end-to-end latency of the 3" in markdown(e2e)
+
+
+def test_a_stall_only_in_later_choices_says_so():
+    # A maintainer looking at choice 0's tokens sees no stall: the report says where the silence was.
+    verdict = {"kind": "itl-stall", "request_id": "short", "metric": "max_itl", "observed_s": 2.6, "expected_s": 0.05,
+               "idle_s": 0.01, "threshold": 2.0, "reproduced": "3/3"}
+    plain = Exhibit(finding_id=5, kind="itl-stall", signature="s", trace=TRACE, verdict=verdict)
+    held = Exhibit(finding_id=5, kind="itl-stall", signature="s", trace=TRACE, verdict=verdict, held_choice=True)
+    assert "choice after the first" not in markdown(plain)
+    assert "The silence was in a choice after the first of request short's `n` choices" in markdown(held)

@@ -365,7 +365,8 @@ class Coordinator:
             key = self._scoped(t, signature(kind, judged, victim))
             if self._skip(key):
                 continue
-            if self.families.pass_over(self._scoped(t, family(kind, judged, victim, self._kv(t))), sighted):
+            fam = family(kind, judged, victim, self._kv(t), bool(candidate.get("held_choice")))
+            if self.families.pass_over(self._scoped(t, fam), sighted):
                 continue
             if judged is not task.trace:
                 self.store.put_trace(judged)  # a checkpointed task names its trace by hash
@@ -445,8 +446,11 @@ class Coordinator:
         sig = self._scoped(t, verdict.signature) if verdict.signature else task.key
         details = {"request_id": verdict.request_id, "pre_signature": task.key, "target": t.name,
                    "targets": {t.name: verdict.reproduction}}
+        held = bool((task.candidate or {}).get("held_choice")) and str(verdict.kind) == (task.candidate or {}).get("kind")
+        if held:
+            details["held_choice"] = True
         if verdict.kind is not None and verdict.request_id is not None:
-            details["family"] = self._scoped(t, family(verdict.kind, task.trace, verdict.request_id, self._kv(t)))
+            details["family"] = self._scoped(t, family(verdict.kind, task.trace, verdict.request_id, self._kv(t), held))
             self.families.record(details["family"])
         finding_id, created = self.store.add_finding(
             kind=str(verdict.kind), signature=sig, trace=task.trace, verdict=verdict.to_dict(),

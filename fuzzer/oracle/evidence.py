@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fuzzer.execution import ExecutionResult, RequestResult
+from fuzzer.execution import ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.expectation import Expectation, anyone_preempted, expect, expected_preemptions, prefill_steps
 from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
@@ -470,3 +470,24 @@ def _accepted_end(r: RequestResult, e: Expectation | None, factor: float) -> flo
     if e is None or r.e2e_s is None:
         return None
     return r.sent_s + min(r.e2e_s, factor * e.e2e_s)
+
+
+def queued_out(r: RequestResult, e: Expectation, result: ExecutionResult, factor: float, streamed: bool = True) -> bool:
+    """A request the client gave up on (TIMEOUT) while FCFS queueing explains the wait: not a hang.
+
+    The client gave up before the execution ended, so the silence it saw lasted at most from
+    the request's last byte (or its send) to the execution's end. On a slow engine a request
+    behind many long prompts waits longer than the client timeout by design (vLLM's CPU build:
+    the 17th of twenty 3000-token prompts waits about a minute for its first token); when
+    ``factor`` times its FCFS bound for that byte reaches the longest the silence can have
+    lasted, the timeout is queueing, not a hang.
+    """
+    if r.outcome is not Outcome.TIMEOUT:
+        return False
+    if r.token_times_s:
+        waited_from, bound = r.sent_s + r.token_times_s[-1], e.max_itl_s
+    else:  # a stream's first byte comes with its first token, a plain response's at its end
+        waited_from, bound = r.sent_s, e.ttft_s if streamed else e.e2e_s
+    if bound is None:
+        return False
+    return factor * bound >= result.duration_s - waited_from

@@ -36,7 +36,7 @@ from fuzzer.execute.http import SPEED_CHECK
 from fuzzer.execute.managed import server_death
 from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.calibration import Calibration
-from fuzzer.oracle.evidence import bounds, preemptions, thrash
+from fuzzer.oracle.evidence import bounds, preemptions, queued_out, thrash
 from fuzzer.oracle.expectation import Expectation
 from fuzzer.oracle.kinds import METRIC_KIND, Decision, FindingKind, Metric
 from fuzzer.oracle.order import Inversion, inversions
@@ -151,25 +151,13 @@ def observe(
     return tuple(reports)
 
 
-def queued_out(r: RequestResult, e: Expectation, result: ExecutionResult, factor: float, streamed: bool = True) -> bool:
-    """A request the client gave up on (TIMEOUT) while FCFS queueing explains the wait: not a hang.
-
-    The client gave up before the execution ended, so the silence it saw lasted at most from
-    the request's last byte (or its send) to the execution's end. On a slow engine a request
-    behind many long prompts waits longer than the client timeout by design (vLLM's CPU build:
-    the 17th of twenty 3000-token prompts waits about a minute for its first token); when
-    ``factor`` times its FCFS bound for that byte reaches the longest the silence can have
-    lasted, the timeout is queueing, not a hang.
-    """
-    if r.outcome is not Outcome.TIMEOUT:
+def later_choice_stall(r: RequestResult, o: Observation) -> bool:
+    """Whether ``o``, a slow max ITL of ``r``, is only a later choice's silence: choice 0's own gaps (what
+    a client times) stay under the factor over the bound, and another choice went silent longer."""
+    if o.metric is not Metric.MAX_ITL or r.choice_gap_s is None:
         return False
-    if r.token_times_s:
-        waited_from, bound = r.sent_s + r.token_times_s[-1], e.max_itl_s
-    else:  # a stream's first byte comes with its first token, a plain response's at its end
-        waited_from, bound = r.sent_s, e.ttft_s if streamed else e.e2e_s
-    if bound is None:
-        return False
-    return factor * bound >= result.duration_s - waited_from
+    own = max(r.itl_s, default=0.0)
+    return r.choice_gap_s > own and own < o.factor * o.expected_s
 
 
 def slower_engine(result: ExecutionResult, calibration: Calibration, policy: OraclePolicy = DEFAULT_POLICY) -> float:
@@ -273,6 +261,9 @@ class Candidate:
     detail: str = ""
     #: A latency's request ended this long after its execution started (None: unknown, or not a latency).
     until_s: float | None = None
+    #: An itl-stall seen only in the choices after the first of an n > 1 stream: choice 0's own gaps were
+    #: within the factor over the bound (the fan-out's code, whatever the batch: its own family).
+    held_choice: bool = False
 
 
 def candidates(
@@ -289,6 +280,7 @@ def candidates(
         out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"))
     latency = []
     ended = {r.request_id: r.sent_s + r.e2e_s for r in result.requests if r.outcome is Outcome.OK and r.e2e_s is not None}
+    by_id = {r.request_id: r for r in result.requests}
     for rep in observe(trace, result, calibration, policy):
         if rep.failure is not None and not (down and rep.outcome is Outcome.CONNECTION_ERROR):
             out.append(Candidate(rep.failure, rep.request_id, detail=rep.outcome.value))
@@ -296,7 +288,7 @@ def candidates(
         if slow:
             o = max(slow, key=lambda o: o.ratio)
             latency.append(Candidate(METRIC_KIND[o.metric], rep.request_id, o.metric, o.ratio, cold,
-                                     until_s=ended.get(rep.request_id)))
+                                     until_s=ended.get(rep.request_id), held_choice=later_choice_stall(by_id[rep.request_id], o)))
     latency.sort(key=lambda c: -(c.ratio or 0.0))
     return out + latency
 

@@ -142,29 +142,37 @@ def _trace_shape(trace: Trace) -> dict[str, Any]:
 BURST_WINDOW_MS = 2000.0
 
 
-def family(kind: FindingKind, trace: Trace, request_id: str | None, kv_tokens: int | None = None) -> str:
+def family(kind: FindingKind, trace: Trace, request_id: str | None, kv_tokens: int | None = None,
+           held_choice: bool = False) -> str:
     """The coarse key of a latency finding: its kind, whether its victim fans out (n > 1 or
     logprobs), whether it reuses a prefix an earlier request of the trace computed, whether the
     trace holds a seeded request or a client that times out, and whether a burst of it asks for more
     KV than the server's ``kv_tokens`` (where known); sizes, neighbours, timings and the victim's
-    API, streaming and own cancel left out.
+    API, streaming and own cancel left out. A stall only in a stream's later choices
+    (``held_choice``, fuzzer.oracle.judge.later_choice_stall) is one family of its own.
     Other kinds keep their signature: a leak is one per way of leaving already, a failure is told
     apart by its outcome."""
     if request_id is None or kind not in LATENCY_KINDS:
         return signature(kind, trace, request_id)
-    coarse: dict[str, Any] = {"version": 2, **family_traits(trace, request_id, kv_tokens)}
+    coarse: dict[str, Any] = {"version": 2, **family_traits(trace, request_id, kv_tokens, held_choice)}
     return _key(kind, {"kind": kind.value, "family": coarse}).replace(":", ":family-", 1)
 
 
 #: The kinds whose findings have a family of traits (the others' family is their signature).
 LATENCY_KINDS = (FindingKind.TTFT_OUTLIER, FindingKind.ITL_STALL, FindingKind.E2E_OUTLIER)
 #: The traits of a family, in the order of trait_vector.
-TRAITS = ("fanout", "seeded", "timeouts", "reuses_prefix", "over_kv")
+TRAITS = ("fanout", "seeded", "timeouts", "reuses_prefix", "over_kv", "held_choice")
 
 
-def family_traits(trace: Trace, request_id: str, kv_tokens: int | None = None) -> dict[str, bool]:
+def family_traits(trace: Trace, request_id: str, kv_tokens: int | None = None,
+                  held_choice: bool = False) -> dict[str, bool]:
     """What makes a latency finding's family (see :func:`family`): ``fanout`` always, the others
     only where they hold."""
+    if held_choice:
+        # Choice 0 streamed within its bound while a later choice went silent: the code that fans a request's
+        # choices out and streams them, whatever the batch (heldout12's choices held back until choice 0
+        # finished met six families of the batch traits, ten findings in one campaign).
+        return {"fanout": True, "held_choice": True}
     shape = request_shape(trace, trace.request(request_id))
     # Whether the victim streams, its API or its own cancel do not tell a scheduler bug apart (one bug
     # met 9 families of those and of shared prefixes in a campaign on the held-out server); fan-out and

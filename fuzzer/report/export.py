@@ -100,6 +100,7 @@ def export_finding(store: Store, finding_id: int | str, out_dir: str | Path) -> 
         timeline=picture,
         repro_threshold_s=criterion.threshold_s,
         crash_needs=tuple(finding.details.get("crash_needs") or ()),
+        held_choice=bool(finding.details.get("held_choice")),
     )
     _write(folder / "report.md", bugreport.markdown(exhibit))
     return folder

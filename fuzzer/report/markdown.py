@@ -64,6 +64,8 @@ class Exhibit:
     repro_threshold_s: float | None = None
     #: For a crash: the request traits without which the same trace ran (fuzzer.search.crashes).
     crash_needs: tuple[str, ...] = ()
+    #: An itl-stall only in the choices after the first of an n > 1 stream (fuzzer.oracle.judge.later_choice_stall).
+    held_choice: bool = False
 
     @property
     def option(self) -> str | None:
@@ -187,6 +189,9 @@ def _expected(x: Exhibit) -> list[str]:
                    f"**{v['observed_s'] / v['expected_s']:.1f}x**; a finding needs {v.get('threshold') or '?'}x"
                    + (f" and {_ms(v['min_excess_s'])} ms above it (far beyond its own work)." if v.get("min_excess_s")
                       else "."))
+    if x.held_choice:
+        out.append(f"The silence was in a choice after the first of request {v.get('request_id')}'s `n` choices: "
+                   "choice 0's own gaps stayed within the bound while another choice streamed nothing for that long.")
     return out + _notes(v, "Scheduler assumption of the bound", "Evidence that set the bound")
 
 

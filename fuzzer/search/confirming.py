@@ -162,7 +162,7 @@ class Confirmer:
         self.found_traits: dict[str, set[tuple[bool, ...]]] = {}
         for f in found:
             if (victim := f.details.get("request_id")) is not None:
-                self._found_traits_of(f.kind, store.get_trace(f.trace_hash), victim)
+                self._found_traits_of(f.kind, store.get_trace(f.trace_hash), victim, bool(f.details.get("held_choice")))
         #: Pre-signatures whose confirmation came back SAME -> times seen since.
         self.rejected: dict[str, int] = dict(state.get("rejected", {}))
         #: Candidates whose confirmation the deadline cut short: (trace, candidate, key).
@@ -222,7 +222,8 @@ class Confirmer:
                     continue  # no way leaks alone, and one of them is a known leak: that explains it
             if self._skip(key):
                 continue
-            fam = family(candidate.kind, judged, candidate.request_id, self._kv_tokens) if key == warm_key else None
+            fam = (family(candidate.kind, judged, candidate.request_id, self._kv_tokens, candidate.held_choice)
+                   if key == warm_key else None)
             if fam is not None and self.families.pass_over(fam, sighted):
                 continue
             if judged is not trace:
@@ -274,8 +275,9 @@ class Confirmer:
             self._record(trace, verdict, option_signature(option))
         return verdict
 
-    def _found_traits_of(self, kind: str, trace: Trace, victim: str) -> None:
-        self.found_traits.setdefault(kind, set()).add(trait_vector(family_traits(trace, victim, self._kv_tokens)))
+    def _found_traits_of(self, kind: str, trace: Trace, victim: str, held_choice: bool) -> None:
+        self.found_traits.setdefault(kind, set()).add(
+            trait_vector(family_traits(trace, victim, self._kv_tokens, held_choice)))
 
     def _new_kind(self, candidate: Candidate) -> bool:
         """No finding of the candidate's kind yet: it may be the campaign's only sight of a bug."""
@@ -289,7 +291,7 @@ class Confirmer:
         c = w.candidate
         if self._new_kind(c):
             return 0, 0, -(c.ratio or 0.0)
-        mine = trait_vector(family_traits(w.trace, c.request_id, self._kv_tokens)) if c.request_id else ()
+        mine = trait_vector(family_traits(w.trace, c.request_id, self._kv_tokens, c.held_choice)) if c.request_id else ()
         found = self.found_traits.get(str(c.kind), set())
         distance = min((sum(a != b for a, b in zip(mine, f)) for f in found), default=len(mine))
         return 1, -distance, -(c.ratio or 0.0)
@@ -391,7 +393,7 @@ class Confirmer:
                 self._checkpoint()
                 raise
         if verdict.is_finding:
-            finding_id = self._record(trace, verdict, key, fam)
+            finding_id = self._record(trace, verdict, key, fam, candidate.held_choice and verdict.kind is candidate.kind)
             if candidate.kind is FindingKind.CRASH:
                 await self._recover()
                 await self._avoid_crash(trace, finding_id)
@@ -415,12 +417,14 @@ class Confirmer:
         self._store.update_finding_details(finding_id, {"crash_needs": list(needs)})
         self._checkpoint()
 
-    def _record(self, trace: Trace, verdict: Verdict, key: str, fam: str | None = None) -> int:
+    def _record(self, trace: Trace, verdict: Verdict, key: str, fam: str | None = None, held_choice: bool = False) -> int:
         sig = verdict.signature or key
         details: dict[str, Any] = {"request_id": verdict.request_id, "pre_signature": key}
+        if held_choice:
+            details["held_choice"] = True
         if verdict.kind is not None and verdict.request_id is not None:
             # The family of what was confirmed (a candidate's kind may have become another, say cold-start).
-            fam = family(verdict.kind, trace, verdict.request_id, self._kv_tokens)
+            fam = family(verdict.kind, trace, verdict.request_id, self._kv_tokens, held_choice)
         if fam is not None:
             details["family"] = fam
             self.families.record(fam)
@@ -429,7 +433,7 @@ class Confirmer:
             if verdict.kind in LATENCY_KINDS:
                 self.found_on.add((trace.content_hash(), str(verdict.kind)))
             if verdict.request_id is not None:
-                self._found_traits_of(str(verdict.kind), trace, verdict.request_id)
+                self._found_traits_of(str(verdict.kind), trace, verdict.request_id, held_choice)
         finding_id, created = self._store.add_finding(
             kind=str(verdict.kind), signature=sig, trace=trace, verdict=verdict.to_dict(),
             slowdown=verdict.slowdown, reproduced=verdict.reproduction, campaign_id=self._campaign_id,
@@ -558,9 +562,11 @@ def without_options(trace: Trace) -> Trace:
 
 def candidate_to_dict(c: Candidate) -> dict:
     return {"kind": str(c.kind), "request_id": c.request_id, "metric": None if c.metric is None else str(c.metric),
-            "ratio": c.ratio, "after_idle": c.after_idle, "detail": c.detail, "until_s": c.until_s}
+            "ratio": c.ratio, "after_idle": c.after_idle, "detail": c.detail, "until_s": c.until_s,
+            "held_choice": c.held_choice}
 
 
 def candidate_from_dict(d: Mapping[str, Any]) -> Candidate:
     return Candidate(FindingKind(d["kind"]), d.get("request_id"), None if d.get("metric") is None else Metric(d["metric"]),
-                     d.get("ratio"), bool(d.get("after_idle")), d.get("detail", ""), d.get("until_s"))
+                     d.get("ratio"), bool(d.get("after_idle")), d.get("detail", ""), d.get("until_s"),
+                     bool(d.get("held_choice")))
