@@ -582,3 +582,17 @@ async def test_a_server_that_keeps_no_prefix_is_fitted_so_and_gives_no_cache_hit
     cached = await calibrate(PaperTarget(noise=0.01), rng=random.Random(1), clock=lambda: 0.0)
     assert cached.assumption.prefix_caching is True and "prefix-cache" not in cached.assumption.source
     assert cached.model.prefill_token_s == pytest.approx(TRUE.prefill_token_s, rel=0.1)
+
+
+async def test_a_server_of_one_seat_is_calibrated_with_its_step_as_the_overhead():
+    # llama-server -np 1: one sequence decodes at a time, so the batched probes all had one size, and the
+    # batch line refused to fit ("2 usable probe measurements at 1 distinct sizes"): no campaign could start.
+    from fuzzer.oracle import judge
+    from fuzzer.trace import Request, Trace
+
+    one = PaperTarget(noise=0.01, assumption=SchedulerAssumption(max_num_seqs=1))
+    cal = await calibrate(one, rng=random.Random(1), clock=lambda: 0.0)
+    assert cal.assumption.max_num_seqs == 1 and cal.model.decode_seq_s == 0.0
+    assert cal.model.overhead_s == pytest.approx(TRUE.overhead_s + TRUE.decode_seq_s, rel=0.25)
+    queue = Trace(requests=tuple(Request(id=f"q{i}", at_ms=float(i), prompt_tokens=64, max_tokens=32) for i in range(6)))
+    assert judge.candidates(queue, one.run(queue), cal) == []  # each waits its turn for the seat, by design

@@ -95,9 +95,15 @@ def fit(
             groups.setdefault(f"{slot}:{p.batch}", []).append(itl - context_token_s * ctx)
     xs = [int(k.split(":")[1]) for k in groups]
     ys = [float(np.median(v)) for v in groups.values()]
-    batch_fit = theil_sen(xs, ys)
-    overhead_s = max(0.0, batch_fit.intercept)
-    decode_seq_s = max(0.0, batch_fit.slope)
+    if assumption.max_num_seqs == 1 and ys:
+        # One seat (llama-server -np 1): one sequence decodes at a time, so a step is the overhead and one
+        # sequence together and the two cannot be told apart; the batch line needs two sizes (it refused to fit).
+        overhead_s, decode_seq_s = max(0.0, float(np.median(ys))), 0.0
+        batch_fit = Fit(overhead_s, 0.0, 0.0, 0.0, len(ys))
+    else:
+        batch_fit = theil_sen(xs, ys)
+        overhead_s = max(0.0, batch_fit.intercept)
+        decode_seq_s = max(0.0, batch_fit.slope)
     # Long sequences decoding together: what their steps take beyond the short batch's line is their context's.
     context_token_s = max(context_token_s, batch_context_cost(long_batches, overhead_s, decode_seq_s))
 
