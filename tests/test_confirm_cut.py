@@ -13,6 +13,7 @@ from fuzzer.execution import Outcome
 from fuzzer.oracle import judge
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.confirm import confirm
+from fuzzer.oracle.kinds import Metric
 from fuzzer.search.confirming import candidate_from_dict, candidate_to_dict
 from fuzzer.search.cuts import CONFIRM_CUT_FACTOR, CONFIRM_CUT_SLACK_S, LEAKY_CUTS, ConfirmationTarget, confirmation_cut_s
 from fuzzer.sim import VirtualTarget
@@ -57,7 +58,8 @@ def _setup(pathology: str = "hol-prefix-burst"):
 def test_a_latency_candidate_knows_when_its_request_ended():
     _, _, trace, first, candidate = _setup()
     request = next(r for r in first.requests if r.request_id == candidate.request_id)
-    assert candidate.until_s == request.sent_s + request.e2e_s
+    # a TTFT's re-runs need only reach its first token; another latency's, its end
+    assert candidate.until_s == request.sent_s + (request.ttft_s if candidate.metric is Metric.TTFT else request.e2e_s)
     assert confirmation_cut_s(candidate) == CONFIRM_CUT_FACTOR * candidate.until_s + CONFIRM_CUT_SLACK_S
     assert confirmation_cut_s(candidate) < first.duration_s / 2  # the trace runs on long after it
     # a checkpoint keeps it (a pending candidate is re-run with the same cut)
@@ -246,3 +248,27 @@ async def test_a_campaigns_option_test_runs_are_cut_after_the_batch():
     carrier = [q for run in tests for q in run.requests if q.request_id == "X"]
     assert len(carrier) == 6 and all(q.outcome is Outcome.CUT for q in carrier)
     assert all(run.duration_s < store.get_execution(rows[0]["id"]).duration_s / 2 for run in tests)
+
+
+def test_a_ttft_victims_reruns_close_after_its_first_token_not_its_long_output():
+    # heldout5 with every bug on: a TTFT victim's first token came at 21 s, and its three re-runs ran to its
+    # end and the trace's, 39-51 s each.
+    target = VirtualTarget(pathologies=("hol-prefix-burst",), seed=3)
+    cal = asyncio.run(calibrate(target, rng=random.Random(0), max_model_len=target.config.max_model_len))
+    burst = TRIGGERS["hol-prefix-burst"].trace
+    probe = next(c for c in judge.candidates(burst, asyncio.run(target.execute(burst)), cal) if c.metric is Metric.TTFT)
+    trace = burst.with_requests([dataclasses.replace(r, max_tokens=1500) if r.id == probe.request_id else r
+                                 for r in burst.requests])
+    first = asyncio.run(target.execute(trace))
+    candidate = next(c for c in judge.candidates(trace, first, cal) if c.request_id == probe.request_id)
+    victim = next(r for r in first.requests if r.request_id == candidate.request_id)
+    assert candidate.metric is Metric.TTFT and candidate.until_s == victim.sent_s + victim.ttft_s
+    assert confirmation_cut_s(candidate) < (victim.sent_s + victim.e2e_s) / 2  # its output runs on for long
+    cut, whole = _Recording(target), _Recording(VirtualTarget(pathologies=("hol-prefix-burst",), seed=3))
+    asyncio.run(whole.execute(trace))
+    whole.results.clear()
+    v_cut = asyncio.run(confirm(cut, trace, candidate, cal, rng=np.random.default_rng(0),
+                                cut_s=confirmation_cut_s(candidate)))
+    v_whole = asyncio.run(confirm(whole, trace, candidate, cal, rng=np.random.default_rng(0)))
+    assert v_cut.is_finding and (v_cut.kind, v_cut.metric) == (v_whole.kind, v_whole.metric) == (probe.kind, Metric.TTFT)
+    assert sum(r.duration_s for r in cut.results) < sum(r.duration_s for r in whole.results) / 2

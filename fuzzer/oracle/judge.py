@@ -259,7 +259,8 @@ class Candidate:
     #: Whether the execution it was seen in came right after an idle period.
     after_idle: bool = False
     detail: str = ""
-    #: A latency's request ended this long after its execution started (None: unknown, or not a latency).
+    #: A latency's request ended this long after its execution started; a TTFT's got its first token then
+    #: (what its re-runs must show: fuzzer.search.cuts). None: unknown, or not a latency.
     until_s: float | None = None
     #: An itl-stall seen only in the choices after the first of an n > 1 stream: choice 0's own gaps were
     #: within the factor over the bound (the fan-out's code, whatever the batch: its own family).
@@ -280,6 +281,7 @@ def candidates(
         out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"))
     latency = []
     ended = {r.request_id: r.sent_s + r.e2e_s for r in result.requests if r.outcome is Outcome.OK and r.e2e_s is not None}
+    first = {r.request_id: r.sent_s + r.ttft_s for r in result.requests if r.outcome is Outcome.OK and r.ttft_s is not None}
     by_id = {r.request_id: r for r in result.requests}
     for rep in observe(trace, result, calibration, policy):
         if rep.failure is not None and not (down and rep.outcome is Outcome.CONNECTION_ERROR):
@@ -288,7 +290,8 @@ def candidates(
         if slow:
             o = max(slow, key=lambda o: o.ratio)
             latency.append(Candidate(METRIC_KIND[o.metric], rep.request_id, o.metric, o.ratio, cold,
-                                     until_s=ended.get(rep.request_id), held_choice=later_choice_stall(by_id[rep.request_id], o)))
+                                     until_s=(first if o.metric is Metric.TTFT else ended).get(rep.request_id),
+                                     held_choice=later_choice_stall(by_id[rep.request_id], o)))
     latency.sort(key=lambda c: -(c.ratio or 0.0))
     return out + latency
 

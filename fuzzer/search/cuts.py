@@ -5,6 +5,9 @@ times (plus CONFIRM_CUT_SLACK_S) after the time its request ended in the executi
 it: requests still running after it cannot have delayed it, and its bound plans them as the trace
 asks. On a slow server a candidate's request often ends long before the trace's longest streams
 (heldout4 with every bug on: an e2e victim done at 25 s of a 65 s trace, re-run three times). A
+TTFT candidate's re-runs close after its first token came, the same way: what it waited for was
+served by then, and its own output shows nothing more of it (heldout5 with every bug on: a TTFT
+victim's first token came at 21 s, and its re-runs ran to its end and the trace's, 39-51 s). A
 server that does not free what the client closed (the executor finds it not idle after a cut run)
 keeps computing it; the confirmation target then stops cutting that trace, and every trace once
 LEAKY_CUTS of them did (:class:`Cuts`).
