@@ -302,7 +302,8 @@ _LLAMACPP = Adapter(
     # llama-server (tools/server/README.md): n_batch 2048 tokens per llama_decode (decoding
     # slots first, then prompt chunks slot by slot), n_ubatch 512, continuous batching on,
     # --parallel -1 = auto = 4 slots (a request beyond them is deferred until one frees),
-    # cache_prompt true (per-slot longest-common-prefix reuse, any length: page size 1).
+    # cache_prompt true (per-slot longest-common-prefix reuse, any length: page size 1; a slot keeps only
+    # its last prompt, and without --cache-ram a request in between may take it: slot_cache).
     # /props reports the real slot count (total_slots), which overrides max_num_seqs.
     scheduler_defaults={
         "n_batch": 2048,
@@ -311,6 +312,7 @@ _LLAMACPP = Adapter(
         "page_size": 1,
         "continuous_batching": True,
         "prefix_caching": True,
+        "slot_cache": True,
     },
     tokenize_path="/tokenize",
     tokenize_body=_llamacpp_tokenize_body,

@@ -157,6 +157,11 @@ class SchedulerAssumption:
     #: ``cache_config_info`` num_gpu_blocks); None when unknown: the bound assumes the KV
     #: cache never runs out, and the oracle allows for preemptions (fuzzer.oracle.judge).
     kv_blocks: int | None = None
+    #: A prefix is cached in the slot that computed it (llama-server keeps a slot's last prompt): any request
+    #: outside its group admitted since may have taken that slot, and the paper schedule gives no hit after one
+    #: (fuzzer.oracle.paper._admit; a single slot re-used by a short request between two turns of a
+    #: conversation: the next turn recomputed its history, by design).
+    slot_cache: bool = False
     #: The engine admits waiting requests in arrival order (its documented policy is FCFS),
     #: so the order check holds it to that (fuzzer.oracle.order). False for engines whose
     #: order depends on slots or batching (llama.cpp, TGI) or on another policy.
@@ -254,6 +259,7 @@ class SchedulerAssumption:
             "prefix_caching": self.prefix_caching,
             "source": self.source,
             "kv_blocks": self.kv_blocks,
+            "slot_cache": self.slot_cache,
             "arrival_order": self.arrival_order,
             "frontend_fifo": self.frontend_fifo,
             "long_prefill_threshold": self.long_prefill_threshold,
@@ -324,6 +330,6 @@ def assumption_for(
     arrival_order = defaults.get("scheduling_policy") == "fcfs"
     preempted_first = arrival_order and bool(defaults.get("preempted_first"))
     return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order, frontend_fifo=True,
-                               preempted_first=preempted_first,
+                               preempted_first=preempted_first, slot_cache=bool(defaults.get("slot_cache")),
                                aborts_on_disconnect=bool(defaults.get("aborts_on_disconnect")),
                                admission_stops=arrival_order and bool(defaults.get("admission_stops")))

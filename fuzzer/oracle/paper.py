@@ -5,9 +5,9 @@ model and a scheduler assumption. Every step has a token budget; running decodes
 first (one token per sequence), then prefill chunks in first-come-first-served order,
 first the partially prefilled running requests, then waiting ones, up to
 ``max_num_seqs``. A prefix shared with an earlier request of the same trace and API is a
-cache hit once that request has computed the prefix's full KV blocks (a chat template's
-tokens come first in a chat request's prompt). Stretches of pure
-decoding are computed many steps at once, float for float the same as one by one.
+cache hit once that request has computed the prefix's full KV blocks (a chat template's tokens come first
+in a chat request's prompt; a slot's cache: until another request is admitted, ``slot_cache``).
+Stretches of pure decoding are computed many steps at once, float for float the same as one by one.
 
 A request asking for more choices (``n``) than ``max_num_seqs`` sequences is served in
 waves, as an engine that fans the choices out into sequences does: the first
@@ -26,9 +26,8 @@ the front of the waiting queue and, re-admitted, recomputes its prompt and the t
 it had generated before its next token. A prefix group's resident blocks are counted once,
 and a member admitted while they are resident needs free blocks only for the rest of its
 chunk (:mod:`fuzzer.oracle.kvblocks`): an engine that refuses it for want of blocks it would
-share delays it beyond the bound. By-design preemption delays are inside the bound. Without
-a capacity the KV cache never runs out.
-"""
+share delays it beyond the bound. By-design preemption delays are inside the bound. Without a capacity
+the KV cache never runs out."""
 
 from __future__ import annotations
 
@@ -574,11 +573,13 @@ def _abort(t: float, pending: deque[Job], waiting: deque[Job], running: list[Job
             kv.release(j)
 
 
-def _admit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None,
+def _admit(job: Job, t: float, ready: dict[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None,
            progress: Mapping[str, int] | None = None) -> None:
     job.admitted = True
     job.cached = _hit(job, t, ready, a, kv, progress)
     job.computed = job.cached
+    for group in [g for g in ready if g != job.group] if a.slot_cache else ():
+        del ready[group]  # the slot that kept another group's prefix may be the one this request took
 
 
 def _hit(job: Job, t: float, ready: Mapping[str, float], a: SchedulerAssumption, kv: KVBlocks | None = None,
