@@ -124,3 +124,45 @@ def test_the_coordinator_backs_off_a_found_family_and_strips_a_found_leaks_disco
                  [Coverage(frozenset({"q"}))])
     children = [coordinator._next_task(t).trace for _ in range(8)]
     assert all(r.logprobs is None for c in children for r in c.requests)
+
+
+def test_the_coordinator_keeps_a_held_back_choices_family_whatever_the_batch(store):
+    """A fleet's held-choice finding is one family as a campaign's (fuzzer.oracle.judge.later_choice_stall)."""
+    from types import SimpleNamespace
+
+    from fuzzer.execution import ExecutionResult
+    from fuzzer.fleet.coordinator import Coordinator
+    from fuzzer.fleet.state import UP
+    from fuzzer.oracle.kinds import FindingKind
+    from fuzzer.oracle.signature import family
+    from fuzzer.oracle.verdict import Decision, Verdict
+    from fuzzer.search.mutators import NullMutator
+    from fuzzer.search.settings import Settings
+
+    coordinator = Coordinator(None, [FleetTarget("a", url="http://127.0.0.1:1", kind="k")], store, Settings())
+    coordinator._open()
+    coordinator.mutator = NullMutator(Limits())
+    t = coordinator.targets["a"]
+    t.status, t.info = UP, {"limits": Limits().to_dict()}
+    kind = FindingKind.ITL_STALL
+    plain = Trace(requests=(Request(id="o", at_ms=0, prompt_tokens=64, max_tokens=8),
+                            Request(id="v", at_ms=5, prompt_tokens=128, max_tokens=64, n=2)))
+    seeded = plain.with_requests([*plain.requests, Request(id="s", at_ms=9, prompt_tokens=8, max_tokens=4, seed=1)])
+    held = {"kind": str(kind), "request_id": "v", "metric": "max_itl", "ratio": 9.0, "after_idle": False,
+            "detail": "", "held_choice": True}
+    found = Verdict(kind, Decision.DIFFERENT, "test", request_id="v", reproduced=3, runs=3)
+    coordinator._confirmed(t, Task("confirm", plain, candidate=held, key="k0"),
+                           SimpleNamespace(runs=[], verdict=found.to_dict(), crash_needs=()))
+    (finding,) = store.list_findings()
+    assert finding.details["held_choice"] and finding.details["family"] == family(kind, plain, "v", held_choice=True)
+
+    def queued(candidate):
+        result = ExecutionResult(seeded.content_hash(), "http://127.0.0.1:1", 0.0, 1.0, ())
+        coordinator._executed(t, Task("fuzz", seeded, operators=("x",)),
+                              SimpleNamespace(result=result, coverage=Coverage(frozenset({"c"})), candidates=[candidate]))
+        out = len(t.confirm)
+        t.confirm.clear()
+        return out
+
+    # A seeded batch is another family for a stall of choice 0, the same one for a held-back choice.
+    assert queued(held) == 0 and queued({**held, "held_choice": False}) == 1
