@@ -38,13 +38,6 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   step's token budget admits a couple a step, and the burst's first tokens staircase (vLLM PR #7753's
   review: the budget counted tokens that were prefix-cached; TensorRT-LLM PR #19366: chunks sized by
   the raw prompt, not the uncached suffix).
-- ``next_turn``: a conversation's next turn: a request computes a long history (a shared prefix of
-  2048-4096 tokens) with a short answer; once it is done, a short unrelated request or two, then
-  the next turn re-sends the history with a short message of its own. A prefix cache that keeps
-  what finished requests freed answers it from the cache; a free-block queue that hands out the
-  most recently freed block first (or evicts the wrong end) loses the history to the first
-  allocation in between, and the turn pays its whole prefill again (vLLM #3918, #22808: re-sent
-  prompts missing the cache).
 - ``sampling_batch``: many decoding streams and one request with a sampling seed, or logprobs (and
   n > 1 where the server takes it), among them; an engine whose seeded generator path, or whose
   logprobs computation, is taken for every row of the batch (vLLM #37343's class: one request's
@@ -362,33 +355,6 @@ def cached_prefix_burst(trace: Trace, rng: random.Random, limits) -> Trace | Non
     return current.with_requests(current.requests)
 
 
-#: How long after a turn is sent its conversation's next turn comes, in ms: after the turn's prefill and
-#: short answer on most servers (one still running shares its blocks instead, by design too).
-TURN_AFTER_MS = (800.0, 1500.0, 3000.0)
-
-
-def next_turn(trace: Trace, rng: random.Random, limits) -> Trace | None:
-    """A turn computes a long history and answers briefly; one or two short unrelated requests; the next
-    turn re-sends the history with a short message of its own."""
-    between = rng.randint(1, 2)
-    history = min(rng.choice([2048, 3072, 4096]), limits.max_model_len // 2) // limits.block_size * limits.block_size
-    if _room(trace, limits) < between + 2 or history < 4 * limits.block_size:
-        return None
-    name = fresh_name(set(trace.prefixes), "turn")
-    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
-    after = rng.choice(TURN_AFTER_MS)
-    current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: history}, name=trace.name)
-    first = Request(id=fresh_id(current, name), at_ms=at, prompt_tokens=history + 64, max_tokens=16, prefix=name)
-    current = replace(current, requests=(*current.requests, first))
-    for i in range(between):  # any allocation in between is what a wrong-end free queue hands the history to
-        other = Request(id=fresh_id(current, f"chat{i}"), at_ms=at + after * (i + 1) / (between + 1),
-                        prompt_tokens=rng.choice([64, 96, 128]), max_tokens=16)
-        current = replace(current, requests=(*current.requests, other))
-    again = Request(id=fresh_id(current, f"{name}_next"), at_ms=at + after,
-                    prompt_tokens=history + 64 + rng.choice([16, 32, 64]), max_tokens=16, prefix=name)
-    return current.with_requests([*current.requests, again])
-
-
 def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """Eight to thirty-two short streams decoding together, and one request among them with a sampling
     seed, or logprobs and several choices (one row's sampling work that an engine may make the whole
@@ -416,4 +382,4 @@ def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
 
 SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
                    client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, sampling_batch,
-                   cached_prefix_burst, next_turn)
+                   cached_prefix_burst)
