@@ -67,18 +67,10 @@ def test_mutants_fit_every_target_of_the_fleet_and_the_campaigns_own_limits():
     assert (got.max_requests, got.max_output_tokens) == (10, 128)
 
 
-def test_the_coordinator_backs_off_a_found_family_and_strips_a_found_leaks_disconnects(store):
-    """The fleet confirms as a campaign does (fuzzer.search.confirming): a new signature of a found
-    family once in FAMILY_EVERY sightings, and no child keeps a disconnect whose leak is confirmed."""
-    from types import SimpleNamespace
-
-    from fuzzer.execution import ExecutionResult
+def _one_target_coordinator(store):
+    """A coordinator of one target, up, that mutates nothing: (coordinator, its target's state)."""
     from fuzzer.fleet.coordinator import Coordinator
     from fuzzer.fleet.state import UP
-    from fuzzer.oracle.kinds import FindingKind
-    from fuzzer.oracle.signature import family, leak_signature
-    from fuzzer.oracle.verdict import Decision, Verdict
-    from fuzzer.search.confirming import FAMILY_EVERY
     from fuzzer.search.mutators import NullMutator
     from fuzzer.search.settings import Settings
 
@@ -87,6 +79,21 @@ def test_the_coordinator_backs_off_a_found_family_and_strips_a_found_leaks_disco
     coordinator.mutator = NullMutator(Limits())
     t = coordinator.targets["a"]
     t.status, t.info = UP, {"limits": Limits().to_dict()}
+    return coordinator, t
+
+
+def test_the_coordinator_backs_off_a_found_family_and_strips_a_found_leaks_disconnects(store):
+    """The fleet confirms as a campaign does (fuzzer.search.confirming): a new signature of a found
+    family once in FAMILY_EVERY sightings, and no child keeps a disconnect whose leak is confirmed."""
+    from types import SimpleNamespace
+
+    from fuzzer.execution import ExecutionResult
+    from fuzzer.oracle.kinds import FindingKind
+    from fuzzer.oracle.signature import family, leak_signature
+    from fuzzer.oracle.verdict import Decision, Verdict
+    from fuzzer.search.confirming import FAMILY_EVERY
+
+    coordinator, t = _one_target_coordinator(store)
     kind = FindingKind.TTFT_OUTLIER
     # Traces in which a request v follows k others of growing prompts: new signatures, one family.
     traces = [Trace(requests=(*(Request(id=f"o{i}", at_ms=i, prompt_tokens=16 << k, max_tokens=8) for i in range(k)),
@@ -131,19 +138,11 @@ def test_the_coordinator_keeps_a_held_back_choices_family_whatever_the_batch(sto
     from types import SimpleNamespace
 
     from fuzzer.execution import ExecutionResult
-    from fuzzer.fleet.coordinator import Coordinator
-    from fuzzer.fleet.state import UP
     from fuzzer.oracle.kinds import FindingKind
     from fuzzer.oracle.signature import family
     from fuzzer.oracle.verdict import Decision, Verdict
-    from fuzzer.search.mutators import NullMutator
-    from fuzzer.search.settings import Settings
 
-    coordinator = Coordinator(None, [FleetTarget("a", url="http://127.0.0.1:1", kind="k")], store, Settings())
-    coordinator._open()
-    coordinator.mutator = NullMutator(Limits())
-    t = coordinator.targets["a"]
-    t.status, t.info = UP, {"limits": Limits().to_dict()}
+    coordinator, t = _one_target_coordinator(store)
     kind = FindingKind.ITL_STALL
     plain = Trace(requests=(Request(id="o", at_ms=0, prompt_tokens=64, max_tokens=8),
                             Request(id="v", at_ms=5, prompt_tokens=128, max_tokens=64, n=2)))

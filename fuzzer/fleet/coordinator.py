@@ -446,7 +446,7 @@ class Coordinator:
         sig = self._scoped(t, verdict.signature) if verdict.signature else task.key
         details = {"request_id": verdict.request_id, "pre_signature": task.key, "target": t.name,
                    "targets": {t.name: verdict.reproduction}}
-        held = bool((task.candidate or {}).get("held_choice")) and str(verdict.kind) == (task.candidate or {}).get("kind")
+        held = bool((asked := task.candidate or {}).get("held_choice")) and str(verdict.kind) == asked.get("kind")
         if held:
             details["held_choice"] = True
         if verdict.kind is not None and verdict.request_id is not None:

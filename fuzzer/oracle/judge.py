@@ -280,8 +280,6 @@ def candidates(
     if shows_failure(FindingKind.LEAK, result):
         out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"))
     latency = []
-    ended = {r.request_id: r.sent_s + r.e2e_s for r in result.requests if r.outcome is Outcome.OK and r.e2e_s is not None}
-    first = {r.request_id: r.sent_s + r.ttft_s for r in result.requests if r.outcome is Outcome.OK and r.ttft_s is not None}
     by_id = {r.request_id: r for r in result.requests}
     for rep in observe(trace, result, calibration, policy):
         if rep.failure is not None and not (down and rep.outcome is Outcome.CONNECTION_ERROR):
@@ -289,9 +287,11 @@ def candidates(
         slow = [o for o in rep.observations.values() if o.flagged]
         if slow:
             o = max(slow, key=lambda o: o.ratio)
+            r = by_id[rep.request_id]
+            mark = r.ttft_s if o.metric is Metric.TTFT else r.e2e_s
             latency.append(Candidate(METRIC_KIND[o.metric], rep.request_id, o.metric, o.ratio, cold,
-                                     until_s=(first if o.metric is Metric.TTFT else ended).get(rep.request_id),
-                                     held_choice=later_choice_stall(by_id[rep.request_id], o)))
+                                     until_s=r.sent_s + mark if r.outcome is Outcome.OK and mark is not None else None,
+                                     held_choice=later_choice_stall(r, o)))
     latency.sort(key=lambda c: -(c.ratio or 0.0))
     return out + latency
 
