@@ -10,7 +10,7 @@ from typing import Mapping
 
 from rich.table import Table
 
-from fuzzer.cli import EXIT_FINDING, EXIT_OK
+from fuzzer.cli import EXIT_ERROR, EXIT_FINDING, EXIT_OK
 from fuzzer.cli._calibration import calibration_for
 from fuzzer.cli._console import err, out
 from fuzzer.cli._target import open_target
@@ -70,4 +70,6 @@ def replay_variants(
                 out.print(f"configuration {o.configuration.name} did not run: {o.error}")
             elif o.note is not None:
                 out.print(f"configuration {o.configuration.name}: {o.note}")
+    if all(o.error is not None for o in outcomes):
+        return EXIT_ERROR  # nothing ran: not a clean bill
     return EXIT_FINDING if any(o.findings for o in outcomes) else EXIT_OK
