@@ -179,7 +179,9 @@ def test_a_corpus_trace_replays_end_to_end(vllm_server, calibrated):
             request = trace.request(r["id"])
             assert r["outcome"] == "ok" and r["prompt_tokens"] == request.prompt_tokens, r
             # A first token is measured on a stream only; a non-streamed answer has its end.
-            assert (r["ttft_s"] > 0) if request.stream else (r["ttft_s"] is None and r["e2e_s"] > 0), r
+            first = r["ttft_s"]
+            assert (first is not None and first > 0) if request.stream else (first is None and r["e2e_s"] > 0), (
+                r, _timeline(out))
 
 
 @pytest.mark.slow
