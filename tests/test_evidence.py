@@ -284,6 +284,34 @@ def test_on_one_thread_a_step_that_ends_during_a_later_bursts_tokenization_sends
                  shared_frontend=True)["S"].ttft_s == step_end
 
 
+def test_an_engine_of_its_own_steps_while_the_frontend_tokenizes_and_only_the_sends_wait():
+    """heldout3, clean: a1 (300 tokens) and q0 (512) sent together, a 26k-token prompt 49 ms later. The server
+    computed a1 alone, then q0 in a step of its own that ended after the long prompt came, and sent q0's first
+    token when the frontend had tokenized it (76-128 ms; alone 56 ms). The shared-thread schedule, whose steps
+    wait for the frontend, computes both in one step that ends before the long prompt comes (bound 62 ms;
+    a confirmed false ttft-outlier behind a burst of such prompts)."""
+    pair = [{"id": "A", "at_ms": 0, "prompt_tokens": 300, "max_tokens": 1},
+            {"id": "Q", "at_ms": 0, "prompt_tokens": 512, "max_tokens": 8}]
+    a = SchedulerAssumption()
+    model = replace(MODEL, prefill_step_s=0.02)  # a prefill step's own cost, as heldout3's (20 ms)
+
+    def run(trace, **flags):
+        return serve(trace.requests, trace.prefixes, {}, model, a, True, window=0.0, fifo_frontend=True,
+                     shared_frontend=True, **flags)
+
+    quiet = from_dict({"prefixes": {}, "requests": pair})
+    together, apart = run(quiet)["Q"].ttft_s, run(quiet, sends_only=True)["Q"].ttft_s
+    assert run(quiet, sends_only=True)["A"].ttft_s < together < apart  # A's step did not wait for Q's tokenization
+    arrive = (together + FRONTEND_SLACK_S + apart) / 2
+    assert together + FRONTEND_SLACK_S < arrive < apart
+    burst = from_dict({"prefixes": {}, "requests": [
+        *pair, {"id": "L", "at_ms": 1000 * arrive, "prompt_tokens": 26405, "max_tokens": 8}]})
+    tokenized = arrive + 26405 * model.frontend_token_s
+    assert run(burst)["Q"].ttft_s == together  # the steps that wait for the frontend end before L comes
+    assert run(burst, sends_only=True)["Q"].ttft_s >= tokenized - 1e-9  # Q's step ends while L is tokenized
+    assert expect(burst, model, SchedulerAssumption(frontend_fifo=True))["Q"].ttft_s >= tokenized - 1e-9
+
+
 def test_a_frontend_cost_read_low_still_bounds_a_first_token_sent_behind_a_burst_on_one_thread():
     """heldout12, clean: its first request (128 tokens) was sent 8 ms before 28 prompts of 3-4k tokens; its one
     thread parsed and tokenized them before sending its first token (88 ms). Calibration had read 0.16 us a

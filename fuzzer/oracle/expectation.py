@@ -203,6 +203,8 @@ def _expect(
                                       fifo_frontend=True))
                 variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                       fifo_frontend=True, shared_frontend=True))
+                variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
+                                      fifo_frontend=True, shared_frontend=True, sends_only=True))
         if model.has_frontend and assumption.frontend_fifo:
             variants.append(serve(requests, prefixes, sent, model.with_frontend_uncertainty(), assumption, True,
                                   window=0.0, kv_blocks=cap, fifo_frontend=True, shared_frontend=True))

@@ -108,17 +108,11 @@ def serve(
     lookahead: bool,
     window: float = 1.0,
     kv_blocks: int | None = None,
-    fifo_frontend: bool = False,
-    shared_frontend: bool = False,
-    one_long: bool = False,
-    fanout: bool = False,
-    partial_hits: bool = False,
-    whole: bool = False,
-    cap_alone: bool = False,
+    **flags: bool,
 ) -> dict[str, PaperRequest]:
     """Serve ``requests`` (arriving at their ``sent`` times, else their trace times); by id.
 
-    ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited); the others: :func:`schedule`.
+    ``kv_blocks``: the KV capacity in blocks of ``assumption.block_size`` (None: unlimited); ``flags``: :func:`schedule`'s.
     """
     jobs = [
         Job(
@@ -137,9 +131,7 @@ def serve(
         )
         for r in requests
     ]
-    done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks,
-                    fifo_frontend=fifo_frontend, shared_frontend=shared_frontend, one_long=one_long, fanout=fanout,
-                    partial_hits=partial_hits, whole=whole, cap_alone=cap_alone)
+    done = schedule(jobs, model, assumption, lookahead=lookahead, window=window, kv_blocks=kv_blocks, **flags)
     return {j.id: j.paper(model) for j in done}
 
 
@@ -220,6 +212,7 @@ def schedule(
     kv_blocks: int | None = None,
     fifo_frontend: bool = False,
     shared_frontend: bool = False,
+    sends_only: bool = False,
     one_long: bool = False,
     fanout: bool = False,
     partial_hits: bool = False,
@@ -255,6 +248,10 @@ def schedule(
     is a little off the engine's).
     Pure decoding is held up as much (a clean held-out server's three streams went 52 ms without a
     token while its thread tokenized a burst of 2k-token prompts).
+    ``sends_only`` (with ``shared_frontend``): the engine steps on its own (its process, or a device's time),
+    and the frontend's thread holds only the sends (vLLM v1's API server streams what its engine core
+    computed): heldout3, clean, served a short prompt sent with another in a step of its own and sent its
+    first token 76-128 ms late, held while a 26k-token prompt that came during that step was tokenized.
 
     With a long-prefill threshold (``a.long_prefill_threshold`` > 0), a request computes at most
     that many prompt tokens in a step while others are running or waiting (vLLM v1's
@@ -322,7 +319,7 @@ def schedule(
                 break
         while busy and busy[0][1] <= t:
             busy.popleft()
-        if busy and busy[0][0] <= t:
+        if busy and busy[0][0] <= t and not sends_only:
             end = busy.popleft()[1]  # the frontend holds the thread until it has handled every request it has
             held, t = held + end - t, end
         horizon = t
@@ -356,7 +353,8 @@ def schedule(
         ):
             # Nothing to prefill and nobody admissible: only decode steps until something changes (a client's
             # abort, or the shared frontend taking the thread: its decodes wait too).
-            stops = [x for x in (aborts[0] if aborts else None, busy[0][0] if busy else None) if x is not None]
+            stops = [x for x in (aborts[0] if aborts else None, busy[0][0] if busy and not sends_only else None)
+                     if x is not None]
             t, last_dt, done = _decode_run(
                 t, last_dt, decoding, decode_seqs, context, waiting, running, pending, model,
                 lookahead=lookahead, max_steps=MAX_MODEL_STEPS - steps, kv=kv, stop_at=min(stops, default=None),
