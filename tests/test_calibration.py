@@ -596,3 +596,16 @@ async def test_a_server_of_one_seat_is_calibrated_with_its_step_as_the_overhead(
     assert cal.model.overhead_s == pytest.approx(TRUE.overhead_s + TRUE.decode_seq_s, rel=0.25)
     queue = Trace(requests=tuple(Request(id=f"q{i}", at_ms=float(i), prompt_tokens=64, max_tokens=32) for i in range(6)))
     assert judge.candidates(queue, one.run(queue), cal) == []  # each waits its turn for the seat, by design
+
+
+def test_a_small_pilot_probe_slower_than_the_large_one_does_not_pace_every_probe_of_its_kind():
+    """A probe's cost grows with its size: the small one's outlier (a cold first request) is capped at the large one's."""
+    from fuzzer.oracle.probes import MIN_SPACING_S, SPACING_FACTOR, Pace
+
+    outlier = Pace((16, 1.2), (8190, 0.12))
+    assert outlier.spacing_s(16) == pytest.approx(SPACING_FACTOR * 0.12)
+    assert outlier.spacing_s(8190) == pytest.approx(SPACING_FACTOR * 0.12)
+    usual = Pace((16, 0.01), (8190, 0.2))
+    assert usual.spacing_s(16) == pytest.approx(max(MIN_SPACING_S, SPACING_FACTOR * 0.01))
+    assert usual.spacing_s(4103) == pytest.approx(SPACING_FACTOR * (0.01 + 0.19 * 4087 / 8174))
+    assert Pace((16, 0.3), (8190, 0.0)).spacing_s(16) == pytest.approx(SPACING_FACTOR * 0.3)  # the large one unmeasured

@@ -100,6 +100,39 @@ async def test_interrupt_stops_after_the_current_execution(seed_trace):
     assert latest["status"] == "stopped" and latest["state"]["rng"]
 
 
+class _Unanswered:
+    """A server that accepts every request and never answers: a calibration against it never ends."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.name = inner.name
+        self.executions = 0
+
+    async def execute(self, trace, *, cut_s=None):
+        self.executions += 1
+        await asyncio.Event().wait()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+async def test_a_stop_during_the_calibration_ends_the_campaign_at_once_and_stores_no_calibration(seed_trace):
+    """A calibration is minutes of probes (over 290 s on a GPU llama-server): Ctrl-C does not wait for it."""
+    store = Store.memory()
+    target = _Unanswered(VirtualTarget(seed=1))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.2, stop.set)
+    campaign = Campaign(target, store, Settings(seed=1, max_execs=5), seeds=[seed_trace], target_key="sim:test",
+                        stop=stop)
+    # (A campaign cancelled from outside also returns as interrupted: the time tells the stop's doing from that.)
+    summary = await asyncio.wait_for(campaign.run(), timeout=20)
+    assert target.executions >= 1  # the calibration had begun
+    assert summary.reason is ExitReason.INTERRUPTED and summary.stats.executions == 0
+    assert 0.1 < summary.stats.time_s["calibrate"] < 10
+    assert store.latest_calibration("sim:test") is None
+    assert store.latest_campaign()["status"] == "stopped"
+
+
 @pytest.mark.parametrize("mutator", ["guided", "null"])
 async def test_every_child_is_recorded_with_its_purpose(seed_trace, mutator):
     store = Store.memory()

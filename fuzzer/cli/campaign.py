@@ -334,6 +334,8 @@ def _print_summary(summary: Summary, db_path: str) -> None:
     why = {ExitReason.DURATION: "duration reached", ExitReason.MAX_EXECS: "--max-execs reached",
            ExitReason.INTERRUPTED: "interrupted; everything is saved",
            ExitReason.SERVER_DOWN: "the server stopped answering; everything is saved"}[summary.reason]
+    if summary.reason is ExitReason.INTERRUPTED and not s.executions and s.time_s.get("calibrate"):
+        why = "interrupted while calibrating; no calibration was stored (the same command measures it again)"
     verb = "resumed" if summary.resumed else "ran"
     out.print(f"campaign {summary.campaign_id} {verb} {s.elapsed_s:.0f}s: {why}")
     out.print(f"  executions {s.executions} ({s.execs_per_min:.1f}/min), corpus {s.corpus}, features {s.features}, "

@@ -57,12 +57,14 @@ from fuzzer.search.pacing import (
     ColdProbes,
     ScheduleEnds,
     ServerTime,
+    Stopped,
     TimeSpent,
     closing,
     cheap_s,
     earliest_cut_s,
     execution_budget_s,
     execution_cut_s,
+    unless_stopped,
 )
 from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, stop_reason
 from fuzzer.store import Store
@@ -214,7 +216,7 @@ class Campaign:
                     await self._ensure_calibration()
         except asyncio.CancelledError:
             reason = ExitReason.INTERRUPTED
-        except (_Stopped, OutOfTime):
+        except (Stopped, OutOfTime):
             reason = self._should_stop()
         finally:
             self._phase = Phase.DONE
@@ -252,12 +254,12 @@ class Campaign:
             self._emit()
 
         try:
-            self.calibration = await reuse_or_calibrate(
+            self.calibration = await unless_stopped(reuse_or_calibrate(
                 self.target, current, rng=lambda: random.Random(self.rng.getrandbits(64)),
                 save=lambda fresh: self.store.save_calibration(self.calibration_key, fresh.to_dict()),
                 clock=self._wall_clock, max_age_s=self.settings.recalibrate_after_s,
                 on_measure=measuring, on_refresh_failed=self._refresh_failed,
-            )
+            ), self._stop)
         finally:
             self._phase = previous
             if measured_from:
@@ -320,7 +322,7 @@ class Campaign:
                 self._last_server_error = str(e)
                 await self._wait_for_server()
                 if (stop := self._should_stop()) is not None:  # down too long: a confirmation keeps its candidate
-                    raise (OutOfTime if stop is ExitReason.SERVER_DOWN else _Stopped) from None
+                    raise (OutOfTime if stop is ExitReason.SERVER_DOWN else Stopped) from None
 
     async def _confirmation_run(self, trace: Trace, cut_s: float | None = None) -> ExecutionResult:
         """One run of a confirmation: refused past the deadline, else stored as a campaign execution."""
@@ -579,10 +581,6 @@ class Campaign:
         self._dirty.clear()
         self._new_features = {}
         self._since_checkpoint = 0
-
-
-class _Stopped(Exception):
-    """Asked to stop while waiting for a server that is down."""
 
 
 def _work(trace: Trace) -> int:
