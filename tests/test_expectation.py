@@ -494,6 +494,8 @@ def test_a_request_whose_client_left_frees_its_seat_on_paper_where_the_engine_ab
     # Which engines abort: vLLM's and SGLang's adapters say so; llama.cpp's and a calibration stored before do not.
     assert assumption_for("vllm", adapters.adapter("vllm").scheduler_defaults).aborts_on_disconnect
     assert not assumption_for("llamacpp", adapters.adapter("llamacpp").scheduler_defaults).aborts_on_disconnect
+    # SGLang's tokenizer manager polls a waiting request's client every 4 s: no prompt abort is assumed.
+    assert not assumption_for("sglang", adapters.adapter("sglang").scheduler_defaults).aborts_on_disconnect
     stored = one_seat.to_dict()
     del stored["aborts_on_disconnect"]
     assert not SchedulerAssumption.from_dict(stored).aborts_on_disconnect

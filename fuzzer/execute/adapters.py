@@ -262,8 +262,12 @@ _SGLANG = Adapter(
         "scheduling_policy": "fcfs",
         "schedule_conservativeness": 1.0,
         "preemption": "retraction",
-        # srt/entrypoints/http_server.py: a disconnected client's request is aborted (abort_request).
-        "aborts_on_disconnect": True,
+        # Not assumed: TokenizerManager._wait_one_response notices a client gone before its request's
+        # first output only when its 4 s wait for output times out (asyncio.wait_for(..., timeout=4), then
+        # request.is_disconnected(), then abort_request), so a queued request stays queued, and may be
+        # prefilled, for up to 4 s by design. On paper such a request is served to its end; what the
+        # server keeps doing for a client gone shows only as a leak.
+        "aborts_on_disconnect": False,
     },
     tokenize_path="/tokenize",
     tokenize_body=_openai_tokenize_body,
