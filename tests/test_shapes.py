@@ -281,3 +281,48 @@ def test_the_resent_prefix_seeds_turns_are_within_their_bounds_and_a_lost_histor
         lost = PaperTarget(seed=seed, delay_s={rid: cal.model.step_s(history, 0, 0) for rid in turns})
         lost._idle_s = lost.idle_gap_s
         assert {c.request_id for c in candidates(trace, lost.run(trace), cal)} >= set(turns)
+
+
+def test_abandoned_queue_leaves_long_prompts_while_queued_and_reaches_its_pathology():
+    reached = tried = 0
+    for i, parent, child in _children(shapes.abandoned_queue, 30):
+        left = [r for r in child.requests if r.id.startswith("left")]
+        behind = next(r for r in child.requests if r.id.startswith("behind_left"))
+        assert 4 <= len(left) <= 6 and all(r.disconnect_after_ms <= 80 for r in left)
+        assert all(r.prompt_tokens >= 2 * LIMITS.token_budget for r in left)
+        assert behind.at_ms > max(r.at_ms for r in left) and behind.prompt_tokens <= 128
+        target = VirtualTarget(pathologies=("queued-abort-late",), seed=i)
+        if any(target.run(parent).ground_truth.values()):
+            continue
+        tried += 1
+        result = target.run(child)
+        reached += "queued-abort-late" in result.ground_truth.get(behind.id, ())
+        assert not any(VirtualTarget(seed=i).run(child).ground_truth.values())
+    assert tried >= 10 and reached >= 0.6 * tried, (reached, tried)
+
+
+def test_reservation_under_load_fills_the_reported_kv_then_asks_for_a_whole_output_and_needs_its_size():
+    sim = VirtualTarget()
+    blocks, size = sim.kv_cache()
+    limits = Limits(kv_tokens=blocks * size, max_model_len=sim.config.max_model_len)
+    assert shapes.reservation_under_load(generate(random.Random(0), LIMITS), random.Random(0), LIMITS) is None
+    reached = tried = 0
+    for i in range(30):
+        rng = random.Random(i)
+        parent = generate(rng, limits)
+        child = shapes.reservation_under_load(parent, rng, limits)
+        if child is None:
+            continue
+        fill = [r for r in child.requests if r.id.startswith("fill")]
+        whole = next(r for r in child.requests if r.id.startswith("whole"))
+        after = [r for r in child.requests if r.id.startswith("after_whole")]
+        assert sum(r.prompt_tokens for r in fill) >= 0.55 * limits.kv_tokens
+        assert whole.prompt_tokens + whole.max_tokens == limits.max_model_len and not whole.ignore_eos
+        assert after and min(r.at_ms for r in after) > whole.at_ms > max(r.at_ms for r in fill)
+        assert all(r.prompt_tokens + r.max_tokens <= limits.max_model_len for r in child.requests)
+        target = VirtualTarget(pathologies=("head-reserve-admission",), seed=i)
+        if any(target.run(parent).ground_truth.values()):
+            continue
+        tried += 1
+        reached += any("head-reserve-admission" in target.run(child).ground_truth.get(r.id, ()) for r in after)
+    assert tried >= 10 and reached >= 0.6 * tried, (reached, tried)

@@ -29,6 +29,8 @@ CONTRACT_NAMES = (
     "early-abort-leak",
     "resident-prefix-refusal",
     "seeded-sampling-path",
+    "queued-abort-late",
+    "head-reserve-admission",
 )
 
 
@@ -270,3 +272,32 @@ async def test_seeded_sampling_path_reads_seed_and_temperature_from_the_http_bod
     truth = {g.request_id: g.pathologies for g in sim.engine.records}
     assert truth["seeded"] == ("seeded-sampling-path",) and truth["plain"] == ("seeded-sampling-path",)
     assert truth["greedy-seeded"] == () and truth["greedy"] == ()
+
+
+def test_queued_abort_late_prefills_the_abandoned_queue_and_drops_it_at_its_first_token():
+    trace = TRIGGERS["queued-abort-late"].trace
+    off, on = _warm_run((), trace), _warm_run(("queued-abort-late",), trace)
+    assert on.request("V").ttft_s > 5 * off.request("V").ttft_s
+    assert "queued-abort-late" in on.ground_truth["V"] and not any(off.ground_truth.values())
+    # The clients saw the same: nothing before they left. No leak: the server is idle soon after.
+    for i in range(6):
+        assert on.request(f"Z{i}").outcome.value == "cancelled" and on.request(f"Z{i}").ttft_s is None
+    assert on.idle_after
+    # Control: a client that leaves a running request is aborted as without the pathology.
+    running = from_dict({"requests": [
+        {"id": "Z", "at_ms": 0, "prompt_tokens": 8000, "max_tokens": 16, "disconnect_after_ms": 100},
+        {"id": "V", "at_ms": 150, "prompt_tokens": 32, "max_tokens": 16}]})
+    assert not any(_warm_run(("queued-abort-late",), running).ground_truth.values())
+
+
+def test_head_reserve_admission_holds_the_queue_only_while_the_heads_output_does_not_fit():
+    trace = TRIGGERS["head-reserve-admission"].trace
+    off, on = _warm_run((), trace), _warm_run(("head-reserve-admission",), trace)
+    assert on.request("V").ttft_s > 10 * off.request("V").ttft_s
+    assert "head-reserve-admission" in on.ground_truth["B"] and "head-reserve-admission" in on.ground_truth["V"]
+    assert not any(off.ground_truth.values())
+    # Control: the same request on an idle server (its output fits the free cache) is admitted at once.
+    alone = from_dict({"requests": [
+        {"id": "B", "at_ms": 0, "prompt_tokens": 256, "max_tokens": 30000, "ignore_eos": False},
+        {"id": "V", "at_ms": 10, "prompt_tokens": 64, "max_tokens": 16}]})
+    assert not any(_warm_run(("head-reserve-admission",), alone).ground_truth.values())

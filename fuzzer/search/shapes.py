@@ -38,6 +38,15 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   step's token budget admits a couple a step, and the burst's first tokens staircase (vLLM PR #7753's
   review: the budget counted tokens that were prefix-cached; TensorRT-LLM PR #19366: chunks sized by
   the raw prompt, not the uncached suffix).
+- ``abandoned_queue``: four to six prompts of two or four step budgets sent together, whose clients
+  all leave within tens of ms (most while queued), then a short request. An engine that leaves an
+  aborted request in its queue computes each prompt in its turn before dropping it (SGLang PR #6855,
+  PR #6931, PR #28236), and the short request waits for all of them.
+- ``reservation_under_load``: requests whose prompts fill most of the reported KV cache and decode,
+  then one asking for nearly the model's length of output (a chat request without max_tokens asks
+  for that), then short requests. An admission check that wants the head's whole output free now
+  (SGLang PR #25126) holds it and everyone behind it until the running requests finish, although
+  their prompts fit.
 - ``sampling_batch``: many decoding streams and one request with a sampling seed, or logprobs (and
   n > 1 where the server takes it), among them; an engine whose seeded generator path, or whose
   logprobs computation, is taken for every row of the batch (vLLM #37343's class: one request's
@@ -380,6 +389,58 @@ def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
     return current.with_requests([*current.requests, carrier])
 
 
+def abandoned_queue(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Four to six long prompts sent together whose clients leave within tens of ms, then a short request."""
+    count = rng.randint(4, 6)
+    if _room(trace, limits) < count + 1:
+        return None
+    prompt = min(limits.token_budget * rng.choice((2, 4)), limits.max_model_len // 2)
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    current = trace
+    for i in range(count):
+        req = Request(id=fresh_id(current, f"left{i}"), at_ms=at + i, prompt_tokens=prompt, max_tokens=rng.choice((16, 64)),
+                      stream=rng.random() < 0.5, disconnect_after_ms=float(rng.choice(TIMEOUT_MS[:3])))
+        current = current.with_requests([*current.requests, req])
+    behind = Request(id=fresh_id(current, "behind_left"), at_ms=at + count + rng.choice((20.0, 50.0, 150.0)),
+                     prompt_tokens=rng.choice((32, 128)), max_tokens=16)
+    return current.with_requests([*current.requests, behind])
+
+
+#: The share of the KV cache the running requests of ``reservation_under_load`` fill, at least.
+RESERVE_FILL = (0.6, 0.75, 0.9)
+
+
+def reservation_under_load(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Requests whose prompts fill most of the reported KV cache and decode, then a request asking for
+    nearly the model's length of output, then one or two short requests right behind it."""
+    kv = getattr(limits, "kv_tokens", None)
+    if not kv or _room(trace, limits) < 4:
+        return None
+    out = rng.choice((256, 512))
+    per_most = limits.max_model_len - out - 1
+    # Free KV short of a whole model length: the head's output cannot fit while they run.
+    fill = min(0.95, max(rng.choice(RESERVE_FILL), 1.0 - 0.7 * limits.max_model_len / kv))
+    count = max(2, -(-int(kv * fill) // max(1, per_most)))
+    if per_most < 64 or _room(trace, limits) < count + 3:
+        return None
+    prompt = min(per_most, int(kv * fill) // count)
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    current = trace
+    for i in range(count):
+        req = Request(id=fresh_id(current, f"fill{i}"), at_ms=at + i, prompt_tokens=prompt, max_tokens=out)
+        current = current.with_requests([*current.requests, req])
+    head_at = at + count + rng.choice((500.0, 1500.0, 3000.0))
+    head_prompt = rng.choice((64, 256))
+    head = Request(id=fresh_id(current, "whole"), at_ms=head_at, prompt_tokens=head_prompt,
+                   max_tokens=limits.max_model_len - head_prompt, ignore_eos=False)
+    current = current.with_requests([*current.requests, head])
+    for i in range(rng.randint(1, 2)):
+        req = Request(id=fresh_id(current, f"after_whole{i}"), at_ms=head_at + rng.choice((5.0, 20.0)) + i,
+                      prompt_tokens=rng.choice((64, 256)), max_tokens=16)
+        current = current.with_requests([*current.requests, req])
+    return current
+
+
 SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
                    client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, sampling_batch,
-                   cached_prefix_burst)
+                   cached_prefix_burst, abandoned_queue, reservation_under_load)

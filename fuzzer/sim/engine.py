@@ -277,6 +277,10 @@ class Engine(Mechanisms):
             self._commit_blocks(req)
             if req.num_computed < req.num_tokens:
                 continue
+            if req.leaked == P.QUEUED_ABORT_LATE:  # its abort takes effect as it comes out of the model
+                self._running.remove(req)
+                self._finish(req, end, "abort")
+                continue
             req.generated += 1
             self.stats.generation_tokens += req.n
             req.token_times_s.append(end)
@@ -474,6 +478,7 @@ class Engine(Mechanisms):
         headroom = 0 if thrash else len(self._running) * cfg.admission_headroom_blocks_per_seq
         need = self.kv.blocks_needed(0, required, hits) + headroom
         if (need > self.kv.num_free or self._reservation_refuses(req, need, required)
+                or self._head_reservation_refuses(req, need, required)
                 or self._resident_prefix_refuses(required, headroom)):
             return None
         self.kv.acquire(hits)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from fuzzer.sim import pathologies as P
-from fuzzer.sim.request import SimRequest
+from fuzzer.sim.request import SimRequest, State
 
 if TYPE_CHECKING:
     from fuzzer.sim.config import SimConfig
@@ -48,6 +48,17 @@ class Mechanisms:
         self._tag(P.KV_RESERVE_ADMISSION, self._waiting)  # it fits without the reservations
         return True
 
+    def _head_reservation_refuses(self, req: SimRequest, need: int, required: int) -> bool:
+        """head-reserve-admission: refuse a new request unless the free blocks also hold all of its max_tokens
+        (its whole sequence clamped to the cache, so that it cannot wait forever). Nothing is reserved."""
+        if P.HEAD_RESERVE_ADMISSION not in self.pathologies or req.num_computed or req.preemptions:
+            return False
+        whole = min(self._blocks_for(req, req.prompt_len + req.max_tokens), self.kv.num_blocks)
+        if need + max(0, whole - required) <= self.kv.num_free:
+            return False
+        self._tag(P.HEAD_RESERVE_ADMISSION, self._waiting)  # its first chunk fits
+        return True
+
     def _resident_prefix_refuses(self, required: int, headroom: int) -> bool:
         """resident-prefix-refusal: refuse a request that fits unless its whole cached prefix and first
         chunk (``required`` blocks) would fit as new blocks too, shared prefix blocks included."""
@@ -74,11 +85,14 @@ class Mechanisms:
 
     def _leaks_abort(self, req: SimRequest) -> bool:
         """disconnect-leak: the abort never reaches the engine; the request runs on to its length.
-        early-abort-leak: the same for a client gone before its request's first output token."""
+        early-abort-leak: the same for a client gone before its request's first output token.
+        queued-abort-late: a queued request's abort waits until its prompt is computed."""
         if P.DISCONNECT_LEAK in self.pathologies:
             name = P.DISCONNECT_LEAK
         elif P.EARLY_ABORT_LEAK in self.pathologies and req.generated == 0:
             name = P.EARLY_ABORT_LEAK
+        elif P.QUEUED_ABORT_LATE in self.pathologies and req.state in (State.PENDING, State.WAITING):
+            name = P.QUEUED_ABORT_LATE  # dropped when its first token is sampled (Engine.complete)
         else:
             return False
         req.leaked = name
@@ -87,7 +101,7 @@ class Mechanisms:
 
     def _tag_leak_company(self, batch: Iterable[SimRequest]) -> None:
         """A leaked request in the batch slows its peers and holds KV from the queue (tagged with its leak)."""
-        if not self.pathologies & {P.DISCONNECT_LEAK, P.EARLY_ABORT_LEAK}:
+        if not self.pathologies & {P.DISCONNECT_LEAK, P.EARLY_ABORT_LEAK, P.QUEUED_ABORT_LATE}:
             return
         batch = list(batch)
         for name in {r.leaked for r in batch if r.leaked}:

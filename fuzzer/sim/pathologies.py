@@ -32,6 +32,8 @@ DECODE_STARVATION = "decode-starvation"
 EARLY_ABORT_LEAK = "early-abort-leak"
 RESIDENT_PREFIX_REFUSAL = "resident-prefix-refusal"
 SEEDED_SAMPLING_PATH = "seeded-sampling-path"
+QUEUED_ABORT_LATE = "queued-abort-late"
+HEAD_RESERVE_ADMISSION = "head-reserve-admission"
 
 
 @dataclass(frozen=True)
@@ -344,6 +346,52 @@ class SeededSamplingPath(_Pathology):
     kind = "option-slowdown"
 
 
+class QueuedAbortLate(_Pathology):
+    """An abort for a request still queued takes effect only when it comes out of the model.
+
+    Models the SGLang abort paths that left an aborted request in its queue: PR #6855 ("fix abort on
+    waiting queue": aborting a waiting request must not make SGLang prefill it), PR #6931 (an aborted
+    request of the grammar queue "will still run one prefill forward pass") and PR #28236 (aborted
+    requests in the prefill waiting queue were never removed). The request stays queued, is admitted
+    in its turn, and its whole prompt is computed; only when its first token is sampled is it
+    dropped. Aborted long prompts thus take the token budget, KV and step time ahead of live
+    requests, and the server returns to idle soon after (no leak). Ground truth names the aborted
+    request and every request that shared a step with it or waited while it was computed.
+
+    Trigger: several long prompts whose clients leave while they are queued, then a short request.
+    """
+
+    name = QUEUED_ABORT_LATE
+    models = "sglang PR #6855, PR #6931, PR #28236 (an aborted request left in the queue is prefilled)"
+    trigger = "clients that leave long prompts while they are queued, then a request behind them"
+    effect = "the request behind waits for the abandoned prompts' prefill; the server is idle soon after"
+    kind = "ttft-outlier"
+
+
+class HeadReserveAdmission(_Pathology):
+    """The head of the queue is admitted only when free KV holds its prompt and all of its max_tokens.
+
+    Models SGLang PR #25126 ("Fix scheduler admission for near-full KV requests": prefill admission
+    charged a request's input and max_new_tokens, and "with FCFS scheduling, such a request can block
+    the queue") and the question of vllm #27017 (whether vLLM reserves prompt + max_tokens: it does
+    not; it allocates a chunk at a time). Unlike ``kv-reserve-admission`` nothing is held after
+    admission: only the head's own output, clamped to the cache, must fit the blocks free now. A
+    request with a huge max_tokens (a chat request without one asks for the model's length) arriving
+    while running requests fill the cache waits, and with FCFS every request behind it too, until
+    they finish, although its prompt fits. Ground truth names the waiting requests at each
+    admission the check refused.
+
+    Trigger: requests that fill most of the KV cache and decode, then one with a max_tokens near the
+    model's length, then short requests.
+    """
+
+    name = HEAD_RESERVE_ADMISSION
+    models = "sglang PR #25126 (admission charged input + max_new_tokens); vllm #27017"
+    trigger = "a request with a max_tokens near the model's length while running requests fill the KV cache"
+    effect = "it and every request behind it wait for the running requests to finish although their prompts fit"
+    kind = "ttft-outlier"
+
+
 _REGISTRY: tuple[type[_Pathology], ...] = (
     HolPrefixBurst,
     UnchunkedPrefill,
@@ -359,6 +407,8 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     EarlyAbortLeak,
     ResidentPrefixRefusal,
     SeededSamplingPath,
+    QueuedAbortLate,
+    HeadReserveAdmission,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

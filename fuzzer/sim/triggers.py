@@ -197,6 +197,30 @@ def _build() -> dict[str, Trigger]:
             "X",  # the carrier: an option-slowdown names the request whose option slows everyone (itself too)
             "e2e",
         ),
+        # Six 8000-token prompts whose clients leave at 100 ms, Z0 prefilling and the rest queued; V (32
+        # tokens) comes at 150 ms. Aborted at once, the queued five never run; left queued, V waits for them.
+        P.QUEUED_ABORT_LATE: Trigger(
+            _trace(
+                "trigger-queued-abort-late",
+                [{"id": f"Z{i}", "at_ms": i, "prompt_tokens": 8000, "max_tokens": 16, "disconnect_after_ms": 100}
+                 for i in range(6)]
+                + [{"id": "V", "at_ms": 150, "prompt_tokens": 32, "max_tokens": 16}],
+            ),
+            "V",
+            "ttft",
+        ),
+        # F0-F3 (6000-token prompts, 300 tokens each) fill 60% of the 40960-token cache and decode; B asks
+        # for 30000 tokens at 1.5 s, V (64 tokens) follows: their prompts fit, B's whole output does not.
+        P.HEAD_RESERVE_ADMISSION: Trigger(
+            _trace(
+                "trigger-head-reserve-admission",
+                [{"id": f"F{i}", "at_ms": i, "prompt_tokens": 6000, "max_tokens": 300} for i in range(4)]
+                + [{"id": "B", "at_ms": 1500, "prompt_tokens": 256, "max_tokens": 30000, "ignore_eos": False},
+                   {"id": "V", "at_ms": 1510, "prompt_tokens": 64, "max_tokens": 16}],
+            ),
+            "V",
+            "ttft",
+        ),
     }
 
 
