@@ -26,6 +26,25 @@ def _children(op, count=40):
     return out
 
 
+def _sim_limits():
+    """The limits of the simulator, with the KV size it reports (the KV shapes need it)."""
+    sim = VirtualTarget()
+    blocks, size = sim.kv_cache()
+    return Limits(kv_tokens=blocks * size, max_model_len=sim.config.max_model_len)
+
+
+def _kv_children(op, count):
+    """(seed, parent, child) of a KV shape under the simulator's limits, where it applies; it needs the KV size."""
+    assert op(generate(random.Random(0), LIMITS), random.Random(0), LIMITS) is None  # size unknown
+    limits = _sim_limits()
+    for i in range(count):
+        rng = random.Random(i)
+        parent = generate(rng, limits)
+        child = op(parent, rng, limits)
+        if child is not None:
+            yield i, parent, child
+
+
 def test_the_shapes_are_havoc_operators():
     for op in shapes.SHAPE_OPERATORS:
         assert OPERATORS[op.__name__] is op
@@ -142,17 +161,9 @@ def test_the_limits_carry_the_kv_size_a_target_reports():
 
 
 def test_prefix_under_pressure_leaves_the_tails_room_but_not_the_whole_prompts_and_reaches_its_pathology():
-    sim = VirtualTarget()
-    blocks, size = sim.kv_cache()
-    limits = Limits(kv_tokens=blocks * size, max_model_len=sim.config.max_model_len)
-    assert shapes.prefix_under_pressure(generate(random.Random(0), LIMITS), random.Random(0), LIMITS) is None
+    limits = _sim_limits()
     reached = tried = 0
-    for i in range(20):
-        rng = random.Random(i)
-        parent = generate(rng, limits)
-        child = shapes.prefix_under_pressure(parent, rng, limits)
-        if child is None:
-            continue  # the parent's requests hold too much of the cache for the shape
+    for i, parent, child in _kv_children(shapes.prefix_under_pressure, 20):  # none where the parent holds too much
         tf.validate(child)
         new = [r for r in child.requests if r not in parent.requests]
         owner = next(r for r in new if r.id.startswith("owner"))
@@ -302,17 +313,9 @@ def test_abandoned_queue_leaves_long_prompts_while_queued_and_reaches_its_pathol
 
 
 def test_reservation_under_load_fills_the_reported_kv_then_asks_for_a_whole_output_and_needs_its_size():
-    sim = VirtualTarget()
-    blocks, size = sim.kv_cache()
-    limits = Limits(kv_tokens=blocks * size, max_model_len=sim.config.max_model_len)
-    assert shapes.reservation_under_load(generate(random.Random(0), LIMITS), random.Random(0), LIMITS) is None
+    limits = _sim_limits()
     reached = tried = 0
-    for i in range(30):
-        rng = random.Random(i)
-        parent = generate(rng, limits)
-        child = shapes.reservation_under_load(parent, rng, limits)
-        if child is None:
-            continue
+    for i, parent, child in _kv_children(shapes.reservation_under_load, 30):
         fill = [r for r in child.requests if r.id.startswith("fill")]
         whole = next(r for r in child.requests if r.id.startswith("whole"))
         after = [r for r in child.requests if r.id.startswith("after_whole")]
