@@ -347,3 +347,12 @@ def test_the_server_down_stop_reason():
     assert stop_reason(replace(s, recover_patience_s=None), stopped=False, executions=1, elapsed_s=5.0,
                        down_s=1e9) is None  # waits for ever
     assert stop_reason(s, stopped=True, executions=1, elapsed_s=5.0, down_s=1e9) is ExitReason.INTERRUPTED
+
+
+async def test_a_long_wait_ticks_until_its_work_is_done():
+    from fuzzer.search.pacing import unless_stopped
+
+    ticks = []
+    result = await unless_stopped(asyncio.sleep(0.35, result="done"), asyncio.Event(), tick=lambda: ticks.append(1),
+                                  every_s=0.1)
+    assert result == "done" and 2 <= len(ticks) <= 4

@@ -259,7 +259,7 @@ class Campaign:
                 save=lambda fresh: self.store.save_calibration(self.calibration_key, fresh.to_dict()),
                 clock=self._wall_clock, max_age_s=self.settings.recalibrate_after_s,
                 on_measure=measuring, on_refresh_failed=self._refresh_failed,
-            ), self._stop)
+            ), self._stop, tick=self._emit)
         finally:
             self._phase = previous
             if measured_from:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, TypeVar
 
@@ -289,12 +289,19 @@ class Stopped(Exception):
     """Asked to stop while waiting: for a server that is down, or for a calibration."""
 
 
-async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T:
-    """``work``'s result, or Stopped (``work`` cancelled) when ``stop`` is set first."""
+#: While a calibration runs, the campaign's status is told this often (a log gets its status line).
+TICK_S = 30.0
+
+
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event, *, tick: Callable[[], object] = lambda: None,
+                         every_s: float = TICK_S) -> T:
+    """``work``'s result, or Stopped (``work`` cancelled) when ``stop`` is set first; ``tick`` is called
+    every ``every_s`` while it runs."""
     task = asyncio.ensure_future(work)
     stopping = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
+        while not (await asyncio.wait((task, stopping), timeout=every_s, return_when=asyncio.FIRST_COMPLETED))[0]:
+            tick()
     finally:
         stopping.cancel()
         if not task.done():
