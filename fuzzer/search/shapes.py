@@ -416,7 +416,7 @@ def reservation_under_load(trace: Trace, rng: random.Random, limits) -> Trace | 
     """Requests whose prompts fill most of the reported KV cache and decode, then a request asking for
     nearly the model's length of output, then one or two short requests right behind it."""
     kv = getattr(limits, "kv_tokens", None)
-    if not kv or _room(trace, limits) < 4:
+    if not kv:
         return None
     out = rng.choice((128, 256, 512))
     per_most = limits.max_model_len - out - 1
