@@ -59,6 +59,14 @@ MIN_CAP_TOKENS = 64
 #: then let them in beside it, and two ttft-outliers (8.5x, 48x) were false.
 WITNESS_TOKENS = 32
 WITNESS_STEPS = 2
+#: ... and it passed beside the long prompt's chunks only if its TTFT is at least this share of its own step on
+#: paper, one computing a chunk of the cap beside it (and its frontend): a short prompt served quicker than that
+#: passed the long one in the frontend, in a step of decodes (a busy host hands a long prompt to the engine later
+#: than calibrated). The built-in simulator, clean, at a load of 2.5 on two cores (stop 54): witnesses done
+#: 6-15 ms after their send, two whole 68 ms prefill steps before the long prompt's first token, were read as caps
+#: of 512 and 585 tokens in two of three calibrations; one such cap let a short request in beside two 15k-token
+#: prompts in the bound, a false 2.7x ttft-outlier of a 30-minute campaign.
+WITNESS_STEP_SHARE = 0.5
 #: The token budget probe: a prompt of at most this many tokens (and at least two assumed budgets;
 #: halved while the calibrated model says its prefill would take longer than BUDGET_PROBE_MAX_S)
 #: beside a decoding stream, BUDGET_REPEATS times ...
@@ -421,6 +429,7 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int, *, reported:
     step = model.step_s(0, 1, 16)
     margin_s = NOISE_MARGINS * cal.noise_s.get(Metric.TTFT, 0.0)
     runs: list[tuple[float, int, dict[str, float], Trace]] = []
+    witnessed: list[float] = []  # the short prompt's TTFT in each run
     slow = True
     for run in range(CAP_REPEATS):
         trace, sent, got = await _beside_a_stream(target, model, assumption, (prompt,), f"calibration-cap-{run}",
@@ -433,7 +442,8 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int, *, reported:
         steps = sum(1 for t in s.token_times_s if arrived < s.sent_s + t <= first)
         if s.sent_s + s.token_times_s[-1] < first:
             return None  # the stream ended first: no count
-        after = sum(1 for t in s.token_times_s if w.sent_s + w.ttft_s < s.sent_s + t <= first)
+        # The stream's token of the witness's own step is read with it (a little later under load): not a step after.
+        after = sum(1 for t in s.token_times_s if w.sent_s + w.ttft_s + step / 2.0 < s.sent_s + t <= first)
         if uncapped <= steps <= uncapped + NO_CAP_EXTRA_STEPS and after < WITNESS_STEPS:
             return 0  # the steps an uncapped engine takes, the stream decoding in each, and no one passed
         if steps < CAP_EVIDENCE * uncapped or after < WITNESS_STEPS:
@@ -446,6 +456,17 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int, *, reported:
             return None
         slow = slow and p.ttft_s >= CANDIDATE_FACTOR * _probe_ttft(trace, sent, model, assumption, 0) + margin_s
         runs.append((p.ttft_s, steps, sent, trace))
+        witnessed.append(w.ttft_s)
+    cap = _cap_of(runs, slow, prompt, budget, model, assumption, margin_s)
+    if cap and min(witnessed) < WITNESS_STEP_SHARE * (model.frontend_s(WITNESS_TOKENS)
+                                                      + model.step_s(WITNESS_TOKENS + cap, 1, 16)):
+        return None  # the short prompt passed in the frontend, not beside a chunk of the cap
+    return cap
+
+
+def _cap_of(runs: list[tuple[float, int, dict[str, float], Trace]], slow: bool, prompt: int, budget: int,
+            model: StepModel, assumption: SchedulerAssumption, margin_s: float) -> int | None:
+    """The cap the probe's runs (TTFT, steps counted, send times, trace) show: see chunk_cap."""
     if not slow:
         # No slower than an uncapped engine serves it, yet in more steps: a cap that costs little time still
         # lets several prompts prefill at once, each holding its KV (a clean vLLM-like server capped at 512
