@@ -200,12 +200,15 @@ def others_end_s(trace: Trace, result: ExecutionResult, option: str) -> float | 
 def beside(trace: Trace, result: ExecutionResult, option: str) -> tuple[int, int]:
     """(requests that ran beside one with ``option``, completed requests without it) in ``result``: a
     request ran beside when at least COVER_SHARE of its span (send to last byte; to the cap for one the
-    run's time cap closed) overlaps a carrier's."""
+    run's time cap closed) overlaps a carrier's sampling (its first token to its last byte)."""
     mine = set(carriers(trace, option))
-    spans = {r.request_id: (r.sent_s, r.sent_s + r.e2e_s) for r in result.requests
-             if r.outcome in (Outcome.OK, Outcome.CUT) and r.sent_s is not None and r.e2e_s is not None}
-    theirs = [spans[i] for i in mine if i in spans]
-    others = [span for rid, span in spans.items() if rid not in mine]
+    done = [r for r in result.requests
+            if r.outcome in (Outcome.OK, Outcome.CUT) and r.sent_s is not None and r.e2e_s is not None]
+    # A carrier costs the batch while it samples: from its first token on. A seeded request of 32 tokens behind
+    # 43 prompts of 1792 tokens spent most of its span queued and prefilling beside them, and the one test of the
+    # seed that a 30-minute campaign gave it moved their token gaps by nothing (stop 54).
+    theirs = [(r.sent_s + (r.ttft_s or 0.0), r.sent_s + r.e2e_s) for r in done if r.request_id in mine]
+    others = [(r.sent_s, r.sent_s + r.e2e_s) for r in done if r.request_id not in mine]
     near = 0
     for start, end in others:
         shared = sum(max(0.0, min(end, b) - max(start, a)) for a, b in theirs)
