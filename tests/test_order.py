@@ -166,8 +166,10 @@ def test_a_capped_prefill_or_more_sequences_lets_a_smaller_later_request_pass():
 
 
 def test_a_smaller_later_request_must_be_sent_after_the_earlier_ones_extra_tokenization():
-    # 1 ms a token in the frontend: A's 896 extra tokens take 0.9 s more than B's to reach the engine.
+    # 1 ms a token in the frontend: A's 896 extra tokens take 0.9 s more than B's to reach the engine (the blocker's
+    # 64 tokens are tokenized before A is sent).
     stopping, trace = _stopping(), _smaller_later()
+    trace = trace.with_requests([replace(trace.requests[0], prompt_tokens=64), *trace.requests[1:]])
     slow = stopping.with_model(replace(stopping.model, frontend_token_s=1e-3, frontend_slack_s=0.0))
     assert inversions(trace, _execution(a_first=1.5, trace=trace), slow, preempted=False) == {}
     late = _execution(a_first=2.5, b_first=2.0, b_sent=1.05, trace=trace)
@@ -264,3 +266,23 @@ def expect_of(trace, cal):
     from fuzzer.oracle.expectation import expect
 
     return expect(trace, cal.model, cal.assumption)
+
+
+def test_a_smaller_later_request_may_pass_while_the_frontend_works_off_what_came_before():
+    # The built-in simulator (stop 54): six 8192-token prompts sent just before A held its HTTP frontend, and a
+    # 96-token B sent 48 ms after A's 4096 tokens reached the engine first: confirmed 4/5 as an inversion.
+    stopping = _stopping()
+    tokenizing = stopping.with_model(replace(stopping.model, frontend_token_s=2.4e-6, frontend_slack_s=0.0))
+    a, b = Request(id="A", at_ms=36, prompt_tokens=4096, max_tokens=16), Request(id="B", at_ms=84, prompt_tokens=96,
+                                                                                 max_tokens=16)
+    burst = tuple(Request(id=f"left{i}", at_ms=3 + i, prompt_tokens=8192, max_tokens=64) for i in range(6))
+
+    def run(before):
+        trace = Trace(requests=(*before, a, b))
+        requests = (*(_request(r.id, r.at_ms / 1000, None, Outcome.CANCELLED) for r in before),
+                    _request("A", 0.036, 0.571), _request("B", 0.084, 0.448))
+        return trace, ExecutionResult(trace.content_hash(), "test://", 0.0, 1.0, requests, idle_before_s=0.0)
+
+    assert inversions(*run(burst), tokenizing, preempted=False) == {}
+    # The control: nothing before A, and B is held to FCFS 48 ms after it (A's 10 ms more tokenization and the reach).
+    assert set(inversions(*run(()), tokenizing, preempted=False)) == {"A"}

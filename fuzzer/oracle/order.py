@@ -25,6 +25,12 @@ What keeps the check to what FCFS really guarantees (each a reason not to call a
   widen this: send times are stamped by the one event loop that then writes the request, and a
   stall holds back every send behind it, so requests leave in the order and at least at the
   spacing stamped (a stall delays what the client *receives*, hence the lead below).
+- A B with fewer tokens is sent that much later again while the frontend may still be busy with
+  the prompts sent before A (their calibrated frontend times one after another): a frontend that
+  works them off first hands A and B to the engine close together, the smaller one first. On the
+  built-in simulator six 8192-token prompts (clients gone within 80 ms) held every later request
+  in its HTTP frontend: a 4096-token prompt and a 96-token one sent 48 ms apart reached its engine
+  1.7 ms apart, the small one tokenized first, and an inversion was confirmed 4/5 (stop 54).
 - B's uncached work is counted without its shared prefix (another member of its group may
   have put it in the prefix cache); A's with its whole prompt.
 - A's first token came at least the latency margin (``policy.min_margin_s``) plus the client's
@@ -49,6 +55,7 @@ from dataclasses import dataclass
 
 from fuzzer.execution import ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.model import StepModel
 from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
 from fuzzer.trace import Request, Trace
 
@@ -114,9 +121,11 @@ def inversions(
             return policy.order_reach_s
         if stops and first_served(a_req, b_req, assumption.long_prefill_threshold):
             tokens = _template(a_req, b_req) + a_req.prompt_tokens
-            return policy.order_reach_s + max(0.0, model.frontend_s(tokens) - model.frontend_s(b_req.prompt_tokens))
+            return (policy.order_reach_s + held.get(a_req.id, 0.0)
+                    + max(0.0, model.frontend_s(tokens) - model.frontend_s(b_req.prompt_tokens)))
         return None
 
+    held = frontend_backlog_s(trace, result, model)
     lead = policy.min_margin_s + (result.client_lag_s or 0.0)
     found: dict[str, Inversion] = {}
     for a_req, a in timed:
@@ -140,6 +149,19 @@ def inversions(
             found[a_req.id] = Inversion(a_req.id, tuple(name for _, name, _ in over), a.sent_s, a_first,
                                         over[0][0], min(gap for _, _, gap in over))
     return found
+
+
+def frontend_backlog_s(trace: Trace, result: ExecutionResult, model: StepModel) -> dict[str, float]:
+    """How long each sent request of ``result`` may wait for the frontend work of those sent before it, their
+    calibrated frontend times (``StepModel.frontend_s``) done one after another from their sends."""
+    planned = {r.id: r for r in trace.requests}
+    free, held = -math.inf, {}
+    for r in sorted((r for r in result.requests if r.request_id in planned and r.sent_s is not None),
+                    key=lambda r: r.sent_s):
+        start = max(r.sent_s, free)
+        held[r.request_id] = start - r.sent_s
+        free = start + model.frontend_s(planned[r.request_id].prompt_tokens)
+    return held
 
 
 def no_more_work(a: Request, b: Request, prefixes: Mapping[str, int]) -> bool:
