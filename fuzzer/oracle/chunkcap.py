@@ -59,6 +59,9 @@ MIN_CAP_TOKENS = 64
 #: then let them in beside it, and two ttft-outliers (8.5x, 48x) were false.
 WITNESS_TOKENS = 32
 WITNESS_STEPS = 2
+#: (... and at least the steps an uncapped engine takes: a cap's prefill takes twice those (CAP_EVIDENCE), the
+#: witness in its second, where a long prompt that reached the engine late shared its first step with a witness
+#: admitted ahead of it (the built-in simulator at a load of 0.9, stop 54: caps of 585 read from its last two.)
 #: ... and it passed beside the long prompt's chunks only if its TTFT is at least this share of its own step on
 #: paper, one computing a chunk of the cap beside it (and its frontend): a short prompt served quicker than that
 #: passed the long one in the frontend, in a step of decodes (a busy host hands a long prompt to the engine later
@@ -446,7 +449,7 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int, *, reported:
         after = sum(1 for t in s.token_times_s if w.sent_s + w.ttft_s + step / 2.0 < s.sent_s + t <= first)
         if uncapped <= steps <= uncapped + NO_CAP_EXTRA_STEPS and after < WITNESS_STEPS:
             return 0  # the steps an uncapped engine takes, the stream decoding in each, and no one passed
-        if steps < CAP_EVIDENCE * uncapped or after < WITNESS_STEPS:
+        if steps < CAP_EVIDENCE * uncapped or after < max(WITNESS_STEPS, uncapped):
             # Fewer (a starved stream), or more (or a short prompt passed) without a cap's evidence; or the
             # short prompt waited for the long one's prefill: its steps are not a cap's. Steps of the stream
             # may fall between the prompt's send and its arrival (a busy API server hands it over late), so
