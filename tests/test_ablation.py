@@ -277,20 +277,23 @@ async def test_others_closed_before_their_second_token_are_judged_on_their_e2e_s
 
 def test_a_carrier_is_beside_the_others_while_it_samples_not_while_it_prefills():
     # The built-in simulator's seeded-sampling-path, a 30-minute HTTP campaign (stop 54): its three tests of the
-    # seed went to carriers of 32 tokens whose spans covered the others' mostly while waiting and prefilling;
-    # their sampling moved the others' token gaps by nothing, and the seed was never found.
+    # seed went to carriers of 32 tokens that waited and prefilled beside the others, or sampled while the others
+    # waited for their first tokens; the others' token gaps moved by nothing, and the seed was never found.
     from fuzzer.sim import SimConfig, VirtualTarget
 
-    def run(carrier_prompt, carrier_out):
+    def run(carrier_prompt, carrier_out, rows_prompt=64):
         carrier = Request(id="carrier", at_ms=0.0, prompt_tokens=carrier_prompt, max_tokens=carrier_out, seed=7,
                           temperature=1.0)
-        rows = [Request(id=f"row{i}", at_ms=1.0 + i, prompt_tokens=64, max_tokens=48) for i in range(12)]
+        rows = [Request(id=f"row{i}", at_ms=1.0 + i, prompt_tokens=rows_prompt, max_tokens=48) for i in range(12)]
         trace = Trace(requests=(carrier, *rows))
         return trace, VirtualTarget(SimConfig(), seed=1).run(trace)
 
     # A 30000-token prompt prefills in long chunk steps beside the rows' decodes, then samples 16 tokens.
     prefilling = run(30000, 16)
     assert beside(*prefilling, "seed")[0] < 4 and "seed" not in suspects(*prefilling)
+    # A short carrier first, sampling while the rows wait for their prefills of 8000 tokens each.
+    early = run(64, 16, rows_prompt=8000)
+    assert beside(*early, "seed")[0] < 4 and "seed" not in suspects(*early)
     # The control: a carrier sampling while the rows decode is beside every one of them.
     sampling = run(64, 256)
     assert beside(*sampling, "seed") == (12, 12) and suspects(*sampling) == {"seed": 12}
