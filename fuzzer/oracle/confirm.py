@@ -137,8 +137,9 @@ async def confirm(
     return verdict
 
 
-#: An itl-stall is a scheduling decision only where it recurs at one point of the execution: its re-runs' longest gaps
-#: end within the larger of these (seconds, share of the request's median e2e) of one another. heldout2's clean
+#: An itl-stall is a scheduling decision only where it recurs at one point of the execution: most of its re-runs'
+#: longest gaps end within the larger of these (seconds, share of the request's median e2e) of one another (a bug's
+#: stall may move in one run: heldout9's bug4 paused `f04` 28-34 s in five re-runs, 1.6 s in a sixth). heldout2's clean
 #: configuration on a host at a load of 2.7 (stop 54): every stream of the trace paused 0.16-0.36 s at once, 1.6 s,
 #: 5.5 s and 8.4 s into three re-runs (tokens 124, 516 and 889 of 1024): the server process descheduled, confirmed
 #: 3/3 as a 4.5x itl-stall; replayed at a load of 1.5, nothing. A prefill, a preemption or a planted stall comes
@@ -148,7 +149,8 @@ STALL_SPREAD_SHARE = 0.25
 
 
 def _placed(verdict: Verdict, results: Sequence[ExecutionResult], request_id: str | None) -> Verdict:
-    """``verdict`` (an itl-stall), or SAME when its re-runs paused its request at points too far apart."""
+    """``verdict`` (an itl-stall), or SAME when its re-runs paused its request at points too far apart (most of them
+    not within STALL_SPREAD_S or STALL_SPREAD_SHARE of its median e2e of one another)."""
     ends, e2es = [], []
     for result in results:
         r = next((x for x in result.requests if x.request_id == request_id), None)
@@ -161,11 +163,13 @@ def _placed(verdict: Verdict, results: Sequence[ExecutionResult], request_id: st
     if len(ends) < 2:
         return verdict
     allowed = max(STALL_SPREAD_S, STALL_SPREAD_SHARE * float(np.median(e2es)))
-    if max(ends) - min(ends) <= allowed:
+    ends.sort()
+    together = max(sum(1 for t in ends[i:] if t - start <= allowed) for i, start in enumerate(ends))
+    if 2 * together > len(ends):
         return verdict
-    where = ", ".join(f"{t:.1f}" for t in sorted(ends))
+    where = ", ".join(f"{t:.1f}" for t in ends)
     return replace(verdict, kind=None, decision=Decision.SAME, detail=(
-        f"{verdict.detail}; but its longest gaps ended {where} s into the re-runs, more than {allowed:.1f} s apart: "
+        f"{verdict.detail}; but its longest gaps ended {where} s into the re-runs, not most of them within {allowed:.1f} s: "
         "a pause of the host or the server's runtime, not a scheduling decision").lstrip("; "))
 
 
