@@ -56,12 +56,12 @@ MIN_CAP_TOKENS = 64
 #: WITNESS_STEPS of the stream's steps before the long prompt does, in every run. On heldout3 with
 #: every bug on, a prefill in twice an uncapped engine's steps was measured as a cap of 3072 tokens
 #: while short prompts still waited for the whole prefill (as the server does clean): the bound
-#: then let them in beside it, and two ttft-outliers (8.5x, 48x) were false.
+#: then let them in beside it, and two ttft-outliers (8.5x, 48x) were false. Nor fewer than the steps an
+#: uncapped engine takes: a cap's prefill takes twice those (CAP_EVIDENCE), the witness in its second, where a
+#: long prompt that reached the engine late shared its first step with a witness admitted ahead of it and left
+#: only its last steps after it (the built-in simulator at a load of 0.9, stop 54: a cap of 585 read that way).
 WITNESS_TOKENS = 32
 WITNESS_STEPS = 2
-#: (... and at least the steps an uncapped engine takes: a cap's prefill takes twice those (CAP_EVIDENCE), the
-#: witness in its second, where a long prompt that reached the engine late shared its first step with a witness
-#: admitted ahead of it (the built-in simulator at a load of 0.9, stop 54: caps of 585 read from its last two.)
 #: ... and it passed beside the long prompt's chunks only if its TTFT is at least this share of its own step on
 #: paper, one computing a chunk of the cap beside it (and its frontend): a short prompt served quicker than that
 #: passed the long one in the frontend, in a step of decodes (a busy host hands a long prompt to the engine later

@@ -154,12 +154,11 @@ def _placed(verdict: Verdict, results: Sequence[ExecutionResult], request_id: st
     ends, e2es = [], []
     for result in results:
         r = next((x for x in result.requests if x.request_id == request_id), None)
-        if r is None or len(r.token_times_s) < 2 or r.sent_s is None:
+        if r is None or not (gaps := r.itl_s) or r.sent_s is None:
             continue
-        times = r.token_times_s
-        i = max(range(len(times) - 1), key=lambda k: times[k + 1] - times[k])
-        ends.append(r.sent_s + times[i + 1])
-        e2es.append(r.e2e_s or times[-1])
+        i = max(range(len(gaps)), key=gaps.__getitem__)
+        ends.append(r.sent_s + r.token_times_s[i + 1])
+        e2es.append(r.e2e_s or r.token_times_s[-1])
     if len(ends) < 2:
         return verdict
     allowed = max(STALL_SPREAD_S, STALL_SPREAD_SHARE * float(np.median(e2es)))
