@@ -643,3 +643,15 @@ def test_a_pause_at_a_different_point_of_every_run_is_no_itl_stall():
     placed = _Pausing(_warm(), 0.4, (1.4, 1.4, 3.7, 1.4, 1.4))
     verdict = asyncio.run(confirm(placed, streams, cand, cal, rng=_rng()))
     assert verdict.is_finding and verdict.kind is FindingKind.ITL_STALL and verdict.request_id == "s1"
+
+
+def test_a_replay_s_runs_paused_at_different_points_show_no_itl_stall():
+    # `fuzz replay` judges its own runs first (examine): a stall decided there without a re-run is placed too.
+    streams = _trace(*(_req(f"s{i}", i, 256, out=1024) for i in range(4)))
+    exam = asyncio.run(examine(_Pausing(_warm(), 0.4, (0.3, 2.0, 3.7, 1.1, 2.9)), streams, _calibration(), runs=5,
+                               rng=_rng()))
+    assert not [v for v in exam.findings if v.kind is FindingKind.ITL_STALL]
+    assert any("a pause of the host" in (v.detail or "") for v in exam.verdicts)
+    exam = asyncio.run(examine(_Pausing(_warm(), 0.4, (1.4, 1.4, 3.7, 1.4, 1.4)), streams, _calibration(), runs=5,
+                               rng=_rng()))
+    assert [v for v in exam.findings if v.kind is FindingKind.ITL_STALL]

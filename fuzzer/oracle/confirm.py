@@ -321,7 +321,8 @@ async def examine(
 ) -> Examination:
     """Execute ``trace`` ``runs`` times, judge every request, confirm the undecided candidates."""
     results = tuple([await target.execute(trace) for _ in range(runs)])
-    verdicts = judge(trace, results, calibration, rng=rng, policy=policy)
+    verdicts = [_placed(v, results, v.request_id) if v.is_finding and v.kind is FindingKind.ITL_STALL else v
+                for v in judge(trace, results, calibration, rng=rng, policy=policy)]
     confirmed: list[Verdict] = []
     seen: set[str] = set()
     # A trace that took the server down every run: the crash is the finding, and confirming a
