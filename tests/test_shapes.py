@@ -15,12 +15,12 @@ from fuzzer.sim import VirtualTarget
 LIMITS = Limits()
 
 
-def _children(op, count=40):
+def _children(op, count=40, limits=LIMITS):
     out = []
     for i in range(count):
         rng = random.Random(i)
-        parent = generate(rng, LIMITS)
-        child = op(parent, rng, LIMITS)
+        parent = generate(rng, limits)
+        child = op(parent, rng, limits)
         if child is not None:
             out.append((i, parent, child))
     return out
@@ -299,7 +299,7 @@ def test_abandoned_queue_leaves_long_prompts_while_queued_and_reaches_its_pathol
     for i, parent, child in _children(shapes.abandoned_queue, 30):
         left = [r for r in child.requests if r.id.startswith("left")]
         behind = next(r for r in child.requests if r.id.startswith("behind_left"))
-        assert 4 <= len(left) <= 6 and all(r.disconnect_after_ms <= 80 for r in left)
+        assert 4 <= len(left) <= 6 and all(r.disconnect_after_ms <= 300 for r in left)
         assert all(r.prompt_tokens >= 4 * LIMITS.token_budget for r in left)
         assert behind.at_ms > max(r.at_ms for r in left) and behind.prompt_tokens <= 128
         target = VirtualTarget(pathologies=("queued-abort-late",), seed=i)
@@ -310,6 +310,19 @@ def test_abandoned_queue_leaves_long_prompts_while_queued_and_reaches_its_pathol
         reached += "queued-abort-late" in result.ground_truth.get(behind.id, ())
         assert not any(VirtualTarget(seed=i).run(child).ground_truth.values())
     assert tried >= 10 and reached >= 0.6 * tried, (reached, tried)
+
+
+def test_abandoned_queue_s_clients_leave_once_the_frontend_has_queued_most_of_their_prompts():
+    # heldout3's frontend tokenizes one prompt at a time, 60 us + 0.9 us a token: clients that left 10 ms after
+    # sending dropped most of six 16k-token prompts before the engine saw them, and its queued-abort bug never ran.
+    limits = Limits(token_budget=8192)
+    for _, _, child in _children(shapes.abandoned_queue, 30, limits=limits):
+        left = sorted((r for r in child.requests if r.id.startswith("left")), key=lambda r: r.at_ms)
+        reached_ms, queued = left[0].at_ms, 0
+        for r in left:
+            reached_ms = max(reached_ms, r.at_ms) + 0.06 + 0.0009 * r.prompt_tokens
+            queued += reached_ms <= r.at_ms + r.disconnect_after_ms
+        assert queued >= len(left) // 2, [(r.at_ms, r.prompt_tokens, r.disconnect_after_ms) for r in left]
 
 
 def test_reservation_under_load_fills_the_reported_kv_then_asks_for_a_whole_output_and_needs_its_size():

@@ -39,7 +39,7 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   review: the budget counted tokens that were prefix-cached; TensorRT-LLM PR #19366: chunks sized by
   the raw prompt, not the uncached suffix).
 - ``abandoned_queue``: four to six prompts of two or four step budgets sent together, whose clients
-  all leave within tens of ms (most while queued), then a short request. An engine that leaves an
+  all leave within a few hundred ms (most while queued in the engine), then a short request. An engine that leaves an
   aborted request in its queue computes each prompt in its turn before dropping it (SGLang PR #6855,
   PR #6931, PR #28236), and the short request waits for all of them.
 - ``reservation_under_load``: requests whose prompts fill most of the reported KV cache and decode,
@@ -73,6 +73,11 @@ LEAK_OUTPUTS = (2048, 3072)
 #: When a client with a timeout leaves, in ms after sending: the first three are before the first
 #: token of a prompt of a step budget or two on most servers; the others leave a queue or a stream.
 TIMEOUT_MS = (10, 30, 80, 300, 1000)
+#: When the clients of ``abandoned_queue`` leave, in ms after sending: once most of the prompts have reached the
+#: engine's queue, each behind the frontend's tokenization of those before it (heldout3: 15 ms per 16k-token prompt,
+#: one at a time; clients that left at 10 ms dropped most of them in the frontend, which the bug never sees), and
+#: while the first is still being computed.
+ABANDON_MS = (80, 300)
 #: A long prompt is this many step budgets long.
 BUDGET_MULTIPLES = (2, 4, 8)
 #: Below this model length the shapes do not apply (their requests would not fit).
@@ -390,7 +395,7 @@ def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
 
 
 def abandoned_queue(trace: Trace, rng: random.Random, limits) -> Trace | None:
-    """Four to six long prompts sent together whose clients leave within tens of ms, then a short request."""
+    """Four to six long prompts sent together whose clients leave while most are queued, then a short request."""
     count = rng.randint(4, 6)
     if _room(trace, limits) < count + 1:
         return None
@@ -401,7 +406,7 @@ def abandoned_queue(trace: Trace, rng: random.Random, limits) -> Trace | None:
     current = trace
     for i in range(count):
         req = Request(id=fresh_id(current, f"left{i}"), at_ms=at + i, prompt_tokens=prompt, max_tokens=rng.choice((16, 64)),
-                      stream=rng.random() < 0.5, disconnect_after_ms=float(rng.choice(TIMEOUT_MS[:3])))
+                      stream=rng.random() < 0.5, disconnect_after_ms=float(rng.choice(ABANDON_MS)))
         current = current.with_requests([*current.requests, req])
     behind = Request(id=fresh_id(current, "behind_left"), at_ms=at + count + rng.choice((20.0, 50.0, 150.0)),
                      prompt_tokens=rng.choice((32, 128)), max_tokens=16)
