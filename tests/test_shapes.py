@@ -127,6 +127,22 @@ def test_sampling_batch_puts_one_seeded_or_logprobs_request_among_many_streams()
         assert all(r.n == 1 for r in one.requests if r not in parent.requests)
 
 
+def test_logprob_streams_sends_long_logprobs_streams_then_a_plain_one_while_they_decode():
+    for _, parent, child in _children(shapes.logprob_streams):
+        new = [r for r in child.requests if r not in parent.requests]
+        lp = [r for r in new if r.logprobs is not None]
+        plain = [r for r in new if r.logprobs is None]
+        assert 2 <= len(lp) <= 6 and 1 <= len(plain) <= 2
+        assert all(r.stream and r.max_tokens >= 256 and r.logprobs <= 20 for r in lp)
+        assert max(r.logprobs for r in lp) == 20  # the most the server takes
+        assert min(r.at_ms for r in plain) >= max(r.at_ms for r in lp) + 500 and all(r.stream for r in plain)
+    for i in range(20):
+        parent = generate(random.Random(i), LIMITS)
+        five = shapes.logprob_streams(parent, random.Random(i), Limits(max_logprobs=5))
+        assert five is None or all(r.logprobs is None or r.logprobs <= 5 for r in five.requests if r not in parent.requests)
+        assert shapes.logprob_streams(parent, random.Random(i), Limits(unsupported=frozenset({"logprobs"}))) is None
+
+
 def test_kv_burst_asks_for_more_than_the_reported_kv_and_needs_its_size():
     sim = VirtualTarget()
     blocks, size = sim.kv_cache()

@@ -52,6 +52,10 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   logprobs computation, is taken for every row of the batch (vLLM #37343's class: one request's
   sampling parameters make the whole batch pay; PR #37594) slows every stream, where the carrier
   alone costs little.
+- ``logprob_streams``: two to six streams asking for logprobs, each hundreds of tokens long, then a plain
+  stream while they decode. A frontend that re-detokenizes every earlier logprob of a stream at each step
+  (SGLang PR #10805; vLLM #1099, PR #24174) spends CPU time that grows with the output so far, until output
+  delivery for every stream falls behind the engine.
 
 Each takes (trace, rng, limits) like every operator and returns a valid trace or None.
 """
@@ -452,6 +456,35 @@ def reservation_under_load(trace: Trace, rng: random.Random, limits) -> Trace | 
     return current
 
 
+#: Output lengths of ``logprob_streams``' streams: hundreds of tokens, where a per-step cost that grows with the
+#: output so far outgrows an engine step (heldout3's bug: four streams of 350 tokens with 20 logprobs).
+LOGPROB_STREAM_OUTPUTS = (256, 384, 512)
+
+
+def logprob_streams(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """Two to six streams asking for the most logprobs the server takes, each hundreds of tokens long, then one
+    or two plain streams while they decode."""
+    values = limits.logprob_values()
+    count = min(rng.randint(2, 6), _room(trace, limits) - 2)
+    if not values or count < 2:
+        return None
+    out = min(rng.choice(LOGPROB_STREAM_OUTPUTS), limits.max_model_len - 256)
+    top = max(values)
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    current = trace
+    for i in range(count):
+        req = Request(id=fresh_id(current, f"lp{i}"), at_ms=at + i, prompt_tokens=rng.choice((64, 256)),
+                      max_tokens=out, stream=True, logprobs=top if rng.random() < 0.75 else rng.choice(values))
+        current = current.with_requests([*current.requests, req])
+    # While they decode: a second or more in, where the cost of the output so far has grown.
+    later = at + count + rng.choice((500.0, 1500.0, 3000.0))
+    for i in range(rng.randint(1, 2)):
+        req = Request(id=fresh_id(current, "plain"), at_ms=later + 20.0 * i, prompt_tokens=64,
+                      max_tokens=rng.choice((64, 128)), stream=True)
+        current = current.with_requests([*current.requests, req])
+    return current
+
+
 SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
                    client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, sampling_batch,
-                   cached_prefix_burst, abandoned_queue, reservation_under_load)
+                   cached_prefix_burst, abandoned_queue, reservation_under_load, logprob_streams)
