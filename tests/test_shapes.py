@@ -127,8 +127,9 @@ def test_sampling_batch_puts_one_seeded_or_logprobs_request_among_many_streams()
         assert all(r.n == 1 for r in one.requests if r not in parent.requests)
 
 
-def test_logprob_streams_sends_long_logprobs_streams_then_a_plain_one_while_they_decode():
-    for _, parent, child in _children(shapes.logprob_streams):
+def test_logprob_streams_sends_long_logprobs_streams_then_a_plain_one_while_they_decode_and_reaches_its_pathology():
+    reached = tried = 0
+    for i, parent, child in _children(shapes.logprob_streams, 30):
         new = [r for r in child.requests if r not in parent.requests]
         lp = [r for r in new if r.logprobs is not None]
         plain = [r for r in new if r.logprobs is None]
@@ -136,6 +137,13 @@ def test_logprob_streams_sends_long_logprobs_streams_then_a_plain_one_while_they
         assert all(r.stream and r.max_tokens >= 256 and r.logprobs <= 20 for r in lp)
         assert max(r.logprobs for r in lp) == 20  # the most the server takes
         assert min(r.at_ms for r in plain) >= max(r.at_ms for r in lp) + 500 and all(r.stream for r in plain)
+        target = VirtualTarget(pathologies=("logprobs-redetokenize",), seed=i)
+        if any(target.run(parent).ground_truth.values()):
+            continue
+        tried += 1
+        reached += any("logprobs-redetokenize" in target.run(child).ground_truth.get(r.id, ()) for r in plain)
+        assert not any(VirtualTarget(seed=i).run(child).ground_truth.values())
+    assert tried >= 10 and reached >= 0.6 * tried, (reached, tried)
     for i in range(20):
         parent = generate(random.Random(i), LIMITS)
         five = shapes.logprob_streams(parent, random.Random(i), Limits(max_logprobs=5))

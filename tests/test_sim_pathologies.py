@@ -31,6 +31,7 @@ CONTRACT_NAMES = (
     "seeded-sampling-path",
     "queued-abort-late",
     "head-reserve-admission",
+    "logprobs-redetokenize",
 )
 
 
@@ -301,3 +302,55 @@ def test_head_reserve_admission_holds_the_queue_only_while_the_heads_output_does
         {"id": "B", "at_ms": 0, "prompt_tokens": 256, "max_tokens": 30000, "ignore_eos": False},
         {"id": "V", "at_ms": 10, "prompt_tokens": 64, "max_tokens": 16}]})
     assert not any(_warm_run(("head-reserve-admission",), alone).ground_truth.values())
+
+
+def test_logprobs_redetokenize_delivers_every_stream_behind_the_frontend_s_growing_logprobs_work():
+    trace = TRIGGERS["logprobs-redetokenize"].trace
+    off, on = _warm_run((), trace), _warm_run(("logprobs-redetokenize",), trace)
+    assert on.request("V").ttft_s > 20 * off.request("V").ttft_s
+    assert on.request("L0").e2e_s > 2 * off.request("L0").e2e_s
+    assert len(on.request("L0").token_times_s) == 350 and len(on.request("V").token_times_s) == 100
+    assert "logprobs-redetokenize" in on.ground_truth["V"] and not any(off.ground_truth.values())
+    # Controls: without a stream the frontend rebuilds no chunk's logprobs; streams without logprobs cost nothing.
+    quiet = trace.to_dict()
+    whole = from_dict({**quiet, "requests": [{**r, "stream": False} if r["id"] != "V" else r for r in quiet["requests"]]})
+    plain = from_dict({**quiet, "requests": [{k: v for k, v in r.items() if k != "logprobs"} for r in quiet["requests"]]})
+    for trace in (whole, plain):
+        assert not any(_warm_run(("logprobs-redetokenize",), trace).ground_truth.values())
+
+
+async def test_logprobs_redetokenize_holds_an_http_stream_s_tokens_until_the_frontend_reaches_them():
+    from fuzzer.sim import SimConfig
+    from fuzzer.sim.server import SimServer
+
+    async def ttft_and_count(pathologies):
+        sim = SimServer(SimConfig(speed=20.0), pathologies=pathologies, seed=1)
+        url = await sim.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession(base_url=url) as session:
+                async def stream(rid, delay_s, max_tokens, **extra):
+                    await asyncio.sleep(delay_s)
+                    body = {"prompt": "one two three " * 4, "max_tokens": max_tokens, "ignore_eos": True,
+                            "stream": True, **extra}
+                    start, first, chunks = loop.time(), None, 0
+                    async with session.post("/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
+                        async for line in r.content:
+                            if line.startswith(b"data: {"):
+                                first = first if first is not None else loop.time() - start
+                                chunks += 1
+                    return first, chunks
+
+                loop = asyncio.get_running_loop()
+                # At speed 20 the three streams' 800 steps take ~0.15 s, their frontend work ~1.1 s: at 0.1 s
+                # the frontend is ~0.4 s behind.
+                *_, plain = await asyncio.gather(*(stream(f"lp{i}", 0.0, 800, logprobs=20) for i in range(3)),
+                                                 stream("plain", 0.1, 200))
+        finally:
+            await sim.stop()
+        return plain, {g.request_id: g.pathologies for g in sim.engine.records}
+
+    (off_ttft, off_chunks), off_truth = await ttft_and_count(())
+    (on_ttft, on_chunks), on_truth = await ttft_and_count(("logprobs-redetokenize",))
+    assert off_chunks == on_chunks == 200  # every token, late
+    assert on_ttft > off_ttft + 0.2, (on_ttft, off_ttft)
+    assert on_truth["plain"] == ("logprobs-redetokenize",) and not any(off_truth.values())

@@ -91,6 +91,10 @@ class SimConfig:
     #: ``decode_seq_s``: 17 short streams' ~3.9 ms decode step becomes ~7.3 ms (~1.9x), near
     #: vllm-omni #6178's ~40% throughput loss and ~2x time to first packet at concurrency >= 16.
     seeded_row_sample_s: float = 200e-6
+    #: logprobs-redetokenize: frontend time per (logprob + 1) x output token so far x choice, per streaming
+    #: request with logprobs and step: about a microsecond to turn one token id into its string again. One
+    #: stream with 20 logprobs outgrows the ~3.5 ms decode step after ~150 tokens, four after ~40.
+    redetokenize_token_s: float = 1.1e-6
 
     def __post_init__(self) -> None:
         positive_ints = (

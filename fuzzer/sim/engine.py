@@ -93,6 +93,7 @@ class Engine(Mechanisms):
         self._seq = itertools.count()
         self._admit_seq = itertools.count()
         self._tokenizer_free_s = -math.inf
+        self._delivery_free_s = -math.inf
         #: End of the last step; None: never ran (a fresh server is cold).
         self._last_step_end_s: float | None = None
         self._cold_extra_s: list[float] = []
@@ -166,6 +167,7 @@ class Engine(Mechanisms):
         min_tokens: int = 0,
         seed: int | None = None,
         temperature: float = 0.0,
+        stream: bool = False,
     ) -> SimRequest:
         """A request arrives at ``now_s``; it reaches the scheduler after tokenization."""
         cfg = self.config
@@ -195,6 +197,7 @@ class Engine(Mechanisms):
             group_key=hashes[0] if hashes else None,
             seed=seed,
             temperature=temperature,
+            stream=stream,
         )
         if P.SERIAL_TOKENIZER in self.pathologies:
             start = max(now_s, self._tokenizer_free_s)
@@ -270,6 +273,10 @@ class Engine(Mechanisms):
         """
         end = step.end_s
         progressed = []
+        # When this step's tokens reach their clients (later than ``end`` only with logprobs-redetokenize).
+        delivered = self._delivered_s((req for req, tokens in step.scheduled if req.state is State.RUNNING
+                                       and req.num_computed + tokens >= req.num_tokens
+                                       and req.leaked != P.QUEUED_ABORT_LATE), end)
         for req, tokens in step.scheduled:
             if req.state is not State.RUNNING:
                 continue  # aborted or preempted while the step ran
@@ -283,9 +290,9 @@ class Engine(Mechanisms):
                 continue
             req.generated += 1
             self.stats.generation_tokens += req.n
-            req.token_times_s.append(end)
+            req.token_times_s.append(delivered)
             if req.first_token_s is None:
-                req.first_token_s = end
+                req.first_token_s = delivered
                 self.stats.prompt_tokens += req.prompt_len
             if req.generated >= req.output_len:
                 self._running.remove(req)
@@ -335,8 +342,8 @@ class Engine(Mechanisms):
         while done < steps and t < until_s:
             load_s = fixed + (context + done * seqs) * cfg.context_token_s
             t += (load_s * self._timer.noise() + extra + seeded) / cfg.speed
-            times.append(t)
             done += 1
+            times.append(self._delivered_s(running, t, done))
         for req in running:
             grow = self._blocks_for(req, req.num_computed + done) - len(req.blocks)
             if grow > 0:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from fuzzer.sim.kv import KVCache
 
 
+#: logprobs-redetokenize tags a request whose tokens reached it later than their step by more than this (s).
+REDETOKENIZE_MIN_LAG_S = 0.002
+
+
 class Mechanisms:
     """The pathology hooks of the engine (state lives on the engine)."""
 
@@ -27,6 +31,8 @@ class Mechanisms:
     _batch_full: bool
     _last_step_end_s: float | None
     _cold_extra_s: list[float]
+    #: logprobs-redetokenize: when the frontend has handled every output so far.
+    _delivery_free_s: float
     kv: "KVCache"
     #: The engine's: blocks a request needs to hold so many tokens of its sequence.
     _blocks_for: Callable[[SimRequest, int], int]
@@ -125,6 +131,21 @@ class Mechanisms:
             return 0.0
         self._tag(P.SEEDED_SAMPLING_PATH, (r for r, _ in batch), self._waiting)
         return rows * self.config.seeded_row_sample_s
+
+    def _delivered_s(self, out: Iterable[SimRequest], end_s: float, ahead: int = 1) -> float:
+        """When the tokens a step ending at ``end_s`` gave ``out`` reach their clients: ``end_s``, or with
+        logprobs-redetokenize on, after the frontend has handled the earlier steps' outputs and this one's (each
+        streaming request with logprobs re-detokenizes its output so far: ``ahead`` tokens past ``generated``)."""
+        if P.LOGPROBS_REDETOKENIZE not in self.pathologies:
+            return end_s
+        out = list(out)
+        cfg = self.config
+        work = sum((r.logprobs + 1) * r.n * (r.generated + ahead) for r in out if r.stream and r.logprobs)
+        delivered = max(end_s, self._delivery_free_s) + work * cfg.redetokenize_token_s / cfg.speed
+        self._delivery_free_s = delivered
+        if (delivered - end_s) * cfg.speed > REDETOKENIZE_MIN_LAG_S:
+            self._tag(P.LOGPROBS_REDETOKENIZE, out)
+        return delivered
 
     def _sticky_blocks(self) -> bool:
         if P.STICKY_BATCH_FULL not in self.pathologies or not self._batch_full:

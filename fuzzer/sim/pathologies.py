@@ -34,6 +34,7 @@ RESIDENT_PREFIX_REFUSAL = "resident-prefix-refusal"
 SEEDED_SAMPLING_PATH = "seeded-sampling-path"
 QUEUED_ABORT_LATE = "queued-abort-late"
 HEAD_RESERVE_ADMISSION = "head-reserve-admission"
+LOGPROBS_REDETOKENIZE = "logprobs-redetokenize"
 
 
 @dataclass(frozen=True)
@@ -392,6 +393,29 @@ class HeadReserveAdmission(_Pathology):
     kind = "ttft-outlier"
 
 
+class LogprobsRedetokenize(_Pathology):
+    """Streams with logprobs make the frontend re-detokenize each one's whole output at every step.
+
+    Models SGLang PR #10805 ("all logprobs_val will be detokenized at the end of each decoding round. When
+    the sequence length is long, it will cause excessive CPU load ... will block the processing of other
+    parallel requests"), vLLM #1099 (incremental detokenization re-converting every earlier output token)
+    and vLLM PR #24174 (CPU time between steps that grows with the output length). The single API-server
+    process handles each step's outputs in turn before any reaches its client; per streaming request with
+    logprobs it spends ``redetokenize_token_s`` x (logprobs + 1) x its output so far, per choice. Once that
+    outgrows an engine step, delivery falls behind the engine for every stream, plain ones too, and the lag
+    grows while those streams decode; the engine's own metrics look normal. Ground truth names every request
+    whose tokens reached it later than the step that made them by more than ``REDETOKENIZE_MIN_LAG_S``.
+
+    Trigger: a few streams with logprobs that run to hundreds of tokens, and other streams beside them.
+    """
+
+    name = LOGPROBS_REDETOKENIZE
+    models = "sglang PR #10805; vllm #1099, PR #24174 (per-step logprobs detokenization of the whole output)"
+    trigger = "streams asking for logprobs that run to hundreds of tokens, next to other streams"
+    effect = "every stream's tokens arrive later and later behind the engine while those streams decode"
+    kind = "ttft-outlier"
+
+
 _REGISTRY: tuple[type[_Pathology], ...] = (
     HolPrefixBurst,
     UnchunkedPrefill,
@@ -409,6 +433,7 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     SeededSamplingPath,
     QueuedAbortLate,
     HeadReserveAdmission,
+    LogprobsRedetokenize,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

@@ -66,6 +66,8 @@ class SimRequest:
     #: The sampling seed the client sent (None: none) and its temperature (0: greedy, no sampling).
     seed: int | None = None
     temperature: float = 0.0
+    #: Whether its client reads a stream (logprobs-redetokenize rebuilds each streamed chunk's logprobs).
+    stream: bool = False
 
     @property
     def prompt_len(self) -> int:

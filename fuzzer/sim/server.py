@@ -18,6 +18,7 @@ served over HTTP.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import os
@@ -45,6 +46,8 @@ from fuzzer.sim.tokenizer import Tokenizer, output_text, output_token
 #: blocked loop, a machine under load), the engine resynchronizes to the clock
 #: instead of running steps back to back to catch up.
 MAX_TIMELINE_LAG_S = 0.05
+#: A token is out once the clock is within this of its time (a timer may fire a hair early).
+_DELIVERY_SLACK_S = 1e-3
 
 
 class SimServer:
@@ -215,7 +218,12 @@ class SimServer:
                 elif len(times) > 1:
                     self.metrics.observe_itl(times[-1] - times[-2])
                 waiter = self._waiters.get(req)
-                if waiter is not None:
+                if waiter is None:
+                    continue
+                late = times[-1] - self._clock() if times else 0.0
+                if late > 0:  # its frontend is behind the engine (logprobs-redetokenize)
+                    asyncio.get_running_loop().call_later(late, waiter.set)
+                else:
                     waiter.set()
 
     # --- generation ----------------------------------------------------------------------------
@@ -265,6 +273,7 @@ class SimServer:
             min_tokens=gen.min_tokens,
             seed=gen.seed,
             temperature=gen.temperature,
+            stream=gen.stream,
         )
         waiter = asyncio.Event()
         self._waiters[req] = waiter
@@ -391,7 +400,8 @@ class _Output:
     def advance(self, engine: Engine, now_s: float):
         """Yield (token index, text per choice, logprobs per choice, finish reason or None) for new tokens."""
         req, gen = self._req, self._gen
-        upto = req.generated
+        # The tokens that have reached the frontend's output by now (all the engine made, unless it lags behind).
+        upto = bisect.bisect_right(req.token_times_s, now_s + _DELIVERY_SLACK_S)
         while self.sent < upto and not self.done:
             k = self.sent
             self.sent += 1
@@ -408,7 +418,7 @@ class _Output:
                     self.logprobs[c].append(lp)
                 pieces.append(piece)
                 lps.append(lp)
-            last = stopped or (req.finished and self.sent >= upto)
+            last = stopped or (req.finished and self.sent >= req.generated)
             if stopped:
                 engine.finish_early(req, now_s, "stop")
             if last:

@@ -221,6 +221,18 @@ def _build() -> dict[str, Trigger]:
             "V",
             "ttft",
         ),
+        # L0-L3 stream 350 tokens with 20 logprobs each; V, a plain 100-token stream, comes at 1.5 s, when the
+        # frontend's per-step work on their outputs has long outgrown a decode step.
+        P.LOGPROBS_REDETOKENIZE: Trigger(
+            _trace(
+                "trigger-logprobs-redetokenize",
+                [{"id": f"L{i}", "at_ms": i, "prompt_tokens": 64, "max_tokens": 350, "logprobs": 20}
+                 for i in range(4)]
+                + [{"id": "V", "at_ms": 1500, "prompt_tokens": 64, "max_tokens": 100}],
+            ),
+            "V",
+            "ttft",
+        ),
     }
 
 

@@ -131,7 +131,7 @@ class VirtualTarget:
                 at, r, prompt = arrivals[i]
                 handle = engine.add_request(
                     f"{r.id}-{index}", prompt, r.max_tokens, now_s=at, n=r.n, logprobs=r.logprobs,
-                    ignore_eos=r.ignore_eos, seed=r.seed, temperature=r.temperature,
+                    ignore_eos=r.ignore_eos, seed=r.seed, temperature=r.temperature, stream=r.stream,
                 )
                 handles[r.id] = handle
                 if r.cancel_after_tokens is not None:
@@ -311,7 +311,8 @@ class VirtualTarget:
             )
         if h.finish_s is None:
             return RequestResult(**common, outcome=Outcome.TIMEOUT, detail="the simulated engine never finished it")
-        e2e = h.finish_s - send_abs
+        # Its last token may reach it after the engine finished it (a frontend behind: logprobs-redetokenize).
+        e2e = max(h.finish_s, *h.token_times_s[-1:]) - send_abs
         usage = {
             "finish_reason": h.finish_reason,
             "prompt_tokens": h.prompt_len,
