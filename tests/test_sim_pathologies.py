@@ -317,6 +317,11 @@ def test_logprobs_redetokenize_delivers_every_stream_behind_the_frontend_s_growi
     plain = from_dict({**quiet, "requests": [{k: v for k, v in r.items() if k != "logprobs"} for r in quiet["requests"]]})
     for trace in (whole, plain):
         assert not any(_warm_run(("logprobs-redetokenize",), trace).ground_truth.values())
+    # A client that leaves after four tokens reads four, however late they come.
+    leaving = from_dict({**quiet, "requests": [*quiet["requests"], {"id": "C", "at_ms": 1000, "prompt_tokens": 64,
+                                                                    "max_tokens": 300, "cancel_after_tokens": 4}]})
+    late = _warm_run(("logprobs-redetokenize",), leaving).request("C")
+    assert len(late.token_times_s) == 4 and late.ttft_s > 1.0 and late.e2e_s >= late.token_times_s[-1]
 
 
 async def test_logprobs_redetokenize_holds_an_http_stream_s_tokens_until_the_frontend_reaches_them():

@@ -241,7 +241,8 @@ class VirtualTarget:
             if limit is not None and req.generated >= limit and not req.finished and req.request_id not in cancelled_at:
                 del cancel_after[id(req)]  # once: a server that leaks the abort runs it on
                 engine.abort(req, t)
-                cancelled_at[req.request_id] = t
+                # The client leaves once it has read its tokens: later than the step where the frontend lags.
+                cancelled_at[req.request_id] = max(t, req.token_times_s[limit - 1])
 
     def _check(self, r: Request) -> str | None:
         """The 400 a vLLM-like server would answer, or None."""
