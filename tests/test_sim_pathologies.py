@@ -329,7 +329,7 @@ async def test_logprobs_redetokenize_holds_an_http_stream_s_tokens_until_the_fro
     from fuzzer.sim.server import SimServer
 
     async def ttft_and_count(pathologies):
-        sim = SimServer(SimConfig(speed=20.0), pathologies=pathologies, seed=1)
+        sim = SimServer(SimConfig(speed=20.0, redetokenize_token_s=1.1e-5), pathologies=pathologies, seed=1)
         url = await sim.start("127.0.0.1", 0)
         try:
             async with aiohttp.ClientSession(base_url=url) as session:
@@ -346,10 +346,10 @@ async def test_logprobs_redetokenize_holds_an_http_stream_s_tokens_until_the_fro
                     return first, chunks
 
                 loop = asyncio.get_running_loop()
-                # At speed 20 the three streams' 800 steps take ~0.15 s, their frontend work ~1.1 s: at 0.1 s
-                # the frontend is ~0.4 s behind.
-                *_, plain = await asyncio.gather(*(stream(f"lp{i}", 0.0, 800, logprobs=20) for i in range(3)),
-                                                 stream("plain", 0.1, 200))
+                # At speed 20 the three streams' 300 steps take 0.06 s (0.6 s on a busy host), and ten times the
+                # usual work per token makes their frontend work 1.56 s: a stream sent at 0.7 s waits for it.
+                *_, plain = await asyncio.gather(*(stream(f"lp{i}", 0.0, 300, logprobs=20) for i in range(3)),
+                                                 stream("plain", 0.7, 200))
         finally:
             await sim.stop()
         return plain, {g.request_id: g.pathologies for g in sim.engine.records}
@@ -357,5 +357,5 @@ async def test_logprobs_redetokenize_holds_an_http_stream_s_tokens_until_the_fro
     (off_ttft, off_chunks), off_truth = await ttft_and_count(())
     (on_ttft, on_chunks), on_truth = await ttft_and_count(("logprobs-redetokenize",))
     assert off_chunks == on_chunks == 200  # every token, late
-    assert on_ttft > off_ttft + 0.2, (on_ttft, off_ttft)
+    assert on_ttft > off_ttft + 0.4, (on_ttft, off_ttft)
     assert on_truth["plain"] == ("logprobs-redetokenize",) and not any(off_truth.values())
