@@ -12,6 +12,7 @@ import random
 import shutil
 import sqlite3
 
+import pytest
 from click.testing import CliRunner
 from conftest import CORPUS
 
@@ -308,6 +309,41 @@ async def test_in_its_closing_share_a_campaign_confirms_the_candidates_that_wait
     assert ends[0.0][0] >= 1 and ends[0.25][0] == 0 and ends[0.25][1] > ends[0.0][1], ends
     assert closing(61.0, 80.0, 0.25) and not closing(59.0, 80.0, 0.25)
     assert not closing(10_000.0, None) and not closing(80.0, 80.0, 0.0)
+
+
+def test_the_closing_share_starts_sooner_when_what_waits_takes_longer_to_confirm():
+    from fuzzer.search.pacing import MAX_CLOSING_SHARE, closing
+
+    # 30 minutes, the last 10% a closing share: 180 s. Six minutes of waiting candidates start it at 24 minutes.
+    assert not closing(1400.0, 1800.0, 0.1) and closing(1620.0, 1800.0, 0.1)
+    assert closing(1440.0, 1800.0, 0.1, waiting_s=360.0) and not closing(1430.0, 1800.0, 0.1, waiting_s=360.0)
+    # Never sooner than MAX_CLOSING_SHARE from the end; a user's larger share stands; off stays off.
+    assert not closing((1 - MAX_CLOSING_SHARE) * 1800.0 - 1.0, 1800.0, 0.1, waiting_s=10_000.0)
+    assert closing((1 - MAX_CLOSING_SHARE) * 1800.0, 1800.0, 0.1, waiting_s=10_000.0)
+    assert closing(900.0, 1800.0, 0.5) and not closing(1700.0, 1800.0, 0.0, waiting_s=10_000.0)
+
+
+def test_what_waits_costs_three_runs_for_a_family_s_first_and_one_for_the_rest():
+    from fuzzer.oracle.judge import Candidate
+    from fuzzer.oracle.kinds import FindingKind, Metric
+    from fuzzer.search.confirming import WAITING_RUN_S, Waiting
+    from fuzzer.search.cuts import confirmation_cut_s
+
+    campaign = _campaign(_Sim(VirtualTarget(seed=0)), Store.memory(), [], None, max_execs=1)
+    campaign._open()
+    trace = tf.load(sorted(CORPUS.glob("*.json"))[0])
+    victim = trace.requests[0].id
+
+    def waiting(key, family, until_s):
+        c = Candidate(FindingKind.TTFT_OUTLIER, victim, Metric.TTFT, 5.0, until_s=until_s)
+        return Waiting(trace, c, key, family)
+
+    one = waiting("a", "f1", 2.0)
+    campaign.confirmer.waiting = [one, waiting("b", "f1", 2.0), waiting("c", "f2", None)]
+    cut = confirmation_cut_s(one.candidate)
+    assert campaign.confirmer.waiting_cost_s() == pytest.approx(3 * cut + cut + 3 * WAITING_RUN_S)
+    campaign.confirmer.waiting = []
+    assert campaign.confirmer.waiting_cost_s() == 0.0
 
 
 def test_an_executions_time_cap():

@@ -181,7 +181,8 @@ class Campaign:
             slo=Slo(**{f"{k}_ms": v for k, v in self.settings.slo_ms.items()}) if self.settings.slo_ms else None,
             futility=self.settings.futility, kv_tokens=self.settings.limits.kv_tokens,
             due=lambda: (self.server_time.confirm_due(self.settings.confirm_share)
-                         or closing(self._clock() - self._started, self.settings.duration_s, self.settings.closing_share)),
+                         or closing(self._clock() - self._started, self.settings.duration_s, self.settings.closing_share,
+                                    self.confirmer.waiting_cost_s())),
         )
         if self.settings.mutator == "null":
             self.mutator = NullMutator(self.settings.limits)
@@ -355,8 +356,8 @@ class Campaign:
             await self._settle(parent)
         self._dirty.add(parent.id)
         # Several children per pick (AFL's stages): a fresh parent's stability runs are paid once.
-        for i in range(CHILDREN_PER_PICK):
-            if i and self._should_stop() is not None:
+        for _ in range(CHILDREN_PER_PICK):  # each only while time is left (the stability runs may have used it up)
+            if self._should_stop() is not None:
                 return
             other = self.corpus.choose(self.rng).trace if len(self.corpus) > 1 else None
             await self._try(self._affordable_child(parent.trace, other), parent)

@@ -79,6 +79,8 @@ FAMILY_EVERY = 5
 #: Latency candidates waiting for the confirmation share, at most this many: the lowest-ranked is
 #: dropped (it is seen again if its trace is fuzzed again, as AFL forgets non-favoured paths).
 WAITING_MAX = 16
+#: A re-run's length, for the closing share's estimate, where a waiting candidate's end is unknown (seconds).
+WAITING_RUN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,18 @@ class Confirmer:
         self.waiting = [w for w in self.waiting if w.key != waiting.key] + [waiting]
         if len(self.waiting) > WAITING_MAX:
             self.waiting.remove(max(self.waiting, key=self._rank))
+
+    def waiting_cost_s(self) -> float:
+        """About how long confirming every waiting candidate takes, best-ranked first: MIN_RUNS re-runs for the first
+        of each family, one for the others (once its family is found a candidate costs at most one), each run to its
+        cut (WAITING_RUN_S where its end is unknown). An upper bound: a candidate that does not recur stops at one."""
+        families: set[str | None] = set()
+        total = 0.0
+        for w in sorted(self.waiting, key=self._rank):
+            runs = 1 if w.family in families else self._policy.min_runs
+            total += runs * (confirmation_cut_s(w.candidate) or WAITING_RUN_S)
+            families.add(w.family)
+        return total
 
     def waiting_due(self) -> bool:
         """Whether a waiting candidate should be confirmed now (the share allows one)."""
