@@ -305,12 +305,12 @@ class Confirmer:
             self.waiting.remove(max(self.waiting, key=self._rank))
 
     def waiting_cost_s(self) -> float:
-        """About how long confirming every waiting candidate takes, best-ranked first: MIN_RUNS re-runs for the first
-        of each family, one for the others (once its family is found a candidate costs at most one), each run to its
-        cut (WAITING_RUN_S where its end is unknown). An upper bound: a candidate that does not recur stops at one."""
+        """About how long confirming every waiting candidate takes: MIN_RUNS re-runs for one of each family, one for
+        the others (once its family is found a candidate costs at most one), each run to its cut (WAITING_RUN_S where
+        its end is unknown). An upper bound: a candidate that does not recur stops at one."""
         families: set[str | None] = set()
         total = 0.0
-        for w in sorted(self.waiting, key=self._rank):
+        for w in self.waiting:
             runs = 1 if w.family in families else self._policy.min_runs
             total += runs * (confirmation_cut_s(w.candidate) or WAITING_RUN_S)
             families.add(w.family)

@@ -209,10 +209,9 @@ def closing(elapsed_s: float, horizon_s: float | None, share: float = CLOSING_SH
     """Whether a campaign ``elapsed_s`` into its planned ``horizon_s`` (None: no end planned) is in its
     closing ``share``: its last ``share``, or sooner (up to MAX_CLOSING_SHARE from the end) when what waits
     takes ``waiting_s`` to confirm and no more time is left."""
-    if horizon_s is None or share <= 0:
+    if horizon_s is None or horizon_s <= 0 or share <= 0:
         return False
-    start = max(1.0 - MAX_CLOSING_SHARE, 1.0 - max(share, (waiting_s / horizon_s) if horizon_s > 0 else 0.0))
-    return elapsed_s >= min(1.0 - share, start) * horizon_s
+    return elapsed_s >= (1.0 - max(share, min(MAX_CLOSING_SHARE, waiting_s / horizon_s))) * horizon_s
 
 
 @dataclass

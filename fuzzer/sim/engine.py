@@ -272,11 +272,7 @@ class Engine(Mechanisms):
         Returns the requests that got a new token (finished ones included).
         """
         end = step.end_s
-        progressed = []
-        # When this step's tokens reach their clients (later than ``end`` only with logprobs-redetokenize).
-        delivered = self._delivered_s((req for req, tokens in step.scheduled if req.state is State.RUNNING
-                                       and req.num_computed + tokens >= req.num_tokens
-                                       and req.leaked != P.QUEUED_ABORT_LATE), end)
+        sampled = []
         for req, tokens in step.scheduled:
             if req.state is not State.RUNNING:
                 continue  # aborted or preempted while the step ran
@@ -288,6 +284,10 @@ class Engine(Mechanisms):
                 self._running.remove(req)
                 self._finish(req, end, "abort")
                 continue
+            sampled.append(req)
+        # When this step's tokens reach their clients (later than ``end`` only with logprobs-redetokenize).
+        delivered = self._delivered_s(sampled, end)
+        for req in sampled:
             req.generated += 1
             self.stats.generation_tokens += req.n
             req.token_times_s.append(delivered)
@@ -297,10 +297,9 @@ class Engine(Mechanisms):
             if req.generated >= req.output_len:
                 self._running.remove(req)
                 self._finish(req, end, "length" if req.generated >= req.max_tokens else "stop")
-            progressed.append(req)
         if self._last_step_end_s is None or end > self._last_step_end_s:
             self._last_step_end_s = end
-        return progressed
+        return sampled
 
     def decode_run(self, now_s: float, until_s: float, max_steps: int) -> tuple[float, list[SimRequest]] | None:
         """Run consecutive decode-only steps at once (the virtual runner's fast path).
@@ -336,6 +335,7 @@ class Engine(Mechanisms):
         seeded = self._seeded_sampling_extra((r, 1) for r in running)  # every decode samples
         context = sum(r.num_computed * r.n for r in running)
         fixed = cfg.step_overhead_s + seqs * cfg.decode_seq_s + logprob_units * cfg.logprob_s
+        lags = P.LOGPROBS_REDETOKENIZE in self.pathologies  # the fast path pays nothing for it otherwise
         t = now_s
         times = []
         done = 0
@@ -343,7 +343,7 @@ class Engine(Mechanisms):
             load_s = fixed + (context + done * seqs) * cfg.context_token_s
             t += (load_s * self._timer.noise() + extra + seeded) / cfg.speed
             done += 1
-            times.append(self._delivered_s(running, t, done))
+            times.append(self._delivered_s(running, t, done) if lags else t)
         for req in running:
             grow = self._blocks_for(req, req.num_computed + done) - len(req.blocks)
             if grow > 0:

@@ -211,6 +211,7 @@ class SimServer:
             await asyncio.sleep(max(0.0, delay))  # sleep(0) still yields to the handlers
             progressed = engine.complete(step)
             nominal = step.end_s
+            now = self._clock()
             for req in progressed:
                 times = req.token_times_s
                 if len(times) == 1:
@@ -220,7 +221,7 @@ class SimServer:
                 waiter = self._waiters.get(req)
                 if waiter is None:
                     continue
-                late = times[-1] - self._clock() if times else 0.0
+                late = times[-1] - now if times else 0.0
                 if late > 0:  # its frontend is behind the engine (logprobs-redetokenize)
                     asyncio.get_running_loop().call_later(late, waiter.set)
                 else:
