@@ -126,3 +126,21 @@ class SimConfig:
 
     def with_overrides(self, **changes: Any) -> "SimConfig":
         return replace(self, **changes)
+
+
+def select(spec: str | tuple[str, ...] | list[str] | None, names: tuple[str, ...], noun: str) -> tuple[str, ...]:
+    """A selection of ``names`` (a registry's, in its order): ``"all"``, ``"none"`` (or empty), comma-separated
+    names, or a tuple or list of names given in code. An unknown name raises :class:`ConfigError` naming
+    the valid choices (``noun``: what the names are, "pathology" or "fault")."""
+    text = (spec if isinstance(spec, str) else ",".join(spec or ())).strip().lower()
+    if text in ("", "none"):
+        return ()
+    if text == "all":
+        return names
+    wanted = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = sorted(wanted - set(names))
+    if unknown:
+        raise ConfigError(
+            f"unknown {noun} {', '.join(repr(u) for u in unknown)}: choose from {', '.join(names)}, or 'all' or 'none'"
+        )
+    return tuple(n for n in names if n in wanted)

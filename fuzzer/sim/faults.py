@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fuzzer.errors import ConfigError
+from fuzzer.sim.config import select
 
 HTTP_500 = "http-500"
 RESET = "reset"
@@ -155,26 +156,16 @@ def describe() -> tuple[FaultInfo, ...]:
 
 
 def parse(spec: str | None) -> tuple[str, ...]:
-    """``"all"``, ``"none"`` (or empty) or comma-separated names -> names in registry order."""
-    text = (spec or "").strip().lower()
-    if text in ("", "none"):
-        return ()
-    if text == "all":
-        return NAMES
-    wanted = {part.strip() for part in text.split(",") if part.strip()}
-    unknown = sorted(wanted - set(NAMES))
-    if unknown:
-        raise ConfigError(
-            f"unknown fault {', '.join(repr(u) for u in unknown)}: choose from {', '.join(NAMES)}, or 'all' or 'none'"
-        )
-    return tuple(n for n in NAMES if n in wanted)
+    """``"all"``, ``"none"`` (or empty) or comma-separated names -> names in registry order.
+
+    Raises :class:`ConfigError` naming the valid choices for an unknown name.
+    """
+    return select(spec, NAMES, "fault")
 
 
 def validate(names: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
     """Normalize a fault selection given in code (a tuple of names or a spec string)."""
-    if isinstance(names, str):
-        return parse(names)
-    return parse(",".join(names)) if names else ()
+    return select(names, NAMES, "fault")
 
 
 def check_rate(rate: float) -> float:

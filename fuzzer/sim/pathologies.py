@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fuzzer.errors import ConfigError
+from fuzzer.sim.config import select
 
 HOL_PREFIX_BURST = "hol-prefix-burst"
 UNCHUNKED_PREFILL = "unchunked-prefill"
@@ -450,23 +450,9 @@ def parse(spec: str | None) -> tuple[str, ...]:
 
     Raises :class:`ConfigError` naming the valid choices for an unknown name.
     """
-    text = (spec or "").strip().lower()
-    if text in ("", "none"):
-        return ()
-    if text == "all":
-        return NAMES
-    wanted = {part.strip() for part in text.split(",") if part.strip()}
-    unknown = sorted(wanted - set(NAMES))
-    if unknown:
-        raise ConfigError(
-            f"unknown pathology {', '.join(repr(u) for u in unknown)}: "
-            f"choose from {', '.join(NAMES)}, or 'all' or 'none'"
-        )
-    return tuple(n for n in NAMES if n in wanted)
+    return select(spec, NAMES, "pathology")
 
 
 def validate(names: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
     """Normalize a pathology selection given in code (a tuple of names or a spec string)."""
-    if isinstance(names, str):
-        return parse(names)
-    return parse(",".join(names)) if names else ()
+    return select(names, NAMES, "pathology")
