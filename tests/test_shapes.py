@@ -127,6 +127,22 @@ def test_sampling_batch_puts_one_seeded_or_logprobs_request_among_many_streams()
         assert all(r.n == 1 for r in one.requests if r not in parent.requests)
 
 
+def test_sampling_batch_rows_take_several_choices_half_the_time_within_the_kv_cache():
+    # A per-row sampler cost grows with the sequences sampled, and a trace holds at most max_requests requests.
+    widths = []
+    for _, parent, child in _children(shapes.sampling_batch, 60):
+        rows = [r for r in child.requests if r not in parent.requests][:-1]
+        assert len({r.n for r in rows}) == 1
+        widths.append(rows[0].n)
+    assert set(widths) == {1, shapes.ROW_CHOICES} and 0.25 < widths.count(1) / len(widths) < 0.75
+    for i in range(30):  # where the rows' choices would ask for more than half the reported KV cache: one each
+        parent = generate(random.Random(i), LIMITS)
+        small = shapes.sampling_batch(parent, random.Random(i), Limits(kv_tokens=4096))
+        assert small is None or all(r.n == 1 for r in small.requests if r.id.startswith("row") and r not in parent.requests)
+        fits = shapes.sampling_batch(parent, random.Random(i), Limits(max_n=2))
+        assert fits is None or all(r.n <= 2 for r in fits.requests if r not in parent.requests[:-1] and r.id.startswith("row"))
+
+
 def test_logprob_streams_sends_long_logprobs_streams_then_a_plain_one_while_they_decode_and_reaches_its_pathology():
     reached = tried = 0
     for i, parent, child in _children(shapes.logprob_streams, 30):
