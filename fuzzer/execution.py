@@ -81,6 +81,8 @@ class RequestResult:
     #: With n > 1 streamed: the longest any other choice went without text once the first token came (from
     #: it to the choice's first, or between two of its events); None otherwise. A choice held back is a stall.
     choice_gap_s: float | None = None
+    #: When that longest gap ended, from send (where the client recorded it; None otherwise).
+    choice_gap_end_s: float | None = None
     #: Send to the end of the response (or to the cancel); None when it never ended.
     e2e_s: float | None = None
     finish_reason: str | None = None

@@ -125,6 +125,21 @@ def test_a_preemptible_stream_that_resumed_right_after_a_request_ended_waited_fo
     assert waited_for_blocks({**expectations, "o": _e("o", 0.02, 0.7)}, result, 2.0)["d"] == bound
 
 
+def test_a_later_choice_that_resumed_right_after_a_request_ended_waited_for_its_blocks():
+    # heldout7, clean: a later choice of eight was silent 1.4-1.7 s while choice 0's gaps were short; the blocks it
+    # waited for were looked for inside choice 0's longest gap, and it was a confirmed false itl-stall (5.8x).
+    steady = tuple(np.arange(0.02, 3.06, 0.01).tolist())
+    d = replace(SILENT, token_times_s=steady, choice_gap_s=2.05, choice_gap_end_s=3.05)
+    expectations = {"d": SILENT_BOUND, "o": _e("o", 0.02, 2.0)}
+    waited = waited_for_blocks(expectations, _result(d, _r("o", 0.0, 0.02, 3.0)), 2.0)["d"]
+    assert waited.max_itl_s == pytest.approx(3.0 - 1.0 + 0.2)
+    # Controls: where the client did not record when the gap ended, choice 0's gap is the one placed; an end
+    # long before the later choice resumed.
+    unplaced = replace(d, choice_gap_end_s=None)
+    assert waited_for_blocks(expectations, _result(unplaced, _r("o", 0.0, 0.02, 3.0)), 2.0)["d"] == SILENT_BOUND
+    assert waited_for_blocks(expectations, _result(d, _r("o", 0.0, 0.02, 1.5)), 2.0)["d"] == SILENT_BOUND
+
+
 def test_a_preemptible_stream_that_resumed_right_after_another_preemption_waited_for_its_blocks():
     # Found on stock vLLM (a HolLongestFirst campaign's mutant, replayed on stock: KV at 100%, 1-4
     # preemptions a run): a 1536-token stream silent 1.62 s, with no request ending or starting inside

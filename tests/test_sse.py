@@ -100,11 +100,11 @@ def test_a_choice_held_back_is_the_longest_silence_of_the_request():
         a.feed(comp("x", index=0), t)
     a.feed(comp("a", index=1) + comp("b", index=1), 1.5)
     assert a.first_token_t == 1.0 and a.token_times == [1.0, 1.01, 1.02]
-    assert abs(a.choice_gap - 0.5) < 1e-9
+    assert abs(a.choice_gap - 0.5) < 1e-9 and a.choice_gap_end == 1.5  # when it ended: where it lies in the run
     lockstep = StreamAccount()
     for t in (1.0, 1.01, 1.02):
         lockstep.feed(comp("x", index=0) + comp("y", index=1), t)
-    assert abs(lockstep.choice_gap - 0.01) < 1e-9
+    assert abs(lockstep.choice_gap - 0.01) < 1e-9 and lockstep.choice_gap_end == 1.01  # the first of the longest
     result = RequestResult("m", "m-1", 0.0, 0.0, Outcome.OK, token_times_s=(0.1, 0.11, 0.12), choice_gap_s=0.5)
     assert result.max_itl_s == 0.5
     assert replace(result, choice_gap_s=None).max_itl_s == pytest.approx(0.01)

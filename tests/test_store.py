@@ -24,6 +24,7 @@ def _result(trace, *, ttft=0.05) -> ExecutionResult:
             first_event_s=ttft if r.stream else None,
             token_times_s=(ttft, ttft + 0.004, ttft + 0.009) if r.stream else (),
             choice_gap_s=0.012 if r.stream else None,
+            choice_gap_end_s=ttft + 0.02 if r.stream else None,
             e2e_s=ttft + 0.3,
             finish_reason="length",
             prompt_tokens=r.prompt_tokens,

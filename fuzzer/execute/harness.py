@@ -53,12 +53,13 @@ def request_result(r: Request, x_request_id: str, scheduled_s: float, t0: float,
     """What the client measured for ``r`` (sent at ``sent``, answered until ``end``, on the client's clock)."""
     ttft = first_event = finish = None
     token_times: tuple[float, ...] = ()
-    usage = choice_gap = None
+    usage = choice_gap = choice_gap_end = None
     if account is not None:
         ttft = None if account.first_token_t is None else account.first_token_t - sent
         first_event = None if account.first_event_t is None else account.first_event_t - sent
         token_times = tuple(t - sent for t in account.token_times)
         choice_gap = account.choice_gap
+        choice_gap_end = None if account.choice_gap_end is None else account.choice_gap_end - sent
         finish = account.finish_reason
         usage = account.usage
         if account.fault is not None and detail is None:
@@ -84,6 +85,7 @@ def request_result(r: Request, x_request_id: str, scheduled_s: float, t0: float,
     return RequestResult(
         request_id=r.id, x_request_id=x_request_id, scheduled_s=scheduled_s, sent_s=sent - t0, outcome=outcome,
         ttft_s=ttft, first_event_s=first_event, token_times_s=token_times, choice_gap_s=choice_gap,
+        choice_gap_end_s=choice_gap_end,
         e2e_s=None if end is None or outcome is Outcome.TIMEOUT else end - sent,
         finish_reason=finish if isinstance(finish, str) else None, prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens, cached_tokens=cached, http_status=status, detail=detail,

@@ -36,6 +36,7 @@ class StreamAccount:
         "first_token_t",
         "token_times",
         "choice_gap",
+        "choice_gap_end",
         "_choice_last",
         "events",
         "finish_reason",
@@ -55,6 +56,8 @@ class StreamAccount:
         #: The longest silence of a choice other than 0 (n > 1): from the stream's first token to its first, or
         #: between two of its events; None until such a choice has text.
         self.choice_gap: float | None = None
+        #: When that gap ended (the clock ``now`` is on).
+        self.choice_gap_end: float | None = None
         self._choice_last: dict[Any, float] = {}
         self.events = 0
         self.finish_reason: str | None = None
@@ -155,7 +158,8 @@ class StreamAccount:
                     self.token_times.append(now)
                 else:
                     gap = now - self._choice_last.get(index, self.first_token_t)
-                    self.choice_gap = gap if self.choice_gap is None else max(self.choice_gap, gap)
+                    if self.choice_gap is None or gap > self.choice_gap:
+                        self.choice_gap, self.choice_gap_end = gap, now
                     self._choice_last[index] = now
             reason = choice.get("finish_reason")
             if reason and index == 0:

@@ -161,9 +161,14 @@ def _m6_choice_gap(db: sqlite_utils.Database) -> None:
     db["request_results"].add_column("choice_gap_s", float)
 
 
+def _m7_choice_gap_end(db: sqlite_utils.Database) -> None:
+    db["request_results"].add_column("choice_gap_end_s", float)
+
+
 #: Schema history: append, never edit a released step. Index i brings a database to version i + 1.
 MIGRATIONS: tuple[Callable[[sqlite_utils.Database], None], ...] = (
     _m1_initial, _m2_corpus, _m3_minimizations, _m4_client_lag, _m5_speed_check, _m6_choice_gap,
+    _m7_choice_gap_end,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
