@@ -113,6 +113,22 @@ class RequestResult:
             return longest
         return self.choice_gap_s
 
+    @property
+    def longest_gap_s(self) -> tuple[float, float] | None:
+        """(start, end), from send, of the stream's longest silence: choice 0's longest gap, or a later choice's
+        where that was longer and the client recorded when it ended (``choice_gap_end_s``); None when neither is
+        known. Where in the run a stall fell, for the evidence and the confirmation that place it."""
+        t = self.token_times_s
+        gaps = self.itl_s
+        start = end = None
+        if gaps:
+            k = max(range(len(gaps)), key=gaps.__getitem__)
+            start, end = t[k], t[k + 1]
+        if self.choice_gap_s is not None and self.choice_gap_end_s is not None and (
+                end is None or self.choice_gap_s > end - start):
+            return self.choice_gap_end_s - self.choice_gap_s, self.choice_gap_end_s
+        return None if end is None else (start, end)
+
 
 @dataclass(frozen=True)
 class MetricSample:

@@ -108,6 +108,9 @@ def test_a_choice_held_back_is_the_longest_silence_of_the_request():
     result = RequestResult("m", "m-1", 0.0, 0.0, Outcome.OK, token_times_s=(0.1, 0.11, 0.12), choice_gap_s=0.5)
     assert result.max_itl_s == 0.5
     assert replace(result, choice_gap_s=None).max_itl_s == pytest.approx(0.01)
+    # Where that silence lies in the run: choice 0's longest gap until the later choice's end is known.
+    assert result.longest_gap_s == pytest.approx((0.1, 0.11))
+    assert replace(result, choice_gap_end_s=0.6).longest_gap_s == pytest.approx((0.1, 0.6))
 
 
 def test_reasoning_deltas_are_tokens():

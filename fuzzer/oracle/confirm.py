@@ -154,11 +154,10 @@ def _placed(verdict: Verdict, results: Sequence[ExecutionResult], request_id: st
     ends, e2es = [], []
     for result in results:
         r = next((x for x in result.requests if x.request_id == request_id), None)
-        if r is None or not (gaps := r.itl_s) or r.sent_s is None:
+        if r is None or (gap := r.longest_gap_s) is None or r.sent_s is None:
             continue
-        i = max(range(len(gaps)), key=gaps.__getitem__)
-        ends.append(r.sent_s + r.token_times_s[i + 1])
-        e2es.append(r.e2e_s or r.token_times_s[-1])
+        ends.append(r.sent_s + gap[1])
+        e2es.append(r.e2e_s or gap[1])
     if len(ends) < 2:
         return verdict
     allowed = max(STALL_SPREAD_S, STALL_SPREAD_SHARE * float(np.median(e2es)))

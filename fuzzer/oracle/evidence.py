@@ -61,8 +61,8 @@ def thrash(
     if a.kv_blocks is None or not a.prefix_caching or outgrows_cache(trace, a.kv_blocks, a.block_size):
         return False
     expected = expected_preemptions(trace, calibration.model, a, result)
-    return thrashing(preemptions(result), expected, len(result.requests), policy) and cost_time(trace, result,
-                                                                                                calibration)
+    seen = preemptions(result)
+    return thrashing(seen, expected, len(result.requests), policy) and cost_time(trace, result, calibration)
 
 
 def cost_time(trace: Trace, result: ExecutionResult, calibration: Calibration) -> bool:
@@ -341,11 +341,9 @@ def _longest_gap(r: RequestResult) -> tuple[float, float]:
     0's, or a later choice's where that one was longer and the client recorded when it ended (on heldout7, clean,
     a later choice of eight was silent 1.4-1.7 s while its stream waited for blocks, choice 0's gaps were short,
     and the blocks it waited for were placed by choice 0's gap: a confirmed false itl-stall, 5.8x)."""
-    k = int(np.argmax(np.diff(np.asarray(r.token_times_s))))
-    start, end = r.sent_s + r.token_times_s[k], r.sent_s + r.token_times_s[k + 1]
-    if r.choice_gap_s is not None and r.choice_gap_end_s is not None and r.choice_gap_s > end - start:
-        return r.sent_s + r.choice_gap_end_s - r.choice_gap_s, r.sent_s + r.choice_gap_end_s
-    return start, end
+    gap = r.longest_gap_s
+    assert gap is not None  # two tokens at least
+    return r.sent_s + gap[0], r.sent_s + gap[1]
 
 
 def _preempted_at(result: ExecutionResult) -> list[tuple[float, float]]:

@@ -383,10 +383,11 @@ def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
         return None
     at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
     out = min(rng.choice([64, 128, 256]), limits.max_output_tokens, limits.max_model_len - 128)
-    current = trace
+    current, rows = trace, []
     for i in range(count):
         req = Request(id=fresh_id(current, f"row{i}"), at_ms=at + i, prompt_tokens=rng.choice([32, 64, 128]),
                       max_tokens=out)
+        rows.append(req)
         current = current.with_requests([*current.requests, req])
     carrier = Request(id=fresh_id(current, "seeded"), at_ms=at + count + rng.choice([10.0, 50.0]), prompt_tokens=64,
                       max_tokens=out, temperature=1.0, seed=rng.randrange(1 << 31))
@@ -396,8 +397,7 @@ def sampling_batch(trace: Trace, rng: random.Random, limits) -> Trace | None:
         carrier = replace(carrier, id=fresh_id(current, "logprobs"), seed=None, temperature=1.0 if choices else 0.0,
                           logprobs=rng.choice(values), n=rng.choice(choices) if choices else 1)
     n = _row_choices(count, out, limits, rng)
-    rows = [replace(r, n=n) for r in current.requests if r not in trace.requests]
-    return trace.with_requests([*trace.requests, *rows, carrier])
+    return trace.with_requests([*trace.requests, *(replace(r, n=n) for r in rows), carrier])
 
 
 #: The most choices a sampling batch's rows get (:func:`_row_choices`), and the share of its KV cache they may ask for.
