@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 from fuzzer.trace import Trace
 
@@ -156,7 +156,8 @@ class ExecutionResult:
     samples: tuple[MetricSample, ...] = ()
     #: How long the server had been idle before this execution started; None when unknown.
     idle_before_s: float | None = None
-    #: Whether the server returned to idle after every request ended; None when unknown.
+    #: Whether the server returned to idle after every request ended, within the leak window
+    #: (:func:`leak_window_s`); None when unknown.
     idle_after: bool | None = None
     #: Harness warnings: prompt-length mismatches, dispatch lateness, ... (client trouble).
     warnings: tuple[str, ...] = ()
@@ -181,6 +182,25 @@ class ExecutionResult:
     @property
     def failures(self) -> tuple[RequestResult, ...]:
         return tuple(r for r in self.requests if r.outcome.failed)
+
+
+#: After the last request ended, a server may take this many of the execution's own decode steps (the
+#: median inter-token gap of its streams) to return to idle before the execution counts as a leak, and
+#: never less than the executor's floor (5 s): a host slowed by other work slows the server's aborts and
+#: frees as much as its steps, while a leaked stream of the leak shapes' 2048+ tokens runs far longer ...
+LEAK_WINDOW_STEPS = 200
+#: ... with at least this many gaps to take a median of ...
+LEAK_WINDOW_MIN_GAPS = 8
+#: ... and never more than this long.
+LEAK_WINDOW_MAX_S = 60.0
+
+
+def leak_window_s(requests: Sequence[RequestResult], floor_s: float) -> float:
+    """How long after the last request ended the server may take to return to idle (see ``LEAK_WINDOW_STEPS``)."""
+    gaps = sorted(g for r in requests for g in r.itl_s)
+    if len(gaps) < LEAK_WINDOW_MIN_GAPS:
+        return floor_s
+    return max(floor_s, min(LEAK_WINDOW_MAX_S, LEAK_WINDOW_STEPS * gaps[len(gaps) // 2]))
 
 
 @runtime_checkable

@@ -54,9 +54,14 @@ class ServerState:
     running: int = 0
     #: Add this much to running (a leak the idle check must see).
     stuck: int = 0
+    #: A request still counts as running this long after it ended (a server slow to free it).
+    linger_s: float = 0.0
     tokenize_calls: int = 0
     #: (num_gpu_blocks, block_size) for a vllm:cache_config_info line; None: no such line.
     kv_config: tuple[int, int] | None = None
+
+    def release(self) -> None:
+        self.running -= 1
 
     def by_request(self, request_id: str) -> Logged:
         for xid, entry in self.log.items():
@@ -151,7 +156,10 @@ def make_app(state: ServerState) -> web.Application:
             entry.aborted = True
             raise
         finally:
-            state.running -= 1
+            if state.linger_s:
+                asyncio.get_running_loop().call_later(state.linger_s, state.release)
+            else:
+                state.running -= 1
 
     async def tokenize(request: web.Request) -> web.Response:
         state.tokenize_calls += 1

@@ -161,6 +161,22 @@ async def test_cancel_after_tokens_closes_the_connection_and_the_server_sees_an_
     assert result.idle_after is True
 
 
+async def test_a_server_slow_to_free_is_no_leak_when_it_steps_as_slowly(server):
+    # The leak window stretches with the execution's own steps (LEAK_WINDOW_STEPS median token gaps, a
+    # host slowed by other work frees as slowly as it steps): a server that frees a request 1.2 s after
+    # it ended is back to idle in time when it stepped every 20 ms (a 4 s window), not when it stepped
+    # every 2 ms (the 0.5 s floor).
+    url, state = server
+    state.linger_s = 1.2
+    async with HttpTarget(url, rng=random.Random(0), timeout_s=2.0, idle_timeout_s=3.0, idle_after_timeout_s=0.5) as t:
+        state.token_delay_s = 0.02
+        slow = await t.execute(trace(req("ok_slow", max_tokens=12)))
+        state.token_delay_s = 0.002
+        fast = await t.execute(trace(req("ok_fast", max_tokens=12)))
+    assert 0.015 < sorted(slow.requests[0].itl_s)[5] < 0.1
+    assert slow.idle_after is True and fast.idle_after is False
+
+
 @pytest.mark.parametrize("client", ["fast", "aiohttp"])
 async def test_a_client_that_leaves_after_a_time_leaves_before_its_first_token(server, monkeypatch, client):
     # A client with a TTFT timeout (disconnect_after_ms) goes away while the server is still on

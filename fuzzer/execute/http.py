@@ -47,7 +47,7 @@ from fuzzer.execute.metrics import (
     wait_idle,
 )
 from fuzzer.execute.sse import StreamAccount, short, usage_counts
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, leak_window_s
 from fuzzer.trace import MAX_REQUESTS, Request, Trace
 
 #: No byte from the server for this long is a hang (the request's outcome is TIMEOUT).
@@ -56,7 +56,8 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_TOTAL_TIMEOUT_S = 600.0
 #: How long the idle barrier waits for running + waiting = 0 before going ahead with a warning.
 DEFAULT_IDLE_TIMEOUT_S = 30.0
-#: After the last request: how long the server may take to return to idle (else idle_after = False).
+#: After the last request: how long the server may take to return to idle at least (else idle_after = False;
+#: fuzzer.execution.leak_window_s stretches it with a slow execution's steps).
 DEFAULT_IDLE_AFTER_TIMEOUT_S = 5.0
 #: The context a request without disconnect_after_ms is read in (reused: it holds no state).
 _STAYS = contextlib.nullcontext()
@@ -350,9 +351,8 @@ class HttpTarget:
                 await asyncio.wait(sends)
             duration_s = self._clock() - t0
             client_lag_s = await lag.stop()
-            idle_after = await settles_idle(
-                self._scraper, timeout_s=self._idle_after_timeout_s, clock=self._clock, sleep=self._sleep
-            )
+            window_s = leak_window_s([send.result() for send in sends], self._idle_after_timeout_s)
+            idle_after = await settles_idle(self._scraper, timeout_s=window_s, clock=self._clock, sleep=self._sleep)
             if sampler is not None:
                 samples, failed_scrapes = await sampler.stop()
         results = [send.result() for send in sends]

@@ -21,7 +21,7 @@ import math
 from dataclasses import replace
 
 from fuzzer.errors import ConfigError
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, leak_window_s
 from fuzzer.sim.config import SimConfig
 from fuzzer.sim.engine import Engine
 from fuzzer.sim.pathologies import NAMES, parse
@@ -35,8 +35,9 @@ DEFAULT_IDLE_GAP_S = 1.0
 DEFAULT_SAMPLE_INTERVAL_S = 0.05
 #: Token ids of salted prompt text start above the tokenizer's vocabulary and hashed range.
 _TOKEN_BASE = 1 << 32
-#: After the client's last request ended, the server must be idle within this long (the HTTP
-#: executor's ``DEFAULT_IDLE_AFTER_TIMEOUT_S``), else the execution has ``idle_after`` False.
+#: After the client's last request ended, the server must be idle within this long at least (the HTTP
+#: executor's ``DEFAULT_IDLE_AFTER_TIMEOUT_S``; ``leak_window_s`` stretches it with the execution's
+#: steps), else the execution has ``idle_after`` False.
 IDLE_AFTER_S = 5.0
 #: Upper bound of one fast-path run of decode steps (the sample interval bounds it anyway).
 _MAX_FAST_STEPS = 1 << 20
@@ -188,11 +189,6 @@ class VirtualTarget:
             self._cancel(engine, engine.complete(step), t, cancel_after, cancelled_at)
         samples.append(self._sample(t - t0))
         self._clock_s = max(t, t0)
-        # What the HTTP executor checks after the last request: the server idle again soon after.
-        ends = [cancelled_at.get(h.request_id, h.finish_s) for h in handles.values()]
-        client_end = max((e for e in ends if e is not None), default=t)
-        idle_after = engine.idle and t - client_end <= IDLE_AFTER_S
-
         results = []
         for r in trace.requests:
             h = handles.get(r.id)
@@ -205,6 +201,10 @@ class VirtualTarget:
             if h is not None and h.request_id in cut:
                 result = replace(result, outcome=Outcome.CUT, detail="still running at the execution's time cap")
             results.append(result)
+        # What the HTTP executor checks after the last request: the server idle again soon after.
+        ends = [cancelled_at.get(h.request_id, h.finish_s) for h in handles.values()]
+        client_end = max((e for e in ends if e is not None), default=t)
+        idle_after = engine.idle and t - client_end <= leak_window_s(results, IDLE_AFTER_S)
         ground_truth = {rid: tuple(sorted(h.delayed_by, key=_registry_order)) for rid, h in handles.items()}
         return ExecutionResult(
             trace_hash=trace.content_hash(),

@@ -21,7 +21,8 @@ The criterion comes from the stored verdict (:meth:`fuzzer.oracle.verdict.Verdic
   that without it;
 - error / hang / protocol: the victim request fails the same way;
 - crash: the server stops answering /health after the trace;
-- leak: running + waiting do not return to 0 within ``leak_wait_s``.
+- leak: running + waiting do not return to 0 within ``leak_wait_s``, stretched by ``leak_stretch`` to the
+  run's median token gaps (the executor's leak window, fuzzer.execution.leak_window_s).
 
 A run reproduces or not; the script exits 1 when a majority of runs reproduce,
 0 when not, 125 when it cannot test (for ``git bisect run``).
@@ -40,6 +41,7 @@ from fuzzer import __version__
 from fuzzer import trace as trace_format
 from fuzzer.errors import ConfigError
 from fuzzer.execute.http import DEFAULT_IDLE_AFTER_TIMEOUT_S
+from fuzzer.execution import LEAK_WINDOW_MAX_S, LEAK_WINDOW_MIN_GAPS, LEAK_WINDOW_STEPS
 from fuzzer.execute.prompts import WORDS
 from fuzzer.oracle.ablation import OPTIONS
 from fuzzer.oracle.policy import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S, OPTION_FACTOR, ORDER_REACH_S
@@ -90,6 +92,9 @@ class Criterion:
     idle_before_s: float = 0.0
     #: How long a leak check waits for running + waiting to return to 0.
     leak_wait_s: float = DEFAULT_IDLE_AFTER_TIMEOUT_S
+    #: ... at least, or (steps, min gaps, cap s): that many of the run's median token gaps, where the run had
+    #: that many gaps, up to the cap (the executor's leak window, fuzzer.execution.leak_window_s).
+    leak_stretch: tuple[int, int, float] = (LEAK_WINDOW_STEPS, LEAK_WINDOW_MIN_GAPS, LEAK_WINDOW_MAX_S)
     #: Said in the script's summary (e.g. where the bound comes from).
     note: str = ""
     #: For a finding decided by the order of first tokens: the requests that overtook the

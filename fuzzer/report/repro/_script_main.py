@@ -94,6 +94,11 @@ def judge_run(criterion, results, server, limit_s, leak_wait_s):
             time.sleep(0.5)
         return True, "the server stopped answering /health after the trace"
     if kind == "leak":
+        # A slow run (a busy host) frees as slowly as it steps: the window stretches with its median token gap.
+        steps, min_gaps, cap_s = criterion.get("leak_stretch") or (0, 1, 0.0)
+        gaps = sorted(b - a for res in results for a, b in zip(res["token_times_s"], res["token_times_s"][1:]))
+        if len(gaps) >= max(min_gaps, 1):
+            leak_wait_s = max(leak_wait_s, min(steps * gaps[len(gaps) // 2], cap_s))
         deadline = time.monotonic() + leak_wait_s
         busy = server.busy()
         while busy is not None and busy > 0 and time.monotonic() < deadline:
