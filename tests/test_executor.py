@@ -177,6 +177,21 @@ async def test_a_server_slow_to_free_is_no_leak_when_it_steps_as_slowly(server):
     assert slow.idle_after is True and fast.idle_after is False
 
 
+async def test_without_steps_of_its_own_the_speed_check_paces_the_leak_window(server):
+    # Every client left before its first token: no gap of the execution paces the window, so a server
+    # still busy after the floor runs the speed check beside what it holds and waits on to that pace's window.
+    url, state = server
+    state.linger_s, state.ttft_s = 1.2, 0.2
+    gone = trace(req("ok_gone", max_tokens=50, disconnect_after_ms=50), req("ok_gone2", max_tokens=50, disconnect_after_ms=60))
+    async with HttpTarget(url, rng=random.Random(0), timeout_s=2.0, idle_timeout_s=3.0, idle_after_timeout_s=0.5) as t:
+        state.token_delay_s = 0.02
+        slow = await t.execute(gone)
+        state.token_delay_s = 0.002
+        fast = await t.execute(gone)
+    assert all(r.token_times_s == () for r in (*slow.requests, *fast.requests))
+    assert slow.idle_after is True and slow.speed_check_itl_s is not None and fast.idle_after is False
+
+
 @pytest.mark.parametrize("client", ["fast", "aiohttp"])
 async def test_a_client_that_leaves_after_a_time_leaves_before_its_first_token(server, monkeypatch, client):
     # A client with a TTFT timeout (disconnect_after_ms) goes away while the server is still on

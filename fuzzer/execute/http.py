@@ -47,7 +47,15 @@ from fuzzer.execute.metrics import (
     wait_idle,
 )
 from fuzzer.execute.sse import StreamAccount, short, usage_counts
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, leak_window_s
+from fuzzer.execution import (
+    LEAK_WINDOW_MAX_S,
+    LEAK_WINDOW_STEPS,
+    ExecutionResult,
+    MetricSample,
+    Outcome,
+    RequestResult,
+    leak_window_s,
+)
 from fuzzer.trace import MAX_REQUESTS, Request, Trace
 
 #: No byte from the server for this long is a hang (the request's outcome is TIMEOUT).
@@ -351,6 +359,7 @@ class HttpTarget:
                 await asyncio.wait(sends)
             duration_s = self._clock() - t0
             client_lag_s = await lag.stop()
+            ended_at = self._clock()
             window_s = leak_window_s([send.result() for send in sends], self._idle_after_timeout_s)
             idle_after = await settles_idle(self._scraper, timeout_s=window_s, clock=self._clock, sleep=self._sleep)
             if sampler is not None:
@@ -365,6 +374,8 @@ class HttpTarget:
         lag_warning = clientlag.warning(client_lag_s)
         if lag_warning:
             warnings.append(lag_warning)
+        if idle_after is False and self._speed_check:
+            idle_after = await self._settles_at_pace(info, ended_at)
         speed_itl_s = await self._check_speed(info) if self._speed_check and idle_after else None
         return ExecutionResult(
             trace_hash=trace.content_hash(),
@@ -379,6 +390,18 @@ class HttpTarget:
             client_lag_s=client_lag_s,
             speed_check_itl_s=speed_itl_s,
         )
+
+    async def _settles_at_pace(self, info: ServerInfo, ended_at: float) -> bool:
+        """Still busy after the leak window: is the server only as slow to free as it steps now? The speed
+        check's median gap, taken beside what it still runs, is the pace ``leak_window_s`` stretches the
+        window by (an execution whose clients all left before a token has no steps of its own to pace it)."""
+        pace = await self._check_speed(info)
+        if pace is None:
+            return False
+        left_s = min(LEAK_WINDOW_MAX_S, LEAK_WINDOW_STEPS * pace) - (self._clock() - ended_at)
+        if left_s <= 0:
+            return False
+        return bool(await settles_idle(self._scraper, timeout_s=left_s, clock=self._clock, sleep=self._sleep))
 
     async def _check_speed(self, info: ServerInfo) -> float | None:
         """The median inter-token gap of SPEED_CHECK run now (the server is idle), or None."""
