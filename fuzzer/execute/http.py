@@ -395,7 +395,10 @@ class HttpTarget:
         """Still busy after the leak window: is the server only as slow to free as it steps now? The speed
         check's median gap, taken beside what it still runs, is the pace ``leak_window_s`` stretches the
         window by (an execution whose clients all left before a token has no steps of its own to pace it)."""
-        pace = await self._check_speed(info)
+        try:
+            pace = await self._check_speed(info)
+        except TargetError:  # it went down: a crash, which the oracle tells by itself
+            return False
         if pace is None:
             return False
         left_s = min(LEAK_WINDOW_MAX_S, LEAK_WINDOW_STEPS * pace) - (self._clock() - ended_at)
