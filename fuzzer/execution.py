@@ -184,23 +184,26 @@ class ExecutionResult:
         return tuple(r for r in self.requests if r.outcome.failed)
 
 
-#: After the last request ended, a server may take this many of the execution's own decode steps (the
-#: median inter-token gap of its streams) to return to idle before the execution counts as a leak, and
-#: never less than the executor's floor (5 s): a host slowed by other work slows the server's aborts and
-#: frees as much as its steps, while a leaked stream of the leak shapes' 2048+ tokens runs far longer ...
+#: After the last request ended, a server may take this many decode steps to return to idle before the
+#: execution counts as a leak, and never less than the executor's floor (5 s): a host slowed by other work
+#: slows the server's aborts and frees as much as its steps, while a leaked stream of the leak shapes'
+#: 2048+ tokens runs far longer ...
 LEAK_WINDOW_STEPS = 200
-#: ... with at least this many gaps to take a median of ...
+#: ... a step being the median inter-token gap of the execution's streams, where they had this many gaps ...
 LEAK_WINDOW_MIN_GAPS = 8
-#: ... and never more than this long.
+#: ... and the window never longer than this.
 LEAK_WINDOW_MAX_S = 60.0
 
 
-def leak_window_s(requests: Sequence[RequestResult], floor_s: float) -> float:
-    """How long after the last request ended the server may take to return to idle (see ``LEAK_WINDOW_STEPS``)."""
+def step_pace_s(requests: Sequence[RequestResult]) -> float | None:
+    """The execution's own decode step: the median inter-token gap of its streams; None with too few gaps."""
     gaps = sorted(g for r in requests for g in r.itl_s)
-    if len(gaps) < LEAK_WINDOW_MIN_GAPS:
-        return floor_s
-    return max(floor_s, min(LEAK_WINDOW_MAX_S, LEAK_WINDOW_STEPS * gaps[len(gaps) // 2]))
+    return gaps[len(gaps) // 2] if len(gaps) >= LEAK_WINDOW_MIN_GAPS else None
+
+
+def leak_window_s(pace_s: float | None, floor_s: float) -> float:
+    """How long after the last request ended a server stepping every ``pace_s`` may take to return to idle."""
+    return floor_s if pace_s is None else max(floor_s, min(LEAK_WINDOW_MAX_S, LEAK_WINDOW_STEPS * pace_s))
 
 
 @runtime_checkable

@@ -47,15 +47,7 @@ from fuzzer.execute.metrics import (
     wait_idle,
 )
 from fuzzer.execute.sse import StreamAccount, short, usage_counts
-from fuzzer.execution import (
-    LEAK_WINDOW_MAX_S,
-    LEAK_WINDOW_STEPS,
-    ExecutionResult,
-    MetricSample,
-    Outcome,
-    RequestResult,
-    leak_window_s,
-)
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, leak_window_s, step_pace_s
 from fuzzer.trace import MAX_REQUESTS, Request, Trace
 
 #: No byte from the server for this long is a hang (the request's outcome is TIMEOUT).
@@ -65,7 +57,7 @@ DEFAULT_TOTAL_TIMEOUT_S = 600.0
 #: How long the idle barrier waits for running + waiting = 0 before going ahead with a warning.
 DEFAULT_IDLE_TIMEOUT_S = 30.0
 #: After the last request: how long the server may take to return to idle at least (else idle_after = False;
-#: fuzzer.execution.leak_window_s stretches it with a slow execution's steps).
+#: fuzzer.execution.leak_window_s stretches it with a slow server's steps).
 DEFAULT_IDLE_AFTER_TIMEOUT_S = 5.0
 #: The context a request without disconnect_after_ms is read in (reused: it holds no state).
 _STAYS = contextlib.nullcontext()
@@ -360,8 +352,9 @@ class HttpTarget:
             duration_s = self._clock() - t0
             client_lag_s = await lag.stop()
             ended_at = self._clock()
-            window_s = leak_window_s([send.result() for send in sends], self._idle_after_timeout_s)
-            idle_after = await settles_idle(self._scraper, timeout_s=window_s, clock=self._clock, sleep=self._sleep)
+            idle_after = await settles_idle(
+                self._scraper, timeout_s=self._idle_after_timeout_s, clock=self._clock, sleep=self._sleep
+            )
             if sampler is not None:
                 samples, failed_scrapes = await sampler.stop()
         results = [send.result() for send in sends]
@@ -374,8 +367,8 @@ class HttpTarget:
         lag_warning = clientlag.warning(client_lag_s)
         if lag_warning:
             warnings.append(lag_warning)
-        if idle_after is False and self._speed_check:
-            idle_after = await self._settles_at_pace(info, ended_at)
+        if idle_after is False:
+            idle_after = await self._settles_at_pace(info, results, ended_at)
         speed_itl_s = await self._check_speed(info) if self._speed_check and idle_after else None
         return ExecutionResult(
             trace_hash=trace.content_hash(),
@@ -391,17 +384,17 @@ class HttpTarget:
             speed_check_itl_s=speed_itl_s,
         )
 
-    async def _settles_at_pace(self, info: ServerInfo, ended_at: float) -> bool:
-        """Still busy after the leak window: is the server only as slow to free as it steps now? The speed
-        check's median gap, taken beside what it still runs, is the pace ``leak_window_s`` stretches the
-        window by (an execution whose clients all left before a token has no steps of its own to pace it)."""
-        try:
-            pace = await self._check_speed(info)
-        except TargetError:  # it went down: a crash, which the oracle tells by itself
-            return False
-        if pace is None:
-            return False
-        left_s = min(LEAK_WINDOW_MAX_S, LEAK_WINDOW_STEPS * pace) - (self._clock() - ended_at)
+    async def _settles_at_pace(self, info: ServerInfo, results: list[RequestResult], ended_at: float) -> bool:
+        """Still busy after the floor: does the server return to idle within the leak window of its pace
+        (``leak_window_s``)? The pace is the execution's own step; where its clients all left before a token it
+        has none, and the speed check's median gap, taken beside what the server still holds, is used."""
+        pace = step_pace_s(results)
+        if pace is None and self._speed_check:
+            try:
+                pace = await self._check_speed(info)
+            except TargetError:  # it went down: a crash, which the oracle tells by itself
+                return False
+        left_s = leak_window_s(pace, self._idle_after_timeout_s) - (self._clock() - ended_at)
         if left_s <= 0:
             return False
         return bool(await settles_idle(self._scraper, timeout_s=left_s, clock=self._clock, sleep=self._sleep))

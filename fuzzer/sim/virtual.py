@@ -21,7 +21,7 @@ import math
 from dataclasses import replace
 
 from fuzzer.errors import ConfigError
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, leak_window_s
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, leak_window_s, step_pace_s
 from fuzzer.sim.config import SimConfig
 from fuzzer.sim.engine import Engine
 from fuzzer.sim.pathologies import NAMES, parse
@@ -204,7 +204,9 @@ class VirtualTarget:
         # What the HTTP executor checks after the last request: the server idle again soon after.
         ends = [cancelled_at.get(h.request_id, h.finish_s) for h in handles.values()]
         client_end = max((e for e in ends if e is not None), default=t)
-        idle_after = engine.idle and t - client_end <= leak_window_s(results, IDLE_AFTER_S)
+        drain_s = t - client_end  # the pace is read only past the floor, as the HTTP executor does
+        idle_after = engine.idle and (
+            drain_s <= IDLE_AFTER_S or drain_s <= leak_window_s(step_pace_s(results), IDLE_AFTER_S))
         ground_truth = {rid: tuple(sorted(h.delayed_by, key=_registry_order)) for rid, h in handles.items()}
         return ExecutionResult(
             trace_hash=trace.content_hash(),
