@@ -14,6 +14,8 @@ from fuzzer.oracle.ablation import (
     beside,
     confirm_option,
     decide,
+    option_size,
+    option_work,
     options_of,
     others_e2e,
     others_itl,
@@ -34,6 +36,10 @@ def _seeded_batch(rows=16, out=64, option="seed"):
     extra = {"seed": 7, "temperature": 1.0} if option == "seed" else {"logprobs": 5}
     carrier = Request(id="carrier", at_ms=float(rows + 10), prompt_tokens=64, max_tokens=out, **extra)
     return Trace(requests=(*rows_, carrier))
+
+
+#: The sampling work of _seeded_batch's carrier (64 tokens, one choice): a test's size is the overlap times it.
+WORK = 64
 
 
 def test_the_ablation_removes_the_option_from_every_request_and_nothing_else():
@@ -151,11 +157,11 @@ async def test_a_slowdown_below_the_candidate_factor_is_tested_and_found_once_by
     assert verdict is not None and verdict.is_finding
     [finding] = store.list_findings()
     assert finding.kind == "option-slowdown" and finding.signature == option_signature("seed")
-    assert confirmer.option_tests == {"seed": (1, 16)}
+    assert confirmer.option_tests == {"seed": (1, 16 * WORK)}
     # Found: another seeded trace, however large its batch, is not tested again.
     other = _seeded_batch(rows=40, out=48)
     await confirmer.examine(other, target.run(other), calibration)
-    assert confirmer.option_tests == {"seed": (1, 16)} and len(store.list_findings()) == 1
+    assert confirmer.option_tests == {"seed": (1, 16 * WORK)} and len(store.list_findings()) == 1
 
 
 async def test_a_harmless_option_is_tested_on_growing_batches_at_most_option_tests_times():
@@ -173,7 +179,38 @@ async def test_a_harmless_option_is_tested_on_growing_batches_at_most_option_tes
     # One pair each (futility); again only on 1.5x the largest batch tested; three tests in all.
     assert policy.option_tests == 3 and policy.option_growth == 1.5
     assert runs == [2, 0, 2, 0, 2, 0] and not store.list_findings()
-    assert confirmer.to_state()["option_tests"] == {"seed": [3, 40]}
+    assert confirmer.to_state()["option_tests"] == {"seed": [3, 40 * WORK]}
+
+
+def test_a_tests_size_is_the_requests_beside_a_carrier_times_the_carriers_sampling_work():
+    assert option_work(_seeded_batch(), "seed") == WORK
+    trace = _seeded_batch(out=512, option="logprobs")
+    lp = Request(id="lp2", at_ms=0.0, prompt_tokens=8, max_tokens=300, n=2, logprobs=20, cancel_after_tokens=100)
+    two = trace.with_requests([*trace.requests, lp])
+    # Each carrier's token rows (to its cancellation, times its choices), times its logprobs plus one.
+    assert option_work(two, "logprobs") == 512 * (5 + 1) + 100 * 2 * (20 + 1)
+    assert option_size(two, "logprobs", 10) == 10 * option_work(two, "logprobs")
+    assert option_work(two, "seed") == 0 and option_size(two, "seed", 3) == 3
+
+
+async def test_a_harmless_option_is_tested_again_on_as_many_requests_beside_carriers_of_more_work():
+    """A frontend cost that grows with a carrier's output shows only beside long carriers: a SAME beside short ones
+    says little of them, whatever the batch (the size, not the overlap alone, must grow)."""
+    calibration = await _calibration()
+    target = PaperTarget(seed=3)
+    store = Store.memory()
+    confirmer = _confirmer(store, target)
+    runs = []
+    for out in (64, 64, 80, 128, 256):
+        trace = _seeded_batch(rows=16, out=out)
+        first = target.run(trace)
+        assert suspects(trace, first) == {"seed": 16}
+        before = target.executions
+        await confirmer.examine(trace, first, calibration)
+        runs.append(target.executions - before)
+    # 64 tokens: tested; again: not; 80 (1.25x the work): not; 128 (2x): tested; 256 (2x again): tested.
+    assert runs == [2, 0, 0, 2, 2] and not store.list_findings()
+    assert confirmer.option_tests == {"seed": (3, 16 * 256)}
 
 
 class _Recording(PaperTarget):

@@ -17,7 +17,7 @@ from fuzzer.fleet.coordinator import Coordinator
 from fuzzer.fleet.state import UP, Task
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.fleet.worker import TimeCap, Worker
-from fuzzer.oracle.ablation import without_option
+from fuzzer.oracle.ablation import option_work, without_option
 from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import Decision, FindingKind
 from fuzzer.oracle.signature import option_signature
@@ -32,6 +32,10 @@ from fuzzer.store import Store
 from fuzzer.trace import Request, Trace
 
 LIMITS = Limits(max_requests=10, max_output_tokens=128)
+
+
+#: The sampling work of _seeded_batch's carrier: a test's size is the overlap times it.
+WORK = option_work(_seeded_batch(), "seed")
 
 
 class _Paper(PaperTarget):
@@ -135,7 +139,7 @@ def test_a_fleet_tests_a_seed_that_slows_the_batch_before_its_victims_and_rechec
         latency = [args for _, method, args in pool.calls if method == "confirm" and args[1]["metric"] is not None]
         assert latency and all(r.seed is None for args in latency for r in args[0].requests)
         state = store.latest_campaign()["state"]
-        assert state["option_tests"]["a"]["seed"] == [1, 16]  # tested once (other options of its children may be)
+        assert state["option_tests"]["a"]["seed"] == [1, 16 * WORK]  # tested once (other options of its children may be)
 
 
 def _coordinator(store, settings=None, kinds=("k", "k")):
@@ -171,9 +175,9 @@ def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_t
     assert task.kind == "confirm" and task.key == option_signature("seed")
     assert (task.candidate["kind"], task.candidate["request_id"], task.candidate["detail"]) == (
         "option-slowdown", "carrier", "seed")
-    assert coordinator.option_tests == {"a": {"seed": (1, 16)}}
+    assert coordinator.option_tests == {"a": {"seed": (1, 16 * WORK)}}
     _run(coordinator, "a", _seeded_batch(rows=40), target)  # queued on a already: not again, not counted
-    assert len(a.confirm) == 1 and coordinator.option_tests == {"a": {"seed": (1, 16)}}
+    assert len(a.confirm) == 1 and coordinator.option_tests == {"a": {"seed": (1, 16 * WORK)}}
     # It came back SAME.
     a.confirm.clear()
     same = Verdict(None, Decision.SAME, "test", request_id="carrier")
@@ -182,10 +186,10 @@ def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_t
     _run(coordinator, "a", _seeded_batch(rows=20), target)  # not 1.5 x 16 requests beside it
     assert not a.confirm
     _run(coordinator, "a", _seeded_batch(rows=24), target)
-    assert [t.key for t in a.confirm] == [option_signature("seed")] and coordinator.option_tests == {"a": {"seed": (2, 24)}}
+    assert [t.key for t in a.confirm] == [option_signature("seed")] and coordinator.option_tests == {"a": {"seed": (2, 24 * WORK)}}
     coordinator._checkpoint(force=True)
     resumed = _coordinator(store)
-    assert resumed.option_tests == {"a": {"seed": (2, 24)}}
+    assert resumed.option_tests == {"a": {"seed": (2, 24 * WORK)}}
     assert [t.candidate["kind"] for t in resumed.targets["a"].confirm] == ["option-slowdown"]
 
 
@@ -203,7 +207,7 @@ def test_an_options_tests_are_counted_per_target(store):
     assert not a.confirm
     _run(coordinator, "b", _seeded_batch(), target)  # the same batch: b's first test
     assert [t.key for t in b.confirm] == [option_signature("seed")]
-    assert coordinator.option_tests == {"a": {"seed": (1, 16)}, "b": {"seed": (1, 16)}}
+    assert coordinator.option_tests == {"a": {"seed": (1, 16 * WORK)}, "b": {"seed": (1, 16 * WORK)}}
     coordinator._checkpoint(force=True)
     assert _coordinator(store).option_tests == coordinator.option_tests
     old = store.latest_campaign()

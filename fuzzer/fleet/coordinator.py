@@ -379,16 +379,16 @@ class Coordinator:
         (fuzzer.search.confirming.option_due: the campaign's rule), counted when queued, for ``t``."""
         policy = self.settings.policy
         counts = self.option_tests.get(t.name, {})
-        due = option_due(suspects(trace, result, policy), counts, self._found_on(t), policy)
+        due = option_due(trace, suspects(trace, result, policy), counts, self._found_on(t), policy)
         if due is None:
             return
-        option, overlap = due
+        option, size = due
         key = self._scoped(t, option_signature(option))
         here = [*t.confirm, *(task for name, task in self._inflight.values() if name == t.name)]
         if any(q.key == key for q in here):
             return  # queued or under way here (another target's test of it says nothing of this one)
         tests, largest = counts.get(option, (0, 0))
-        self.option_tests[t.name] = {**counts, option: (tests + 1, max(largest, overlap))}
+        self.option_tests[t.name] = {**counts, option: (tests + 1, max(largest, size))}
         t.confirm.append(Task("confirm", trace, candidate=candidate_to_dict(option_candidate(trace, option, result)), key=key))
         self._checkpoint(force=True)
 

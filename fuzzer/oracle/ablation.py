@@ -24,8 +24,8 @@ them is that much longer under FCFS with the engine's real costs (on a held-out 
 of 20 logprobs made the others' e2e 1.95x without any batch-wide cost: a confirmed false finding).
 The factor is ``policy.option_factor`` times that ratio where it is above 1. No model is involved: a
 campaign tests a trace when enough requests, and most of those without the option, ran beside a carrier for half their
-span or more (:func:`suspects`), a few times per option, each test on a larger batch than the last
-(fuzzer.search.confirming). On two held-out servers the tests of traces whose carriers were short
+span or more (:func:`suspects`), a few times per option, each test larger than the last (:func:`option_size`: more
+requests beside more of the carriers' sampling work; fuzzer.search.confirming). On two held-out servers the tests of traces whose carriers were short
 (64 tokens beside 1024-token streams) came back SAME at 1.12x and 1.18x on planted 2x and 1.5x
 per-row samplers; that is what the "most of them" asks to avoid.
 """
@@ -231,6 +231,29 @@ def suspects(trace: Trace, result: ExecutionResult, policy: OraclePolicy = DEFAU
         if near >= policy.option_overlap and 2 * near > others:
             out[option] = near
     return out
+
+
+def option_work(trace: Trace, option: str) -> int:
+    """The sampling work of the carriers of ``option`` in ``trace``: the token rows they ask for (output tokens,
+    to a cancellation, times choices), each times the logprobs it returns plus one for ``logprobs``."""
+    work = 0
+    for r in trace.requests:
+        if getattr(r, option) is None:
+            continue
+        tokens = r.max_tokens if r.cancel_after_tokens is None else min(r.max_tokens, r.cancel_after_tokens)
+        work += tokens * r.n * (1 + r.logprobs if option == "logprobs" and r.logprobs is not None else 1)
+    return work
+
+
+def option_size(trace: Trace, option: str, overlap: int) -> int:
+    """How large a test of ``option`` on ``trace`` is: the requests that ran beside a carrier (``overlap``,
+    :func:`suspects`) times the carriers' work (:func:`option_work`). A per-row sampler path costs every row
+    of each step a carrier samples; a frontend that redoes a carrier's logprobs over its output so far costs
+    everyone's delivery more the longer the carrier decodes (a tuning server's frontend bug of that kind: six
+    carriers of 512 tokens with 20 logprobs made the others' token gaps 2-3x, where its campaigns' three tests,
+    on carriers of fewer tokens, had 1.03x). A test is worth repeating on a larger one
+    (fuzzer.search.confirming.option_due)."""
+    return overlap * max(1, option_work(trace, option))
 
 
 def option_bar(policy: OraclePolicy, own: float) -> float:

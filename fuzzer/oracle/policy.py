@@ -123,8 +123,10 @@ OPTION_FACTOR = 1.25
 #: A trace is tested when at least this many requests without the option, and most of them, ran
 #: beside a carrier (half their span or more: fuzzer.oracle.ablation.beside) ...
 OPTION_OVERLAP = 4
-#: ... and again for an option tested before only with this many times the overlap of the largest
-#: test of it (the cost of a per-row path grows with the batch: a small batch's SAME says little) ...
+#: ... and again for an option tested before only with this many times the size of the largest test of it
+#: (fuzzer.oracle.ablation.option_size: requests beside a carrier times the carriers' sampling work; the cost of
+#: a per-row path grows with the batch, a frontend's per-logprob cost with the carriers' outputs: a small
+#: test's SAME says little) ...
 OPTION_GROWTH = 1.5
 #: ... at most this many times per option in a campaign that has no finding of it (a harmless option
 #: costs one pair per test: sequential futility).

@@ -35,7 +35,16 @@ import numpy as np
 
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
-from fuzzer.oracle.ablation import OPTIONS, carriers, confirm_option, options_of, others_end_s, suspects, without_option
+from fuzzer.oracle.ablation import (
+    OPTIONS,
+    carriers,
+    confirm_option,
+    option_size,
+    options_of,
+    others_end_s,
+    suspects,
+    without_option,
+)
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
@@ -249,21 +258,21 @@ class Confirmer:
     def _option_due(self, trace: Trace, result: ExecutionResult) -> tuple[str, int] | None:
         """A sampling option of ``trace`` to test against its ablation now (fuzzer.oracle.ablation), and
         how many requests ran beside it: enough did, the option has no finding, it was tested fewer than
-        ``option_tests`` times and only on batches ``option_growth`` times smaller, and the confirmation
+        ``option_tests`` times and only on tests ``option_growth`` times smaller, and the confirmation
         share allows it."""
         if self._due is not None and not self._due():
             return None
-        return option_due(suspects(trace, result, self._policy), self.option_tests, self.found, self._policy)
+        return option_due(trace, suspects(trace, result, self._policy), self.option_tests, self.found, self._policy)
 
-    async def _confirm_option(self, candidate: Candidate, trace: Trace, overlap: int | None) -> Verdict:
+    async def _confirm_option(self, candidate: Candidate, trace: Trace, size: int | None) -> Verdict:
         """Test the option of ``candidate`` (:func:`option_candidate`) of ``trace`` against the trace without
-        it; record a finding. At the deadline (or Ctrl-C) the test is kept as pending; ``overlap`` None: such
-        a pending test, already counted."""
+        it; record a finding. At the deadline (or Ctrl-C) the test is kept as pending; ``size`` (the test's,
+        :func:`option_due`) None: such a pending test, already counted."""
         option = candidate.detail
-        if overlap is not None:
+        if size is not None:
             self.candidates += 1
             tests, largest = self.option_tests.get(option, (0, 0))
-            self.option_tests[option] = (tests + 1, max(largest, overlap))
+            self.option_tests[option] = (tests + 1, max(largest, size))
         with self._in_phase(Phase.CONFIRM):
             try:
                 self.confirmations += 1
@@ -520,17 +529,18 @@ def recently_rejected(rejected: dict[str, int], key: str) -> bool:
     return False
 
 
-def option_due(suspected: Mapping[str, int], tests: Mapping[str, tuple[int, int]], found: Container[str],
-               policy: OraclePolicy) -> tuple[str, int] | None:
-    """Of ``suspected`` (option -> requests beside a carrier, fuzzer.oracle.ablation.suspects), the first
-    option to test now, and that overlap: it has no finding in ``found``, was tested (``tests``: option ->
-    (tests, the largest overlap tested)) fewer than ``option_tests`` times and only on batches
-    ``option_growth`` times smaller. A campaign's and a fleet's."""
+def option_due(trace: Trace, suspected: Mapping[str, int], tests: Mapping[str, tuple[int, int]],
+               found: Container[str], policy: OraclePolicy) -> tuple[str, int] | None:
+    """Of ``suspected`` (option -> requests beside a carrier in ``trace``, fuzzer.oracle.ablation.suspects), the
+    first option to test now, and the test's size (fuzzer.oracle.ablation.option_size): it has no finding in
+    ``found``, was tested (``tests``: option -> (tests, the largest size tested)) fewer than ``option_tests``
+    times and only on tests ``option_growth`` times smaller. A campaign's and a fleet's."""
     for option, overlap in suspected.items():
         count, largest = tests.get(option, (0, 0))
+        size = option_size(trace, option, overlap)
         if (option_signature(option) not in found and count < policy.option_tests
-                and overlap >= policy.option_growth * largest):
-            return option, overlap
+                and size >= policy.option_growth * largest):
+            return option, size
     return None
 
 
