@@ -164,7 +164,7 @@ def _run(coordinator, name, trace, target):
 
 
 def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_the_counts(store):
-    """At most option_tests times on each target, each on a batch option_growth times larger than the
+    """At most option_tests times on each target, each on a test option_growth times larger (option_size) than the
     largest tested there, never twice at once on one target; a test that came back SAME is no rejection
     (the counts decide); a resumed fleet takes the counts up."""
     coordinator = _coordinator(store)

