@@ -47,7 +47,7 @@ from fuzzer.fleet.pool import WorkerLost
 from fuzzer.fleet.state import DOWN, UP, Task, TargetState, from_state, option_tests_from_state, to_state
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.fleet.worker import TimeCap
-from fuzzer.oracle.ablation import one_row, suspects, without_option
+from fuzzer.oracle.ablation import one_row, without_option
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.signature import family, option_signature, signature
 from fuzzer.oracle.verdict import Verdict
@@ -379,7 +379,7 @@ class Coordinator:
         (fuzzer.search.confirming.option_due: the campaign's rule), counted when queued, for ``t``."""
         policy = self.settings.policy
         counts = self.option_tests.get(t.name, {})
-        due = option_due(trace, suspects(trace, result, policy), counts, self._found_on(t), policy)
+        due = option_due(trace, result, counts, self._found_on(t), policy)
         if due is None:
             return
         option, size = due

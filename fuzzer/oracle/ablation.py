@@ -236,13 +236,8 @@ def suspects(trace: Trace, result: ExecutionResult, policy: OraclePolicy = DEFAU
 def option_work(trace: Trace, option: str) -> int:
     """The sampling work of the carriers of ``option`` in ``trace``: the token rows they ask for (output tokens,
     to a cancellation, times choices), each times the logprobs it returns plus one for ``logprobs``."""
-    work = 0
-    for r in trace.requests:
-        if getattr(r, option) is None:
-            continue
-        tokens = r.max_tokens if r.cancel_after_tokens is None else min(r.max_tokens, r.cancel_after_tokens)
-        work += tokens * r.n * (1 + r.logprobs if option == "logprobs" and r.logprobs is not None else 1)
-    return work
+    return sum((r.cancel_after_tokens or r.max_tokens) * r.n * ((1 + r.logprobs) if option == "logprobs" else 1)
+               for r in trace.requests if getattr(r, option) is not None)
 
 
 def option_size(trace: Trace, option: str, overlap: int) -> int:

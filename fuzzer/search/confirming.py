@@ -256,13 +256,11 @@ class Confirmer:
         return None  # one confirmation per execution keeps the fuzzing going
 
     def _option_due(self, trace: Trace, result: ExecutionResult) -> tuple[str, int] | None:
-        """A sampling option of ``trace`` to test against its ablation now (fuzzer.oracle.ablation), and
-        how many requests ran beside it: enough did, the option has no finding, it was tested fewer than
-        ``option_tests`` times and only on tests ``option_growth`` times smaller, and the confirmation
-        share allows it."""
+        """A sampling option of ``trace`` to test against its ablation now (fuzzer.oracle.ablation), and the
+        test's size (:func:`option_due`), when the confirmation share allows it."""
         if self._due is not None and not self._due():
             return None
-        return option_due(trace, suspects(trace, result, self._policy), self.option_tests, self.found, self._policy)
+        return option_due(trace, result, self.option_tests, self.found, self._policy)
 
     async def _confirm_option(self, candidate: Candidate, trace: Trace, size: int | None) -> Verdict:
         """Test the option of ``candidate`` (:func:`option_candidate`) of ``trace`` against the trace without
@@ -529,13 +527,13 @@ def recently_rejected(rejected: dict[str, int], key: str) -> bool:
     return False
 
 
-def option_due(trace: Trace, suspected: Mapping[str, int], tests: Mapping[str, tuple[int, int]],
+def option_due(trace: Trace, result: ExecutionResult, tests: Mapping[str, tuple[int, int]],
                found: Container[str], policy: OraclePolicy) -> tuple[str, int] | None:
-    """Of ``suspected`` (option -> requests beside a carrier in ``trace``, fuzzer.oracle.ablation.suspects), the
-    first option to test now, and the test's size (fuzzer.oracle.ablation.option_size): it has no finding in
-    ``found``, was tested (``tests``: option -> (tests, the largest size tested)) fewer than ``option_tests``
-    times and only on tests ``option_growth`` times smaller. A campaign's and a fleet's."""
-    for option, overlap in suspected.items():
+    """Of the options of ``trace`` that ``result`` makes suspect (fuzzer.oracle.ablation.suspects), the first to
+    test now, and the test's size (fuzzer.oracle.ablation.option_size): it has no finding in ``found``, was tested
+    (``tests``: option -> (tests, the largest size tested)) fewer than ``option_tests`` times and only on tests
+    ``option_growth`` times smaller. A campaign's and a fleet's."""
+    for option, overlap in suspects(trace, result, policy).items():
         count, largest = tests.get(option, (0, 0))
         size = option_size(trace, option, overlap)
         if (option_signature(option) not in found and count < policy.option_tests
