@@ -195,7 +195,7 @@ def test_a_signal_while_waiting_for_ready_stops_the_server_at_once(sig, command,
     try:
         assert wait_until(lambda: servers_with(mark), 60.0)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)  # not the 600 s the ready wait allows
+        _, err = proc.communicate(timeout=90)  # not the 600 s the ready wait allows (90: a loaded CI host)
     finally:
         if proc.poll() is None:
             proc.terminate()
