@@ -32,6 +32,7 @@ CONTRACT_NAMES = (
     "queued-abort-late",
     "head-reserve-admission",
     "logprobs-redetokenize",
+    "longest-prefix-first",
 )
 
 

@@ -85,6 +85,8 @@ class SimConfig:
     serial_tokenize_token_s: float = 40e-6
     #: lifo-admission: this many waiting requests (never preempted) make admission newest-first.
     lifo_min_waiting: int = 2
+    #: longest-prefix-first: above this many waiting requests the queue is served FCFS (SGLang's lpm: 128).
+    lpm_max_waiting: int = 128
     #: seeded-sampling-path: per sampled sequence of a step that has a seeded request (temperature > 0)
     #: in it: every row is sampled on its own (a per-row torch.multinomial with its own generator: a
     #: launch and a host sync per row) instead of one batched kernel. 200 µs is ten times
@@ -100,6 +102,7 @@ class SimConfig:
         positive_ints = (
             "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks",
             "thrash_resume_chunk_tokens", "unchunked_min_prompt_tokens", "lifo_min_waiting",
+            "lpm_max_waiting",
         )
         off_at_zero = ("long_prefill_token_threshold", "max_long_partial_prefills")
         for name, least in [*((n, 1) for n in positive_ints), *((n, 0) for n in off_at_zero)]:

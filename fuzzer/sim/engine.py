@@ -402,6 +402,9 @@ class Engine(Mechanisms):
             self._reorder_bursts()
         if P.LIFO_ADMISSION in on:
             self._newest_first()
+        if P.LONGEST_PREFIX_FIRST in on:
+            self._longest_prefix_first()
+        reordered = [name for name in (P.LIFO_ADMISSION, P.LONGEST_PREFIX_FIRST) if name in on]
         passed = 0  # waiting prompts passed over by the long-partial-prefill limit
         while len(self._waiting) > passed and budget > 0 and len(self._running) < cfg.max_num_seqs:
             req = self._waiting[passed]
@@ -420,8 +423,8 @@ class Engine(Mechanisms):
                 break
             scheduled.append((req, tokens))
             budget -= tokens
-            if P.LIFO_ADMISSION in on:
-                self._tag(P.LIFO_ADMISSION, (r for r in self._waiting if r.ready_s < req.ready_s))
+            for name in reordered:  # the earlier requests it overtook
+                self._tag(name, (r for r in self._waiting if r.ready_s < req.ready_s))
         if P.STICKY_BATCH_FULL in on and self._waiting and budget <= 0:
             self._batch_full = True
         return scheduled

@@ -85,6 +85,17 @@ class Mechanisms:
         resumed = [r for r in self._waiting if r.preemptions]
         self._waiting[:] = resumed + sorted(fresh, key=lambda r: -r.ready_s)
 
+    def _longest_prefix_first(self) -> None:
+        """longest-prefix-first: two to ``lpm_max_waiting`` waiting requests (never preempted) are taken
+        by the prefix-cache blocks they would hit, most first (stable); preempted ones keep the front."""
+        fresh = [r for r in self._waiting if not r.preemptions]
+        if not 2 <= len(fresh) <= self.config.lpm_max_waiting:
+            return
+        block = self.config.block_size
+        hits = {id(r): len(self.kv.lookup(r.hashes, (r.num_tokens - 1) // block)) for r in fresh}
+        resumed = [r for r in self._waiting if r.preemptions]
+        self._waiting[:] = resumed + sorted(fresh, key=lambda r: -hits[id(r)])
+
     def _prefill_first(self) -> bool:
         """decode-starvation: a running request still in prefill takes the step; decodes wait."""
         return P.DECODE_STARVATION in self.pathologies and not all(r.decoding for r in self._running)

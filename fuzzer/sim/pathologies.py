@@ -35,6 +35,7 @@ SEEDED_SAMPLING_PATH = "seeded-sampling-path"
 QUEUED_ABORT_LATE = "queued-abort-late"
 HEAD_RESERVE_ADMISSION = "head-reserve-admission"
 LOGPROBS_REDETOKENIZE = "logprobs-redetokenize"
+LONGEST_PREFIX_FIRST = "longest-prefix-first"
 
 
 @dataclass(frozen=True)
@@ -416,6 +417,28 @@ class LogprobsRedetokenize(_Pathology):
     kind = "ttft-outlier"
 
 
+class LongestPrefixFirst(_Pathology):
+    """The waiting queue is sorted by cached prefix, longest first, with no regard to arrival.
+
+    Models SGLang #31954 and PRs #31723, #33210: its ``lpm`` policy sorts the waiting queue purely by
+    matched-prefix length, "a cold request (zero prefix match) is re-displaced by every cache-hot arrival,
+    and its wait is unbounded as long as hot traffic keeps arriving" (a 20-60 s TTFT tail of cache-miss
+    requests); only a queue longer than 128 falls back to FCFS. On an engine that documents FCFS, as this
+    one does, that order is a bug. Here, whenever two to 128 requests that were never preempted wait, they
+    are taken by the prefix-cache blocks they would hit, most first (stable); the requests a later one
+    overtakes are tagged when it is admitted.
+
+    Trigger: a long shared prefix in the cache, then its members, with tails of their own that fill the
+    step budget, arriving faster than a step admits them, and a cold prompt sent among the first of them.
+    """
+
+    name = LONGEST_PREFIX_FIRST
+    models = "sglang #31954, PR #31723, PR #33210 (lpm sorts by matched prefix: cache-cold requests starve)"
+    trigger = "cache-cold prompts waiting among later requests whose long prefix is cached"
+    effect = "the cold prompts get their first tokens after every warm request sent after them"
+    kind = "ttft-outlier"
+
+
 _REGISTRY: tuple[type[_Pathology], ...] = (
     HolPrefixBurst,
     UnchunkedPrefill,
@@ -434,6 +457,7 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     QueuedAbortLate,
     HeadReserveAdmission,
     LogprobsRedetokenize,
+    LongestPrefixFirst,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

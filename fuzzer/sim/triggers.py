@@ -233,6 +233,23 @@ def _build() -> dict[str, Trigger]:
             "V",
             "ttft",
         ),
+        # O computes the 1024-token prefix "sys"; at 300 ms W0-W2 (the prefix and 1024 tokens of their own: two fill
+        # the 2048-token budget) and C, a cold 128-token prompt, arrive; W3-W11 follow every 10 ms from 330 ms, faster
+        # than a step admits them. FCFS serves C after W2; sorted by cached prefix, after W11.
+        P.LONGEST_PREFIX_FIRST: Trigger(
+            _trace(
+                "trigger-longest-prefix-first",
+                [{"id": "O", "at_ms": 0, "prompt_tokens": 1040, "prefix": "sys", "max_tokens": 4}]
+                + [{"id": f"W{i}", "at_ms": 300 + i, "prompt_tokens": 2048, "prefix": "sys", "max_tokens": 16}
+                   for i in range(3)]
+                + [{"id": "C", "at_ms": 303, "prompt_tokens": 128, "max_tokens": 16}]
+                + [{"id": f"W{i}", "at_ms": 330 + 10 * (i - 3), "prompt_tokens": 2048, "prefix": "sys",
+                    "max_tokens": 16} for i in range(3, 12)],
+                {"sys": 1024},
+            ),
+            "C",
+            "ttft",
+        ),
     }
 
 
