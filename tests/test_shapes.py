@@ -233,6 +233,7 @@ def test_prefix_under_pressure_leaves_the_tails_room_but_not_the_whole_prompts_a
     (shapes.disconnect_fanout, "disconnect-leak", 0.6),
     (shapes.prefix_burst, "hol-prefix-burst", 0.6),
     (shapes.long_prompt_beside_stream, "unchunked-prefill", 0.6),
+    (shapes.cold_among_warm, "longest-prefix-first", 0.6),
 ])
 def test_a_shape_reaches_its_pathology_where_its_parent_does_not(op, pathology, share):
     reached = tried = 0
@@ -382,3 +383,29 @@ def test_reservation_under_load_fills_the_reported_kv_then_asks_for_a_whole_outp
         tried += 1
         reached += any("head-reserve-admission" in target.run(child).ground_truth.get(r.id, ()) for r in after)
     assert tried >= 10 and reached >= 0.6 * tried, (reached, tried)
+
+
+def test_cold_among_warm_sends_cold_prompts_among_the_first_members_of_a_computed_prefix():
+    children = _children(shapes.cold_among_warm)
+    assert len(children) >= 30
+    for _, parent, child in children:
+        (name,) = set(child.prefixes) - set(parent.prefixes)
+        owner, *warm = [r for r in child.requests if r.prefix == name]
+        cold = [r for r in child.requests if r.id.startswith("cold") and r not in parent.requests]
+        assert owner.id.startswith("owner") and 8 <= len(warm) <= 24 and 1 <= len(cold) <= 2
+        assert all(r.at_ms - owner.at_ms >= min(shapes.WARM_AFTER_MS) for r in warm)
+        tails = {r.prompt_tokens - child.prefixes[name] for r in warm}
+        assert len(tails) == 1 and tails.pop() in {LIMITS.token_budget // 4, LIMITS.token_budget // 2}
+        # After two to four members, and before at least four more that come 20 ms (the order check's reach) later.
+        assert 2 <= sum(r.at_ms < min(c.at_ms for c in cold) for r in warm) <= 4
+        assert sum(r.at_ms >= max(c.at_ms for c in cold) + 20 for r in warm) >= 4
+        assert all(c.prefix is None and c.prompt_tokens <= 512 for c in cold)
+    # Where the server reports its KV, the warm tails stay within half of it.
+    limits = Limits(kv_tokens=16000)
+    for i in range(20):
+        rng = random.Random(i)
+        child = shapes.cold_among_warm(generate(rng, limits), rng, limits)
+        if child is not None:
+            (name,) = {r.prefix for r in child.requests if r.id.startswith("owner")}
+            warm = [r for r in child.requests if r.prefix == name and not r.id.startswith("owner")]
+            assert child.prefixes[name] + sum(r.prompt_tokens - child.prefixes[name] for r in warm) <= 8000

@@ -56,6 +56,11 @@ of a known class needs all at once, so that a campaign reaches classes it was no
   stream while they decode. A frontend that re-detokenizes every earlier logprob of a stream at each step
   (SGLang PR #10805; vLLM #1099, PR #24174) spends CPU time that grows with the output so far, until output
   delivery for every stream falls behind the engine.
+- ``cold_among_warm``: a request computes a long shared prefix, then its members, with tails of their own of a
+  quarter or half a step budget, arrive a few ms apart, faster than a step admits them, and one or two short
+  cache-cold prompts are sent among the first. FCFS serves the cold ones in their turn; a scheduler that sorts
+  its waiting queue by cached prefix (SGLang's ``lpm``, #31954: "a cold request is re-displaced by every
+  cache-hot arrival", a 20-60 s TTFT tail) serves them after every warm request sent after them.
 
 Each takes (trace, rng, limits) like every operator and returns a valid trace or None.
 """
@@ -510,6 +515,44 @@ def logprob_streams(trace: Trace, rng: random.Random, limits) -> Trace | None:
     return current
 
 
+#: Tails of ``cold_among_warm``'s warm requests, in step budgets: two to four fill a step.
+WARM_TAIL_BUDGETS = (0.25, 0.5)
+#: ms between ``cold_among_warm``'s warm arrivals: faster than a step that computes a budget of prompt tokens.
+WARM_GAP_MS = (5.0, 10.0, 20.0)
+
+
+def cold_among_warm(trace: Trace, rng: random.Random, limits) -> Trace | None:
+    """A request computes a long shared prefix; once it is done, twelve to twenty-four requests with that prefix
+    and tails of their own arrive a few ms apart, and one or two short cold prompts are sent after the first few."""
+    block = limits.block_size
+    prefix = min(rng.choice((1024, 2048)), limits.max_model_len // 2) // block * block
+    tail = max(block, int(limits.token_budget * rng.choice(WARM_TAIL_BUDGETS)))
+    colds = rng.randint(1, 2)
+    count = min(rng.choice((12, 16, 24)), _room(trace, limits) - 1 - colds)
+    if limits.kv_tokens:  # the warm tails within half the reported cache: no preemption, which excuses an order
+        count = min(count, (limits.kv_tokens // 2 - prefix) // (tail + block))
+    start, gap, after = rng.choice(WARM_AFTER_MS), rng.choice(WARM_GAP_MS), rng.randint(2, 4)
+    # Four or more members come the order check's 20 ms reach (fuzzer.oracle.order) after the cold ones.
+    if count < max(8, after + 4 + int(20 // gap)) or prefix < 4 * block or prefix + tail + 16 > limits.max_model_len:
+        return None
+    name = fresh_name(set(trace.prefixes), "hot")
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: prefix}, name=trace.name)
+    owner = Request(id=fresh_id(current, "owner"), at_ms=at, prompt_tokens=prefix + 16, max_tokens=4, prefix=name)
+    current = replace(current, requests=(*current.requests, owner))
+    start += at
+    for i in range(count):
+        req = Request(id=fresh_id(current, f"hot{i}"), at_ms=start + i * gap, prompt_tokens=prefix + tail,
+                      max_tokens=rng.choice((8, 16)), prefix=name)
+        current = replace(current, requests=(*current.requests, req))
+        if i + 1 == after:
+            for j in range(colds):
+                cold = Request(id=fresh_id(current, "cold"), at_ms=start + i * gap + 1 + j,
+                               prompt_tokens=rng.choice((32, 128, 512)), max_tokens=16)
+                current = replace(current, requests=(*current.requests, cold))
+    return current.with_requests(current.requests)
+
+
 SHAPE_OPERATORS = (long_outputs, disconnect_long, long_prompt_beside_stream, prefix_burst, timeout_before_first_token,
                    client_timeout, disconnect_fanout, kv_burst, prefix_under_pressure, sampling_batch,
-                   cached_prefix_burst, abandoned_queue, reservation_under_load, logprob_streams)
+                   cached_prefix_burst, abandoned_queue, reservation_under_load, logprob_streams, cold_among_warm)
