@@ -201,6 +201,19 @@ def step_pace_s(requests: Sequence[RequestResult]) -> float | None:
     return gaps[len(gaps) // 2] if len(gaps) >= LEAK_WINDOW_MIN_GAPS else None
 
 
+#: A server with nothing running or waiting that still reports this much more of its KV cache in use than
+#: before the execution (``kv_usage``, 0-1) holds blocks nobody owns: a leak too, when it lasts the leak
+#: window (vllm-ascend #16662, vLLM #46283: blocks of aborted requests never given back). Engines count
+#: cached blocks nobody references as free (vLLM's block pool, SGLang's evictable tokens, llama.cpp's idle
+#: slots), and a hundredth is 20 blocks of a 2048-block cache: more than one page of a prompt.
+KV_HELD_MARGIN = 0.01
+
+
+def kv_held(before: float | None, now: float | None) -> bool:
+    """Does a server with nothing running or waiting hold more KV (``now``) than before the execution?"""
+    return before is not None and now is not None and now > before + KV_HELD_MARGIN
+
+
 def leak_window_s(pace_s: float | None, floor_s: float) -> float:
     """How long after the last request ended a server stepping every ``pace_s`` may take to return to idle."""
     return floor_s if pace_s is None else max(floor_s, min(LEAK_WINDOW_MAX_S, LEAK_WINDOW_STEPS * pace_s))

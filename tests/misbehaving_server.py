@@ -59,6 +59,22 @@ class ServerState:
     tokenize_calls: int = 0
     #: (num_gpu_blocks, block_size) for a vllm:cache_config_info line; None: no such line.
     kv_config: tuple[int, int] | None = None
+    #: The vllm:kv_cache_usage_perc reported (0-1); None: no such line.
+    kv_usage: float | None = None
+    #: Each request that ends leaves this much of the KV cache in use (blocks it does not give back) ...
+    kv_left_by_request: float = 0.0
+    #: ... for this long; None: for good.
+    kv_left_s: float | None = None
+
+    def leave_kv(self) -> None:
+        if not self.kv_left_by_request or self.kv_usage is None:
+            return
+        self.kv_usage += self.kv_left_by_request
+        if self.kv_left_s is not None:
+            asyncio.get_running_loop().call_later(self.kv_left_s, self.give_back_kv, self.kv_left_by_request)
+
+    def give_back_kv(self, share: float) -> None:
+        self.kv_usage = (self.kv_usage or 0.0) - share
 
     def release(self) -> None:
         self.running -= 1
@@ -156,6 +172,7 @@ def make_app(state: ServerState) -> web.Application:
             entry.aborted = True
             raise
         finally:
+            state.leave_kv()
             if state.linger_s:
                 asyncio.get_running_loop().call_later(state.linger_s, state.release)
             else:
@@ -186,6 +203,9 @@ def make_app(state: ServerState) -> web.Application:
             "# TYPE vllm:num_preemptions_total counter\n"
             f'vllm:num_preemptions_total{{engine="0",model_name="{MODEL}"}} 3.0\n'
         )
+        if state.kv_usage is not None:
+            text += ("# TYPE vllm:kv_cache_usage_perc gauge\n"
+                     f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} {state.kv_usage}\n')
         if state.kv_config is not None:
             blocks, size = state.kv_config
             text += ("# TYPE vllm:cache_config_info gauge\n"

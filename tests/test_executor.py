@@ -192,6 +192,27 @@ async def test_without_steps_of_its_own_the_speed_check_paces_the_leak_window(se
     assert slow.idle_after is True and slow.speed_check_itl_s is not None and fast.idle_after is False
 
 
+async def test_kv_still_in_use_with_nothing_running_is_a_leak_unless_given_back_within_the_window(server):
+    # Blocks of ended requests never given back (vllm-ascend #16662, vLLM #46283): nothing runs or waits,
+    # and the KV usage stays above its level before the execution for the whole window.
+    url, state = server
+    state.kv_usage, state.kv_left_by_request = 0.0, 0.05
+    async with HttpTarget(url, rng=random.Random(0), timeout_s=2.0, idle_timeout_s=1.0, idle_after_timeout_s=0.5) as t:
+        before = state.kv_usage  # the target's own probes when it started left theirs
+        held = await t.execute(trace(req("ok_a"), req("ok_b", at_ms=5)))
+        assert held.idle_after is False and state.kv_usage >= before + 0.1
+        assert any(f"{state.kv_usage:.1%} of its KV cache in use" in w and f"({before:.1%} before it)" in w
+                   for w in held.warnings), held.warnings
+        # What an earlier execution left is its level now: requests that give all back leave no leak.
+        state.kv_left_by_request = 0.0
+        assert (await t.execute(trace(req("ok_c")))).idle_after is True
+        # Blocks given back within the window are no leak; less than KV_HELD_MARGIN more is none either.
+        state.kv_left_by_request, state.kv_left_s = 0.05, 0.2
+        assert (await t.execute(trace(req("ok_d")))).idle_after is True
+        state.kv_left_by_request, state.kv_left_s = 0.005, None
+        assert (await t.execute(trace(req("ok_e")))).idle_after is True
+
+
 @pytest.mark.parametrize("client", ["fast", "aiohttp"])
 async def test_a_client_that_leaves_after_a_time_leaves_before_its_first_token(server, monkeypatch, client):
     # A client with a TTFT timeout (disconnect_after_ms) goes away while the server is still on

@@ -82,6 +82,11 @@ class Adapter:
     slots_path: str | None = None
     #: Reads common metric values (``kv_usage``) out of a slots answer.
     slots_metrics: Callable[[Any], dict[str, float]] | None = None
+    #: Whether ``kv_usage`` is brought up to date once the last request is freed (vLLM v1 runs a step for
+    #: finished and aborted requests, whose stats count cached blocks nobody holds as free), so that KV still
+    #: in use with nothing running is blocks held (``fuzzer.execution.KV_HELD_MARGIN``). SGLang sets its
+    #: token usage when it logs a batch, and an idle server logs none; the others are not relied on.
+    kv_settles_idle: bool = False
 
     @property
     def has_metrics(self) -> bool:
@@ -237,6 +242,7 @@ _VLLM = Adapter(
     tokenize_path="/tokenize",
     tokenize_body=_openai_tokenize_body,
     tokenize_count=_openai_tokenize_count,
+    kv_settles_idle=True,
 )
 
 _SGLANG = Adapter(

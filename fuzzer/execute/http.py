@@ -43,6 +43,7 @@ from fuzzer.execute.metrics import (
     DEFAULT_INTERVAL_S,
     Sampler,
     Scraper,
+    holds_kv,
     settles_idle,
     wait_idle,
 )
@@ -369,6 +370,8 @@ class HttpTarget:
             warnings.append(lag_warning)
         if idle_after is False:
             idle_after = await self._settles_at_pace(info, results, ended_at)
+        if idle_after and self._adapter is not None and self._adapter.kv_settles_idle:  # is the KV given back?
+            idle_after = await self._gives_back_kv(idle.last.get("kv_usage"), results, ended_at, warnings)
         speed_itl_s = await self._check_speed(info) if self._speed_check and idle_after else None
         return ExecutionResult(
             trace_hash=trace.content_hash(),
@@ -383,6 +386,20 @@ class HttpTarget:
             client_lag_s=client_lag_s,
             speed_check_itl_s=speed_itl_s,
         )
+
+    async def _gives_back_kv(self, before: float | None, results: list[RequestResult], ended_at: float,
+                             warnings: list[str]) -> bool:
+        """Idle again: does the KV usage come back to its level before the execution within the leak window
+        (``leak_window_s``, paced by the execution's steps)? A server that still holds it
+        (``fuzzer.execution.KV_HELD_MARGIN``) did not return to idle."""
+        window_s = leak_window_s(step_pace_s(results), self._idle_after_timeout_s)
+        left_s = max(0.0, window_s - (self._clock() - ended_at))
+        held = await holds_kv(self._scraper, before, timeout_s=left_s, clock=self._clock, sleep=self._sleep)
+        if held is None:
+            return True
+        warnings.append(f"with no request running or waiting, the server still reported {held:.1%} of its KV cache "
+                        f"in use {window_s:g} s after the last request ({before:.1%} before it)")
+        return False
 
     async def _settles_at_pace(self, info: ServerInfo, results: list[RequestResult], ended_at: float) -> bool:
         """Still busy after the floor: does the server return to idle within the leak window of its pace

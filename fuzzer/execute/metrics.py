@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fuzzer.errors import TargetError
 from fuzzer.execute.adapters import Adapter
 from fuzzer.execute.periodic import Periodic
-from fuzzer.execution import MetricSample
+from fuzzer.execution import MetricSample, kv_held
 
 #: Common metric names every adapter maps onto (counters are cumulative).
 COMMON_NAMES = (
@@ -237,6 +237,33 @@ async def settles_idle(
     if report.reached and busy(report.last) is None:
         return None
     return report.reached
+
+
+async def holds_kv(
+    scrape: Scrape | None,
+    before: float | None,
+    *,
+    timeout_s: float,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    poll_s: float = IDLE_POLL_S,
+) -> float | None:
+    """With nothing running or waiting: the KV usage the server still reports ``timeout_s`` on, when it stays
+    above ``before`` (its usage before the execution) by more than ``KV_HELD_MARGIN`` that long; None when it
+    comes back, or either is unknown. A scrape that fails is read as given back (unknown is not a leak)."""
+    if scrape is None or before is None:
+        return None
+    start = clock()
+    while True:
+        try:
+            now = (await scrape()).get("kv_usage")
+        except TargetError:
+            return None
+        if not kv_held(before, now):
+            return None
+        if clock() - start >= timeout_s:
+            return now
+        await sleep(poll_s)
 
 
 class Sampler(Periodic):
