@@ -188,6 +188,22 @@ async def test_leak_finding_reads_running_and_waiting(tmp_path):
         assert rc == 0, out + err
 
 
+async def test_a_leak_finding_reads_kv_still_in_use_with_nothing_running(tmp_path):
+    # Blocks of ended requests never given back (vllm-ascend #16662): running + waiting return to 0, and the
+    # KV cache in use stays above its level before the run; given back within the wait, no leak.
+    trace = tf.from_dict({"requests": [{"id": "ok1", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4}]})
+    path = tmp_path / "repro.py"
+    crit = criterion_from_verdict("leak", {})
+    path.write_text(script_source(script_data(finding={"id": 3, "kind": "leak"}, criterion=crit, trace=trace)))
+    async with misbehaving() as (url, state):
+        state.kv_usage, state.kv_left_by_request = 0.2, 0.05  # 20% in use before: the level it compares with
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "1", "--leak-wait-s", "0.3")
+        assert rc == 1 and "of the KV cache was still in use" in out, out + err
+        state.kv_left_s = 0.1
+        rc, out, err = await run_script_async(path, "--base-url", url, "--runs", "1", "--leak-wait-s", "0.5")
+        assert rc == 0 and "the KV cache in use with them" in out, out + err
+
+
 async def test_the_script_leaves_after_the_traces_time_and_sends_its_seed(tmp_path):
     # A client with a timeout (disconnect_after_ms) before its first token: the script drops its
     # socket then, the server sees the abort, and an aborting server shows no leak.

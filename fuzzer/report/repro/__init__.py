@@ -22,7 +22,8 @@ The criterion comes from the stored verdict (:meth:`fuzzer.oracle.verdict.Verdic
 - error / hang / protocol: the victim request fails the same way;
 - crash: the server stops answering /health after the trace;
 - leak: running + waiting do not return to 0 within ``leak_wait_s``, stretched by ``leak_stretch`` to the
-  run's median token gaps (the executor's leak window, fuzzer.execution.leak_window_s).
+  run's median token gaps (the executor's leak window, fuzzer.execution.leak_window_s), or they do and the KV
+  cache in use stays ``kv_margin`` above its level before the run (vLLM's gauge) that long.
 
 A run reproduces or not; the script exits 1 when a majority of runs reproduce,
 0 when not, 125 when it cannot test (for ``git bisect run``).
@@ -41,7 +42,7 @@ from fuzzer import __version__
 from fuzzer import trace as trace_format
 from fuzzer.errors import ConfigError
 from fuzzer.execute.http import DEFAULT_IDLE_AFTER_TIMEOUT_S
-from fuzzer.execution import LEAK_WINDOW_MAX_S, LEAK_WINDOW_MIN_GAPS, LEAK_WINDOW_STEPS
+from fuzzer.execution import KV_HELD_MARGIN, LEAK_WINDOW_MAX_S, LEAK_WINDOW_MIN_GAPS, LEAK_WINDOW_STEPS
 from fuzzer.execute.prompts import WORDS
 from fuzzer.oracle.ablation import OPTIONS
 from fuzzer.oracle.policy import CANDIDATE_FACTOR, COLD_IDLE_S, MIN_MARGIN_S, OPTION_FACTOR, ORDER_REACH_S
@@ -95,6 +96,9 @@ class Criterion:
     #: ... at least, or (steps, min gaps, cap s): that many of the run's median token gaps, where the run had
     #: that many gaps, up to the cap (the executor's leak window, fuzzer.execution.leak_window_s).
     leak_stretch: tuple[int, int, float] = (LEAK_WINDOW_STEPS, LEAK_WINDOW_MIN_GAPS, LEAK_WINDOW_MAX_S)
+    #: A leak is also KV still in use this much over its level before the run with nothing running or waiting
+    #: (on a server that reports vLLM's KV usage; fuzzer.execution.KV_HELD_MARGIN); None: not checked.
+    kv_margin: float | None = None
     #: Said in the script's summary (e.g. where the bound comes from).
     note: str = ""
     #: For a finding decided by the order of first tokens: the requests that overtook the
@@ -148,7 +152,7 @@ def criterion_from_verdict(kind: str, verdict: Mapping[str, Any], *, note: str =
         detail = verdict.get("detail")
         outcome = detail if detail in _FAILURE_OUTCOMES[kind] else None
         return Criterion(kind=kind, request_id=request_id, outcome=outcome, note=note)
-    return Criterion(kind=kind, note=note)
+    return Criterion(kind=kind, note=note, kv_margin=KV_HELD_MARGIN if kind == "leak" else None)
 
 
 def script_data(

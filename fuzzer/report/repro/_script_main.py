@@ -106,9 +106,18 @@ def judge_run(criterion, results, server, limit_s, leak_wait_s):
             busy = server.busy()
         if busy is None:
             raise CannotTest("a leak is judged from /metrics running + waiting, and this server exports neither")
-        hit = busy > 0
-        return hit, ("running + waiting still %g, %g s after every request ended" % (busy, leak_wait_s) if hit
-                     else "running + waiting returned to 0")
+        if busy > 0:
+            return True, "running + waiting still %g, %g s after every request ended" % (busy, leak_wait_s)
+        # Nothing runs or waits: is the KV cache in use back to its level before the run?
+        margin, before = criterion.get("kv_margin"), server.kv_before
+        kv = server.kv_usage() if margin is not None and before is not None else None
+        while kv is not None and kv > before + margin and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            kv = server.kv_usage()
+        if kv is not None and kv > before + margin:
+            return True, ("running + waiting returned to 0, but %.1f%% of the KV cache was still in use %g s after "
+                          "every request ended (%.1f%% before the run)" % (100 * kv, leak_wait_s, 100 * before))
+        return False, "running + waiting returned to 0" + (" and the KV cache in use with them" if kv is not None else "")
     raise CannotTest("this script does not know how to judge a %r finding" % kind)
 
 
@@ -209,6 +218,7 @@ def parse_args(argv):
 def execute(server, trace, args, model, counter, rng, tag, kind):
     """One execution of ``trace`` after the idle barrier: (results, running + waiting when the barrier gave up)."""
     waiting = idle_barrier(server, args.idle_s, args.leak_wait_s if kind == "leak" else IDLE_BARRIER_S)
+    server.kv_before = server.kv_usage() if kind == "leak" else None  # what a leak check compares with
     results = run_once(server, trace, DATA["words"], model, counter, rng, DATA["server"].get("features") or {},
                        tag, args.timeout_s)
     if all(res["outcome"] == "rejected" for res in results):

@@ -46,6 +46,8 @@ TOTAL_TIMEOUT_S = 600.0
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing",
            "tgi_batch_current_size")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred", "tgi_queue_size")
+# vLLM's KV cache usage (0-1), brought up to date once its last request is freed (a leak check reads it).
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 LATENCY_KINDS = ("ttft-outlier", "itl-stall", "e2e-outlier", "cold-start")
 FAILURE_OUTCOMES = {
     "error": ("http-error", "connection-error"),
@@ -85,6 +87,8 @@ class Server:
         self.port = parts.port or (443 if self.https else 80)
         self.root = parts.path.rstrip("/")
         self.timeout_s = timeout_s
+        #: The KV cache usage before the run a leak check judges (set after the idle barrier).
+        self.kv_before = None
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = "Bearer " + api_key
@@ -119,24 +123,32 @@ class Server:
 
     def busy(self):
         """running + waiting from /metrics, or None when the server does not export them."""
+        values = self.gauges(RUNNING + WAITING)
+        return sum(values) if values else None
+
+    def kv_usage(self):
+        """The KV cache usage (0-1, the mean over engines) from /metrics, or None when not exported."""
+        values = self.gauges(KV_USAGE)
+        return sum(values) / len(values) if values else None
+
+    def gauges(self, names):
+        """The values of the /metrics lines named one of ``names`` (none when /metrics does not answer)."""
         try:
             status, raw = self.call("GET", "/metrics")
         except (OSError, http.client.HTTPException):
-            return None
+            return []
         if status != 200:
-            return None
-        total, seen = 0.0, False
+            return []
+        values = []
         for line in raw.decode("utf-8", "replace").splitlines():
             if not line or line.startswith("#"):
                 continue
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in RUNNING or name in WAITING:
+            if line.split("{", 1)[0].split(" ", 1)[0] in names:
                 try:
-                    total += float(line.rsplit(" ", 1)[1])
-                    seen = True
+                    values.append(float(line.rsplit(" ", 1)[1]))
                 except (IndexError, ValueError):
                     continue
-        return total if seen else None
+        return values
 
 
 def check_server(server, model):
