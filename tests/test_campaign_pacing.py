@@ -300,8 +300,8 @@ async def test_in_its_closing_share_a_campaign_confirms_the_candidates_that_wait
         seeds = [tf.load(p) for p in sorted(CORPUS.glob("*.json"))][:4]
         # Seed 1: a campaign that leaves a candidate waiting without a closing share (the premise; with the
         # search's two later shapes, seed 3's confirmed all of its candidates in time, and with logprob_streams
-        # and logprobs-redetokenize seed 5's did; seeds 1, 2, 3, 7 and 8 meet it now, and at seed 4 two of four
-        # waiting candidates still wait at the end of the closing share).
+        # and logprobs-redetokenize seed 5's did; with longest-prefix-first, aborted-blocks-held and cold_among_warm,
+        # seeds 1, 3, 4, 6, 8 and 9 of 1-10 meet it).
         campaign = _campaign(sim, store, seeds, calibration, duration_s=80.0, idle_share=0.0, confirm_share=0.2,
                              closing_share=share, seed=1)
         assert (await campaign.run()).reason is ExitReason.DURATION

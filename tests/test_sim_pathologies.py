@@ -33,6 +33,7 @@ CONTRACT_NAMES = (
     "head-reserve-admission",
     "logprobs-redetokenize",
     "longest-prefix-first",
+    "aborted-blocks-held",
 )
 
 
@@ -81,6 +82,8 @@ MIN_EFFECT = 1.25
 
 def _measure(result, request_id, what):
     r = result.request(request_id)
+    if what == "held":  # the KV usage reported at the end, over a floor: none held is 0
+        return max(0.01, result.samples[-1].values["kv_usage"])
     return {"ttft": r.ttft_s, "itl": r.max_itl_s, "e2e": r.e2e_s, "drain": result.duration_s}[what]
 
 
@@ -360,3 +363,20 @@ async def test_logprobs_redetokenize_holds_an_http_stream_s_tokens_until_the_fro
     assert off_chunks == on_chunks == 200  # every token, late
     assert on_ttft > off_ttft + 0.4, (on_ttft, off_ttft)
     assert on_truth["plain"] == ("logprobs-redetokenize",) and not any(off_truth.values())
+
+
+def test_aborted_blocks_held_keeps_the_kv_of_a_request_left_mid_prefill_until_a_later_step_sweeps_it():
+    trace = TRIGGERS["aborted-blocks-held"].trace
+    off, on = _warm_run((), trace), _warm_run(("aborted-blocks-held",), trace)
+    assert off.idle_after and not on.idle_after  # nothing runs, and the KV is still in use
+    assert on.ground_truth["Z"] == ("aborted-blocks-held",) and not any(off.ground_truth.values())
+    # The clients saw the same: Z left before a token, W was served.
+    assert on.request("Z").ttft_s is None and on.request("W").outcome.value == "ok"
+    # A request left once it decodes gives its blocks back at once; a step 30 s on sweeps the held ones.
+    decoding = from_dict({"requests": [{"id": "Z", "at_ms": 0, "prompt_tokens": 64, "max_tokens": 400,
+                                         "cancel_after_tokens": 4}]})
+    assert _warm_run(("aborted-blocks-held",), decoding).idle_after
+    target = VirtualTarget(pathologies=("aborted-blocks-held",), seed=0)
+    assert not target.run(trace).idle_after and target.engine.kv.usage > 0.05
+    target.idle(31.0)
+    assert target.run(decoding).idle_after and target.engine.kv.usage == 0.0

@@ -1,6 +1,6 @@
 """The oracle on the pathologies added for issue 16 (kv-reserve-admission, disconnect-leak,
 lifo-admission, decode-starvation, early-abort-leak, resident-prefix-refusal, seeded-sampling-path,
-queued-abort-late, head-reserve-admission, logprobs-redetokenize, longest-prefix-first).
+queued-abort-late, head-reserve-admission, logprobs-redetokenize, longest-prefix-first, aborted-blocks-held).
 
 Each trigger (``fuzzer.sim.triggers``) is confirmed on virtual time with the kind its
 pathology declares and only on requests the pathology really delayed (ground truth, read
@@ -18,7 +18,7 @@ from fuzzer.sim.triggers import TRIGGERS
 
 NEW = (P.KV_RESERVE_ADMISSION, P.DISCONNECT_LEAK, P.LIFO_ADMISSION, P.DECODE_STARVATION, P.EARLY_ABORT_LEAK,
        P.RESIDENT_PREFIX_REFUSAL, P.SEEDED_SAMPLING_PATH, P.QUEUED_ABORT_LATE, P.HEAD_RESERVE_ADMISSION,
-       P.LOGPROBS_REDETOKENIZE, P.LONGEST_PREFIX_FIRST)
+       P.LOGPROBS_REDETOKENIZE, P.LONGEST_PREFIX_FIRST, P.ABORTED_BLOCKS_HELD)
 
 
 @pytest.mark.parametrize("name", NEW)

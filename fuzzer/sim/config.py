@@ -87,6 +87,8 @@ class SimConfig:
     lifo_min_waiting: int = 2
     #: longest-prefix-first: above this many waiting requests the queue is served FCFS (SGLang's lpm: 128).
     lpm_max_waiting: int = 128
+    #: aborted-blocks-held: the blocks of a request aborted mid-prefill are swept by the first step this long after.
+    abort_hold_s: float = 30.0
     #: seeded-sampling-path: per sampled sequence of a step that has a seeded request (temperature > 0)
     #: in it: every row is sampled on its own (a per-row torch.multinomial with its own generator: a
     #: launch and a host sync per row) instead of one batched kernel. 200 µs is ten times

@@ -97,6 +97,8 @@ class Engine(Mechanisms):
         #: End of the last step; None: never ran (a fresh server is cold).
         self._last_step_end_s: float | None = None
         self._cold_extra_s: list[float] = []
+        #: aborted-blocks-held: (when they are swept, blocks) of requests aborted mid-prefill.
+        self._held: list[tuple[float, list[int]]] = []
         self._batch_full = False
         #: Prompt tokens one request may compute in the current step (the long-prefill cap).
         self._chunk_cap = self.config.max_num_batched_tokens
@@ -221,6 +223,7 @@ class Engine(Mechanisms):
             self._waiting.remove(req)
         else:
             self._running.remove(req)
+            self._hold_blocks(req, now_s)
         self._finish(req, now_s, "abort")
 
     # --- one step ----------------------------------------------------------------------
@@ -487,6 +490,8 @@ class Engine(Mechanisms):
         required = self._blocks_for(req, cached + tokens)
         headroom = 0 if thrash else len(self._running) * cfg.admission_headroom_blocks_per_seq
         need = self.kv.blocks_needed(0, required, hits) + headroom
+        if need > self.kv.num_free:
+            self._tag_held_refusal(need)
         if (need > self.kv.num_free or self._reservation_refuses(req, need, required)
                 or self._head_reservation_refuses(req, need, required)
                 or self._resident_prefix_refuses(required, headroom)):
@@ -548,6 +553,7 @@ class Engine(Mechanisms):
             self.on_finish(record)
 
     def _promote(self, now_s: float) -> None:
+        self._sweep_held(now_s)
         while self._pending and self._pending[0][0] <= now_s:
             _, _, req = heapq.heappop(self._pending)
             req.state = State.WAITING

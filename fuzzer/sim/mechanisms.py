@@ -31,6 +31,8 @@ class Mechanisms:
     _batch_full: bool
     _last_step_end_s: float | None
     _cold_extra_s: list[float]
+    #: aborted-blocks-held: (when they are swept, blocks) of requests aborted mid-prefill.
+    _held: list[tuple[float, list[int]]]
     #: logprobs-redetokenize: when the frontend has handled every output so far.
     _delivery_free_s: float
     kv: "KVCache"
@@ -95,6 +97,27 @@ class Mechanisms:
         hits = {id(r): len(self.kv.lookup(r.hashes, (r.num_tokens - 1) // block)) for r in fresh}
         resumed = [r for r in self._waiting if r.preemptions]
         self._waiting[:] = resumed + sorted(fresh, key=lambda r: -hits[id(r)])
+
+    def _hold_blocks(self, req: SimRequest, now_s: float) -> None:
+        """aborted-blocks-held: a request aborted mid-prefill leaves its blocks referenced until a later sweep."""
+        if P.ABORTED_BLOCKS_HELD not in self.pathologies or req.generated or not req.blocks:
+            return
+        self._held.append((now_s + self.config.abort_hold_s / self.config.speed, req.blocks))
+        req.blocks = []
+        req.delayed_by.add(P.ABORTED_BLOCKS_HELD)
+
+    def _sweep_held(self, now_s: float) -> None:
+        """aborted-blocks-held: the first step at or after a hold's end releases its blocks."""
+        due = [blocks for until, blocks in self._held if until <= now_s]
+        if due:
+            self._held = [(until, blocks) for until, blocks in self._held if until > now_s]
+            for blocks in due:
+                self.kv.release(blocks)
+
+    def _tag_held_refusal(self, need: int) -> None:
+        """aborted-blocks-held: the waiting requests when an admission that the held blocks would fit is refused."""
+        if self._held and need <= self.kv.num_free + sum(len(blocks) for _, blocks in self._held):
+            self._tag(P.ABORTED_BLOCKS_HELD, self._waiting)
 
     def _prefill_first(self) -> bool:
         """decode-starvation: a running request still in prefill takes the step; decodes wait."""

@@ -36,6 +36,7 @@ QUEUED_ABORT_LATE = "queued-abort-late"
 HEAD_RESERVE_ADMISSION = "head-reserve-admission"
 LOGPROBS_REDETOKENIZE = "logprobs-redetokenize"
 LONGEST_PREFIX_FIRST = "longest-prefix-first"
+ABORTED_BLOCKS_HELD = "aborted-blocks-held"
 
 
 @dataclass(frozen=True)
@@ -439,6 +440,28 @@ class LongestPrefixFirst(_Pathology):
     kind = "ttft-outlier"
 
 
+class AbortedBlocksHeld(_Pathology):
+    """A request aborted while its prompt is being computed keeps its KV blocks after it is gone.
+
+    Models vllm-ascend #16662 (a request aborted during its KV load "permanently leaks that request's KV
+    blocks ... the KV cache fills up until no new request can be admitted, while the process and /metrics
+    endpoint stay alive"), vLLM #46283 (blocks of an aborted load never reclaimed) and vLLM #26400 / PR
+    #29987 (requests cancelled during a forward pass keep their blocks pinned until a fall-back timeout).
+    The request leaves the queues at once (nothing runs or waits), but its blocks stay referenced until the
+    first step that starts ``abort_hold_s`` after the abort: an idle server reports KV in use with nothing
+    running, and requests that need those blocks wait or are refused. Ground truth names the aborted
+    request and every request whose admission the held blocks refused.
+
+    Trigger: long prompts whose clients leave while they are being computed.
+    """
+
+    name = ABORTED_BLOCKS_HELD
+    models = "vllm-ascend #16662; vllm #46283, #26400 / PR #29987 (KV blocks of an aborted request left held)"
+    trigger = "clients that leave long prompts while they are being computed"
+    effect = "the server reports KV in use with nothing running long after; requests needing those blocks wait"
+    kind = "leak"
+
+
 _REGISTRY: tuple[type[_Pathology], ...] = (
     HolPrefixBurst,
     UnchunkedPrefill,
@@ -458,6 +481,7 @@ _REGISTRY: tuple[type[_Pathology], ...] = (
     HeadReserveAdmission,
     LogprobsRedetokenize,
     LongestPrefixFirst,
+    AbortedBlocksHeld,
 )
 
 #: Every pathology name, in the order ``--list`` shows them.

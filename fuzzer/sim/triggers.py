@@ -1,8 +1,9 @@
 """One small trace per planted pathology that triggers it (for tests, the oracle and benchmarks).
 
 Each :class:`Trigger` names the request that suffers and the measure that shows
-it (``ttft``, ``itl`` = max inter-token gap, ``e2e``, or ``drain``: how long the
-server stays busy, for a request it runs on after its client left). Run on a warm simulator,
+it (``ttft``, ``itl`` = max inter-token gap, ``e2e``, ``drain``: how long the
+server stays busy, for a request it runs on after its client left, or ``held``: the KV cache the
+server still reports in use when the execution ends). Run on a warm simulator,
 the measure is clearly larger with the pathology on than off
 (tests/test_sim_pathologies.py checks it); cold-start needs a cold server
 instead (a fresh target, or one left idle for more than ``cold_idle_s``).
@@ -22,7 +23,8 @@ class Trigger:
     trace: Trace
     #: The id of the request the pathology hurts most.
     victim: str
-    #: "ttft", "itl", "e2e", or "drain" (the execution's length: how long the server stays busy).
+    #: "ttft", "itl", "e2e", "drain" (the execution's length: how long the server stays busy) or "held" (the
+    #: KV usage the server reports at the end).
     measure: str
     #: Whether the effect needs a cold server (only cold-start).
     cold: bool = False
@@ -249,6 +251,19 @@ def _build() -> dict[str, Trigger]:
             ),
             "C",
             "ttft",
+        ),
+        # Z's client leaves at 100 ms, during its 8000-token prefill (four budgets): its blocks stay held, in use
+        # with nothing running, until a step 30 s on.
+        P.ABORTED_BLOCKS_HELD: Trigger(
+            _trace(
+                "trigger-aborted-blocks-held",
+                [
+                    {"id": "Z", "at_ms": 0, "prompt_tokens": 8000, "max_tokens": 16, "disconnect_after_ms": 100},
+                    {"id": "W", "at_ms": 300, "prompt_tokens": 128, "max_tokens": 16},
+                ],
+            ),
+            "Z",
+            "held",
         ),
     }
 

@@ -21,7 +21,15 @@ import math
 from dataclasses import replace
 
 from fuzzer.errors import ConfigError
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, leak_window_s, step_pace_s
+from fuzzer.execution import (
+    ExecutionResult,
+    MetricSample,
+    Outcome,
+    RequestResult,
+    kv_held,
+    leak_window_s,
+    step_pace_s,
+)
 from fuzzer.sim.config import SimConfig
 from fuzzer.sim.engine import Engine
 from fuzzer.sim.pathologies import NAMES, parse
@@ -101,6 +109,7 @@ class VirtualTarget:
         t0 = self._clock_s
         last = engine.last_step_end_s
         idle_before = None if last is None else max(0.0, t0 - last)
+        kv_before = engine.kv.usage
 
         arrivals: list[tuple[float, Request, list[int]]] = []
         rejected: dict[str, str] = {}
@@ -206,7 +215,8 @@ class VirtualTarget:
         client_end = max((e for e in ends if e is not None), default=t)
         drain_s = t - client_end  # the pace is read only past the floor, as the HTTP executor does
         idle_after = engine.idle and (
-            drain_s <= IDLE_AFTER_S or drain_s <= leak_window_s(step_pace_s(results), IDLE_AFTER_S))
+            drain_s <= IDLE_AFTER_S or drain_s <= leak_window_s(step_pace_s(results), IDLE_AFTER_S)
+        ) and not kv_held(kv_before, engine.kv.usage)  # no step runs while idle: what is held now stays held
         ground_truth = {rid: tuple(sorted(h.delayed_by, key=_registry_order)) for rid, h in handles.items()}
         return ExecutionResult(
             trace_hash=trace.content_hash(),
