@@ -356,6 +356,16 @@ def prefix_under_pressure(trace: Trace, rng: random.Random, limits) -> Trace | N
 WARM_AFTER_MS = (300.0, 1000.0)
 
 
+def _prefix_owner(trace: Trace, rng: random.Random, prefix: int, base: str) -> tuple[Trace, str, float]:
+    """``trace`` with a new shared prefix of ``prefix`` tokens (named from ``base``) and a request that computes it
+    at a random time: (the trace, the prefix's name, when its owner is sent)."""
+    name = fresh_name(set(trace.prefixes), base)
+    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
+    current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: prefix}, name=trace.name)
+    owner = Request(id=fresh_id(current, "owner"), at_ms=at, prompt_tokens=prefix + 16, max_tokens=4, prefix=name)
+    return replace(current, requests=(*current.requests, owner)), name, at
+
+
 def cached_prefix_burst(trace: Trace, rng: random.Random, limits) -> Trace | None:
     """A request computes a long shared prefix; once it is done, sixteen to thirty-two requests (where the
     trace has room) with that prefix and short tails of their own arrive together."""
@@ -365,11 +375,7 @@ def cached_prefix_burst(trace: Trace, rng: random.Random, limits) -> Trace | Non
     prefix = min(rng.choice([1024, 2048]), limits.max_model_len - 64) // limits.block_size * limits.block_size
     if count < 8 or prefix < 4 * limits.block_size:
         return None
-    name = fresh_name(set(trace.prefixes), "warm")
-    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
-    current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: prefix}, name=trace.name)
-    owner = Request(id=fresh_id(current, "owner"), at_ms=at, prompt_tokens=prefix + 16, max_tokens=4, prefix=name)
-    current = replace(current, requests=(*current.requests, owner))
+    current, name, at = _prefix_owner(trace, rng, prefix, "warm")
     start = at + rng.choice(WARM_AFTER_MS)
     for i in range(count):
         req = Request(id=fresh_id(current, f"warm{i}"), at_ms=start + i, prompt_tokens=prefix + rng.choice([8, 16, 32]),
@@ -535,11 +541,7 @@ def cold_among_warm(trace: Trace, rng: random.Random, limits) -> Trace | None:
     # Four or more members come the order check's 20 ms reach (fuzzer.oracle.order) after the cold ones.
     if count < max(8, after + 4 + int(20 // gap)) or prefix < 4 * block or prefix + tail + 16 > limits.max_model_len:
         return None
-    name = fresh_name(set(trace.prefixes), "hot")
-    at = float(round(rng.uniform(0, max(1.0, trace.duration_ms()))))
-    current = Trace(requests=trace.requests, prefixes={**trace.prefixes, name: prefix}, name=trace.name)
-    owner = Request(id=fresh_id(current, "owner"), at_ms=at, prompt_tokens=prefix + 16, max_tokens=4, prefix=name)
-    current = replace(current, requests=(*current.requests, owner))
+    current, name, at = _prefix_owner(trace, rng, prefix, "hot")
     start += at
     for i in range(count):
         req = Request(id=fresh_id(current, f"hot{i}"), at_ms=start + i * gap, prompt_tokens=prefix + tail,
