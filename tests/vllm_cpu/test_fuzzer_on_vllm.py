@@ -164,6 +164,31 @@ def test_replay_detects_vllm_builds_exact_prompts_and_samples_its_metrics(vllm_s
     assert max(s.get("running", 0) for s in samples) >= 1
 
 
+# Clients that leave: one while its prompt (three step budgets) is being computed, one after a few tokens.
+GONE = trace_format.from_dict({"name": "vllm-gone", "requests": [
+    {"id": "mid_prefill", "at_ms": 0, "prompt_tokens": 6000, "max_tokens": 64, "disconnect_after_ms": 150},
+    {"id": "mid_stream", "at_ms": 5, "prompt_tokens": 500, "max_tokens": 400, "cancel_after_tokens": 4},
+    {"id": "after", "at_ms": 400, "prompt_tokens": 200, "max_tokens": 8},
+]})
+
+
+def test_stock_vllm_gives_back_the_kv_of_requests_left_mid_prefill_and_mid_stream(vllm_server, calibrated, tmp_path):
+    # Once nothing runs or waits, the leak check reads vLLM's KV usage against its level before the execution
+    # (fuzzer.execution.KV_HELD_MARGIN): vLLM v1 runs a step for finished and aborted requests, so the gauge is
+    # current, and the blocks of requests whose clients left are given back.
+    db, _ = calibrated
+    path = tmp_path / "gone.json"
+    trace_format.dump(GONE, path)
+    out = _replay(vllm_server.base_url, db, path)
+    assert out["runs"]
+    for run in out["runs"]:
+        assert run["idle_after"] is True, run
+        assert not [w for w in run["warnings"] if "KV cache in use" in w], run["warnings"]
+        outcomes = {r["id"]: r["outcome"] for r in run["requests"]}
+        assert outcomes == {"mid_prefill": "cancelled", "mid_stream": "cancelled", "after": "ok"}, run
+    assert "leak" not in {v["kind"] for v in out["findings"]}, _timeline(out)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2 * CLI_TIMEOUT_S)
 def test_a_corpus_trace_replays_end_to_end(vllm_server, calibrated):
