@@ -41,14 +41,15 @@ from fuzzer.execute.adapters import Adapter, ServerInfo
 from fuzzer.execute.harness import LATENESS_WARN_S, request_result, result_warnings, status_outcome  # noqa: F401 (LATENESS_WARN_S: public)
 from fuzzer.execute.metrics import (
     DEFAULT_INTERVAL_S,
+    IdleReport,
     Sampler,
     Scraper,
-    holds_kv,
-    settles_idle,
+    busy,
+    settle,
     wait_idle,
 )
 from fuzzer.execute.sse import StreamAccount, short, usage_counts
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, leak_window_s, step_pace_s
+from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, kv_held, leak_window_s, step_pace_s
 from fuzzer.trace import MAX_REQUESTS, Request, Trace
 
 #: No byte from the server for this long is a hang (the request's outcome is TIMEOUT).
@@ -353,9 +354,11 @@ class HttpTarget:
             duration_s = self._clock() - t0
             client_lag_s = await lag.stop()
             ended_at = self._clock()
-            idle_after = await settles_idle(
-                self._scraper, timeout_s=self._idle_after_timeout_s, clock=self._clock, sleep=self._sleep
-            )
+            # On an engine whose KV gauge is current once it is idle, KV still in use is not idle either.
+            judge_kv = self._adapter is not None and self._adapter.kv_settles_idle
+            kv_before = idle.last.get("kv_usage") if judge_kv else None
+            after = await settle(self._scraper, timeout_s=self._idle_after_timeout_s, kv_before=kv_before,
+                                       clock=self._clock, sleep=self._sleep)
             if sampler is not None:
                 samples, failed_scrapes = await sampler.stop()
         results = [send.result() for send in sends]
@@ -368,10 +371,13 @@ class HttpTarget:
         lag_warning = clientlag.warning(client_lag_s)
         if lag_warning:
             warnings.append(lag_warning)
-        if idle_after is False:
-            idle_after = await self._settles_at_pace(info, results, ended_at)
-        if idle_after and self._adapter is not None and self._adapter.kv_settles_idle:  # is the KV given back?
-            idle_after = await self._gives_back_kv(idle.last.get("kv_usage"), results, ended_at, warnings)
+        if after is not None and not after.reached:
+            after = await self._settles_at_pace(info, results, ended_at, after, kv_before)
+        idle_after = None if after is None else after.reached
+        if idle_after is False and busy(after.last) == 0 and kv_held(kv_before, after.last.get("kv_usage")):
+            warnings.append(f"with no request running or waiting, the server still reported "
+                            f"{after.last['kv_usage']:.1%} of its KV cache in use at the end of the leak window "
+                            f"({kv_before:.1%} before it)")
         speed_itl_s = await self._check_speed(info) if self._speed_check and idle_after else None
         return ExecutionResult(
             trace_hash=trace.content_hash(),
@@ -387,34 +393,22 @@ class HttpTarget:
             speed_check_itl_s=speed_itl_s,
         )
 
-    async def _gives_back_kv(self, before: float | None, results: list[RequestResult], ended_at: float,
-                             warnings: list[str]) -> bool:
-        """Idle again: does the KV usage come back to its level before the execution within the leak window
-        (``leak_window_s``, paced by the execution's steps)? A server that still holds it
-        (``fuzzer.execution.KV_HELD_MARGIN``) did not return to idle."""
-        window_s = leak_window_s(step_pace_s(results), self._idle_after_timeout_s)
-        left_s = max(0.0, window_s - (self._clock() - ended_at))
-        held = await holds_kv(self._scraper, before, timeout_s=left_s, clock=self._clock, sleep=self._sleep)
-        if held is None:
-            return True
-        warnings.append(f"with no request running or waiting, the server still reported {held:.1%} of its KV cache "
-                        f"in use {window_s:g} s after the last request ({before:.1%} before it)")
-        return False
-
-    async def _settles_at_pace(self, info: ServerInfo, results: list[RequestResult], ended_at: float) -> bool:
-        """Still busy after the floor: does the server return to idle within the leak window of its pace
-        (``leak_window_s``)? The pace is the execution's own step; where its clients all left before a token it
-        has none, and the speed check's median gap, taken beside what the server still holds, is used."""
+    async def _settles_at_pace(self, info: ServerInfo, results: list[RequestResult], ended_at: float,
+                               busy_report: IdleReport, kv_before: float | None) -> IdleReport:
+        """Still busy after the floor (``busy_report``): does the server return to idle within the leak window of
+        its pace (``leak_window_s``)? The pace is the execution's own step; where its clients all left before a
+        token it has none, and the speed check's median gap, taken beside what the server still holds, is used."""
         pace = step_pace_s(results)
         if pace is None and self._speed_check:
             try:
                 pace = await self._check_speed(info)
             except TargetError:  # it went down: a crash, which the oracle tells by itself
-                return False
+                return busy_report
         left_s = leak_window_s(pace, self._idle_after_timeout_s) - (self._clock() - ended_at)
         if left_s <= 0:
-            return False
-        return bool(await settles_idle(self._scraper, timeout_s=left_s, clock=self._clock, sleep=self._sleep))
+            return busy_report
+        return await settle(self._scraper, timeout_s=left_s, kv_before=kv_before, clock=self._clock,
+                            sleep=self._sleep) or busy_report
 
     async def _check_speed(self, info: ServerInfo) -> float | None:
         """The median inter-token gap of SPEED_CHECK run now (the server is idle), or None."""

@@ -3,8 +3,8 @@
 ``parse`` turns Prometheus text (read with prometheus-client's parser) into the
 common names of :data:`COMMON_NAMES` through a server adapter. ``Scraper`` fetches
 and parses one page; ``Sampler`` polls on an absolute schedule while a trace runs;
-``wait_idle`` is the barrier before an execution and ``settles_idle`` the check
-after it (did running + waiting return to 0?).
+``wait_idle`` is the barrier before an execution and ``settle`` / ``settles_idle`` the check
+after it (did running + waiting return to 0, and the KV cache in use to its level before?).
 """
 
 from __future__ import annotations
@@ -180,8 +180,10 @@ async def wait_idle(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     poll_s: float = IDLE_POLL_S,
     quiet_s: float = QUIET_PERIOD_S,
+    kv_before: float | None = None,
 ) -> IdleReport:
-    """Wait until running + waiting = 0 on IDLE_CONFIRMATIONS scrapes in a row.
+    """Wait until running + waiting = 0 on IDLE_CONFIRMATIONS scrapes in a row (and, given ``kv_before``, the KV
+    usage back within ``KV_HELD_MARGIN`` of that level: blocks nobody owns are not idle either).
 
     Without a scrape (a server without metrics) this waits a quiet period and
     reports the idle time as unknown. Gives up after ``timeout_s`` with
@@ -207,7 +209,7 @@ async def wait_idle(
                 # Metrics, but no running/waiting gauges: fall back to a quiet period.
                 await sleep(quiet_s)
                 return IdleReport(idle_s=None, reached=True, last=last)
-            if load == 0:
+            if load == 0 and not kv_held(kv_before, last.get("kv_usage")):
                 idle_since = asked if idle_since is None else idle_since
                 seen += 1
                 if seen >= IDLE_CONFIRMATIONS:
@@ -219,51 +221,32 @@ async def wait_idle(
         await sleep(poll_s)
 
 
-async def settles_idle(
+async def settle(
     scrape: Scrape | None,
     *,
     timeout_s: float,
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     poll_s: float = IDLE_POLL_S,
-) -> bool | None:
-    """After the last request ended: does the server return to idle within ``timeout_s``?
+    kv_before: float | None = None,
+) -> IdleReport | None:
+    """After the last request ended: what the wait for idle (:func:`wait_idle`, with ``kv_before`` its KV usage
+    too) saw within ``timeout_s``; None when the server exports no running/waiting gauges (unknown)."""
+    if scrape is None:
+        return None
+    report = await wait_idle(scrape, timeout_s=timeout_s, clock=clock, sleep=sleep, poll_s=poll_s, kv_before=kv_before)
+    if report.reached and busy(report.last) is None:
+        return None
+    return report
+
+
+async def settles_idle(scrape: Scrape | None, *, timeout_s: float, **options) -> bool | None:
+    """After the last request ended: does the server return to idle within ``timeout_s`` (:func:`settle`)?
 
     None when the server exports no running/waiting gauges (unknown).
     """
-    if scrape is None:
-        return None
-    report = await wait_idle(scrape, timeout_s=timeout_s, clock=clock, sleep=sleep, poll_s=poll_s)
-    if report.reached and busy(report.last) is None:
-        return None
-    return report.reached
-
-
-async def holds_kv(
-    scrape: Scrape | None,
-    before: float | None,
-    *,
-    timeout_s: float,
-    clock: Callable[[], float] = time.perf_counter,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    poll_s: float = IDLE_POLL_S,
-) -> float | None:
-    """With nothing running or waiting: the KV usage the server still reports ``timeout_s`` on, when it stays
-    above ``before`` (its usage before the execution) by more than ``KV_HELD_MARGIN`` that long; None when it
-    comes back, or either is unknown. A scrape that fails is read as given back (unknown is not a leak)."""
-    if scrape is None or before is None:
-        return None
-    start = clock()
-    while True:
-        try:
-            now = (await scrape()).get("kv_usage")
-        except TargetError:
-            return None
-        if not kv_held(before, now):
-            return None
-        if clock() - start >= timeout_s:
-            return now
-        await sleep(poll_s)
+    report = await settle(scrape, timeout_s=timeout_s, **options)
+    return None if report is None else report.reached
 
 
 class Sampler(Periodic):

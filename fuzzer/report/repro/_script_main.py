@@ -99,25 +99,27 @@ def judge_run(criterion, results, server, limit_s, leak_wait_s):
         gaps = sorted(b - a for res in results for a, b in zip(res["token_times_s"], res["token_times_s"][1:]))
         if len(gaps) >= max(min_gaps, 1):
             leak_wait_s = max(leak_wait_s, min(steps * gaps[len(gaps) // 2], cap_s))
+        # Idle is running + waiting at 0 and, on vLLM, the KV cache in use back to its level before the run.
+        margin, before = criterion.get("kv_margin"), server.kv_before
+        judge_kv = margin is not None and before is not None
+
+        def held(kv):
+            return judge_kv and kv is not None and kv > before + margin
+
         deadline = time.monotonic() + leak_wait_s
-        busy = server.busy()
-        while busy is not None and busy > 0 and time.monotonic() < deadline:
+        busy, kv = server.load()
+        while busy is not None and (busy > 0 or held(kv)) and time.monotonic() < deadline:
             time.sleep(POLL_S)
-            busy = server.busy()
+            busy, kv = server.load()
         if busy is None:
             raise CannotTest("a leak is judged from /metrics running + waiting, and this server exports neither")
         if busy > 0:
             return True, "running + waiting still %g, %g s after every request ended" % (busy, leak_wait_s)
-        # Nothing runs or waits: is the KV cache in use back to its level before the run?
-        margin, before = criterion.get("kv_margin"), server.kv_before
-        kv = server.kv_usage() if margin is not None and before is not None else None
-        while kv is not None and kv > before + margin and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            kv = server.kv_usage()
-        if kv is not None and kv > before + margin:
+        if held(kv):
             return True, ("running + waiting returned to 0, but %.1f%% of the KV cache was still in use %g s after "
                           "every request ended (%.1f%% before the run)" % (100 * kv, leak_wait_s, 100 * before))
-        return False, "running + waiting returned to 0" + (" and the KV cache in use with them" if kv is not None else "")
+        with_kv = " and the KV cache in use with them" if judge_kv and kv is not None else ""
+        return False, "running + waiting returned to 0" + with_kv
     raise CannotTest("this script does not know how to judge a %r finding" % kind)
 
 
@@ -218,7 +220,7 @@ def parse_args(argv):
 def execute(server, trace, args, model, counter, rng, tag, kind):
     """One execution of ``trace`` after the idle barrier: (results, running + waiting when the barrier gave up)."""
     waiting = idle_barrier(server, args.idle_s, args.leak_wait_s if kind == "leak" else IDLE_BARRIER_S)
-    server.kv_before = server.kv_usage() if kind == "leak" else None  # what a leak check compares with
+    server.kv_before = server.load()[1] if kind == "leak" else None  # what a leak check compares with
     results = run_once(server, trace, DATA["words"], model, counter, rng, DATA["server"].get("features") or {},
                        tag, args.timeout_s)
     if all(res["outcome"] == "rejected" for res in results):

@@ -123,16 +123,18 @@ class Server:
 
     def busy(self):
         """running + waiting from /metrics, or None when the server does not export them."""
-        values = self.gauges(RUNNING + WAITING)
-        return sum(values) if values else None
+        return self.load()[0]
 
-    def kv_usage(self):
-        """The KV cache usage (0-1, the mean over engines) from /metrics, or None when not exported."""
-        values = self.gauges(KV_USAGE)
-        return sum(values) / len(values) if values else None
+    def load(self):
+        """(running + waiting, the KV cache usage 0-1 as the mean over engines) from one /metrics page; each None
+        when the server does not export it."""
+        values = self.gauges(RUNNING + WAITING + KV_USAGE)
+        queued = [v for name, v in values if name not in KV_USAGE]
+        kv = [v for name, v in values if name in KV_USAGE]
+        return (sum(queued) if queued else None), (sum(kv) / len(kv) if kv else None)
 
     def gauges(self, names):
-        """The values of the /metrics lines named one of ``names`` (none when /metrics does not answer)."""
+        """(name, value) of the /metrics lines named one of ``names`` (none when /metrics does not answer)."""
         try:
             status, raw = self.call("GET", "/metrics")
         except (OSError, http.client.HTTPException):
@@ -143,9 +145,10 @@ class Server:
         for line in raw.decode("utf-8", "replace").splitlines():
             if not line or line.startswith("#"):
                 continue
-            if line.split("{", 1)[0].split(" ", 1)[0] in names:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
                 try:
-                    values.append(float(line.rsplit(" ", 1)[1]))
+                    values.append((name, float(line.rsplit(" ", 1)[1])))
                 except (IndexError, ValueError):
                     continue
         return values
