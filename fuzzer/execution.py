@@ -214,6 +214,24 @@ def kv_held(before: float | None, now: float | None) -> bool:
     return before is not None and now is not None and now > before + KV_HELD_MARGIN
 
 
+def left_over(result: "ExecutionResult") -> str | None:
+    """What a server that did not return to idle still held at ``result``'s last metrics sample (taken once the
+    leak window's first part had passed): requests running or waiting, or, with none, more of its KV cache in use
+    than at the first sample (:func:`kv_held`); None when the samples do not say."""
+    if len(result.samples) < 2:
+        return None
+    first, last = result.samples[0].values, result.samples[-1].values
+    running, waiting = last.get("running"), last.get("waiting")
+    if running is None and waiting is None:
+        return None
+    if (running or 0.0) + (waiting or 0.0) > 0:
+        return f"{running or 0:.0f} request(s) running and {waiting or 0:.0f} waiting at the last metrics sample"
+    if kv_held(first.get("kv_usage"), last.get("kv_usage")):
+        return (f"no request running or waiting, but {last['kv_usage']:.1%} of the KV cache still in use "
+                f"({first['kv_usage']:.1%} at the start)")
+    return None
+
+
 def leak_window_s(pace_s: float | None, floor_s: float) -> float:
     """How long after the last request ended a server stepping every ``pace_s`` may take to return to idle."""
     return floor_s if pace_s is None else max(floor_s, min(LEAK_WINDOW_MAX_S, LEAK_WINDOW_STEPS * pace_s))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from paper_target import PaperTarget
 
-from fuzzer.execution import Outcome
+from fuzzer.execution import MetricSample, Outcome
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.confirm import confirm, examine
 from fuzzer.oracle.judge import (
@@ -384,6 +384,28 @@ def test_a_server_that_never_returns_to_idle_is_a_leak():
     exam = asyncio.run(examine(target, BURST, _calibration(), runs=3, rng=_rng()))
     leaks = [v for v in exam.findings if v.kind is FindingKind.LEAK]
     assert len(leaks) == 1 and leaks[0].request_id is None and leaks[0].reproduction == "3/3"
+
+
+def test_a_leak_says_what_the_server_still_held_at_its_last_metrics_sample():
+    leaked = _warm(leak=True).run(BURST)
+
+    def detail(*samples: dict) -> str:
+        result = dataclasses.replace(leaked, samples=tuple(MetricSample(float(i), v) for i, v in enumerate(samples)))
+        (leak,) = [c for c in candidates(BURST, result, _calibration()) if c.kind is FindingKind.LEAK]
+        return leak.detail
+
+    plain = "the server did not return to idle after every request ended"
+    start = {"running": 3.0, "waiting": 1.0, "kv_usage": 0.02}
+    # Blocks nobody owns: nothing running or waiting, more of the cache in use than at the start.
+    assert detail(start, {"running": 0.0, "waiting": 0.0, "kv_usage": 0.2}) == (
+        plain + ": no request running or waiting, but 20.0% of the KV cache still in use (2.0% at the start)")
+    # Requests still served for clients gone.
+    assert detail(start, {"running": 2.0, "waiting": 0.0, "kv_usage": 0.3}) == (
+        plain + ": 2 request(s) running and 0 waiting at the last metrics sample")
+    # Idle by the last sample (the leak window went on after it), within the margin, or no samples: no more said.
+    assert detail(start, {"running": 0.0, "waiting": 0.0, "kv_usage": 0.025}) == plain
+    assert detail(start, {"kv_usage": 0.5}) == plain
+    assert detail() == plain
 
 
 def test_a_server_that_went_down_is_a_crash():

@@ -34,7 +34,7 @@ import numpy as np
 
 from fuzzer.execute.http import SPEED_CHECK
 from fuzzer.execute.managed import server_death
-from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult
+from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult, left_over
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.evidence import bounds, preemptions, queued_out, thrash
 from fuzzer.oracle.expectation import Expectation
@@ -278,7 +278,9 @@ def candidates(
         out.append(Candidate(FindingKind.CRASH, detail=server_death(result)
                              or "connection errors from some request on, none answered after"))
     if shows_failure(FindingKind.LEAK, result):
-        out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"))
+        held = left_over(result)
+        out.append(Candidate(FindingKind.LEAK, detail="the server did not return to idle after every request ended"
+                                                      + (f": {held}" if held else "")))
     latency = []
     by_id = {r.request_id: r for r in result.requests}
     for rep in observe(trace, result, calibration, policy):
