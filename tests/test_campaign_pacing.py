@@ -358,6 +358,30 @@ def test_an_executions_time_cap():
     assert execution_cut_s(1800.0, 1799.0, 5.0, 2.0) == budget  # at most the budget past the end
 
 
+def test_a_budget_needs_the_envelope_s_end_only_where_the_plain_schedule_comes_near_it():
+    import random as _random
+
+    from fuzzer.oracle.expectation import PLAIN_END_ROOM, plain_end_s, schedule_end_s
+    from fuzzer.search.mutators import Limits, Mutator
+    from fuzzer.search.pacing import ScheduleEnds
+
+    rng = _random.Random(4)
+    calibration = asyncio.run(calibrate(VirtualTarget(seed=99), rng=_random.Random(0), clock=lambda: 0.0))
+    model, assumption = calibration.model, calibration.assumption
+    mutator = Mutator(Limits(kv_tokens=(assumption.kv_blocks or 2048) * assumption.block_size))
+    seeds = [tf.load(p) for p in sorted(CORPUS.glob("*.json"))]
+    ends = ScheduleEnds()
+    for i in range(40):
+        trace = seeds[i % len(seeds)]
+        for _ in range(rng.randint(1, 4)):
+            trace = mutator.mutate(trace, rng).trace
+        end, plain = schedule_end_s(trace, model, assumption), plain_end_s(trace, model, assumption)
+        assert end <= PLAIN_END_ROOM * plain  # the room the budget check leaves
+        assert ends.end_s(trace, calibration, beyond=PLAIN_END_ROOM * plain) is None  # well within: not computed
+        assert ends.end_s(trace, calibration, beyond=0.9 * PLAIN_END_ROOM * plain) == end  # near it: the envelope's
+        assert ends.end_s(trace, calibration) == end
+
+
 def test_every_request_the_time_cap_closes_is_already_a_candidate():
     # The cap's promise: a request still running at it has waited at least the factor times its bound.
     import random as _random

@@ -51,7 +51,7 @@ from fuzzer.search.cuts import ConfirmationTarget, Cuts, confirmation_cut_s
 from fuzzer.search.coverage import Coverage, calibrated
 from fuzzer.search.crashes import crash_needs
 from fuzzer.search.mutators import Limits
-from fuzzer.search.pacing import ScheduleEnds, earliest_cut_s, execution_cut_s
+from fuzzer.search.pacing import ScheduleEnds, earliest_cut_s, execution_budget_s, execution_cut_s
 from fuzzer.trace import Trace
 
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -184,14 +184,15 @@ class Worker:
             if cap is None:
                 return None
             elapsed_s = cap.elapsed_s + self._clock() - received
-            return execution_cut_s(cap.duration_s, elapsed_s, self.expected_end_s(trace), self._policy.factor)
+            expected = self.expected_end_s(trace, beyond=execution_budget_s(cap.duration_s))
+            return execution_cut_s(cap.duration_s, elapsed_s, expected, self._policy.factor)
 
         return cut_s
 
-    def expected_end_s(self, trace: Trace) -> float | None:
-        """When ``trace`` would end by its FCFS bounds under this worker's calibration (None: not calibrated),
-        as a campaign's (fuzzer.search.pacing.ScheduleEnds)."""
-        return self._ends.end_s(trace, self.calibration)
+    def expected_end_s(self, trace: Trace, *, beyond: float | None = None) -> float | None:
+        """When ``trace`` would end by its FCFS bounds under this worker's calibration (None: not calibrated, or
+        well within ``beyond``), as a campaign's (fuzzer.search.pacing.ScheduleEnds)."""
+        return self._ends.end_s(trace, self.calibration, beyond=beyond)
 
     def ping(self) -> str:
         return self.spec.name

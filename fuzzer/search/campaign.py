@@ -371,8 +371,8 @@ class Campaign:
         tried: list[tuple[float, Child]] = []
         for _ in range(AFFORD_TRIES):
             child = self.mutator.mutate(parent, self.rng, other)
-            cost = self.expected_duration_s(child.trace)
-            if cost is None or cost <= budget:
+            cost = self.expected_duration_s(child.trace, beyond=budget)
+            if cost is None or cost <= budget:  # None: well within it
                 return child
             self.too_long += 1
             tried.append((cost, child))
@@ -392,7 +392,7 @@ class Campaign:
         if self.settings.duration_s is None:  # no cap: no paper schedule to compute
             return None
         return execution_cut_s(self.settings.duration_s, self._clock() - self._started,
-                               self.expected_duration_s(trace), self.settings.policy.factor)
+                               self.expected_duration_s(trace, beyond=self.execution_budget_s()), self.settings.policy.factor)
 
     def _entry_cost(self, entry: Entry) -> float:
         """An entry's server time: the longer of its bound and its longest run (the bound does not know a
@@ -401,9 +401,10 @@ class Campaign:
             return 0.0
         return max(self.expected_duration_s(entry.trace, entry.hash) or 0.0, self._ran_s.get(entry.hash, 0.0))
 
-    def expected_duration_s(self, trace: Trace, digest: str | None = None) -> float | None:
-        """When ``trace`` (hash ``digest``) would end by its FCFS bounds (None before calibration), kept per calibration."""
-        return self._ends.end_s(trace, self.calibration, digest)
+    def expected_duration_s(self, trace: Trace, digest: str | None = None, *, beyond: float | None = None) -> float | None:
+        """When ``trace`` (hash ``digest``) would end by its FCFS bounds (None before calibration, or well within
+        ``beyond``: fuzzer.search.pacing.ScheduleEnds), kept per calibration."""
+        return self._ends.end_s(trace, self.calibration, digest, beyond=beyond)
 
     async def _try(self, child: Child, parent: Entry | None) -> None:
         """Execute one child, keep it when it reaches something new, examine it."""

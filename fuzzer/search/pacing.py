@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, TypeVar
 
 from fuzzer.oracle.calibration import Calibration
-from fuzzer.oracle.expectation import schedule_end_s
+from fuzzer.oracle.expectation import PLAIN_END_ROOM, plain_end_s, schedule_end_s
 from fuzzer.search.corpus import CHEAP_S
 from fuzzer.trace import Trace
 
@@ -139,15 +139,26 @@ class ScheduleEnds:
 
     def __init__(self) -> None:
         self._ends: dict[str, float] = {}
+        self._plain: dict[str, float] = {}
         self._of: Calibration | None = None
 
-    def end_s(self, trace: Trace, calibration: Calibration | None, digest: str | None = None) -> float | None:
-        """When ``trace`` (hash ``digest``) would end under ``calibration``; None without one or requests."""
+    def end_s(self, trace: Trace, calibration: Calibration | None, digest: str | None = None, *,
+              beyond: float | None = None) -> float | None:
+        """When ``trace`` (hash ``digest``) would end under ``calibration``; None without one or requests, and,
+        given ``beyond`` (an execution budget), where the trace's plain schedule says it ends well within it
+        (fuzzer.oracle.expectation.plain_end_s: the envelope costs most of the fuzzer's own time between
+        executions, and a budget of tens of seconds only needs it for the longest traces)."""
         if calibration is None or not trace.requests:
             return None
         if self._of is not calibration:
-            self._ends, self._of = {}, calibration
-        if (digest := digest or trace.content_hash()) not in self._ends:
+            self._ends, self._plain, self._of = {}, {}, calibration
+        digest = digest or trace.content_hash()
+        if beyond is not None and digest not in self._ends:
+            if digest not in self._plain:
+                self._plain[digest] = plain_end_s(trace, calibration.model, calibration.assumption)
+            if self._plain[digest] * PLAIN_END_ROOM <= beyond:
+                return None
+        if digest not in self._ends:
             self._ends[digest] = schedule_end_s(trace, calibration.model, calibration.assumption)
         return self._ends[digest]
 
