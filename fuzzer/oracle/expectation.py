@@ -436,8 +436,12 @@ def _idle(prompt: int, out: int, model: StepModel, assumption: SchedulerAssumpti
 def schedule_end_s(trace: Trace, model: StepModel, assumption: SchedulerAssumption) -> float:
     """When the last request of ``trace`` ends by its FCFS bounds, in seconds from the trace's start
     (a campaign's and a fleet worker's execution budget and time cap)."""
-    bounds = expect(trace, model, assumption)
-    return max(r.at_ms / 1000.0 + bounds[r.id].e2e_s for r in trace.requests)
+    return _last_end(trace, expect(trace, model, assumption))
+
+
+def _last_end(trace: Trace, by_id) -> float:
+    """When the last request of ``trace`` ends by ``by_id`` (its expectations or paper requests), from the trace's start."""
+    return max(r.at_ms / 1000.0 + by_id[r.id].e2e_s for r in trace.requests)
 
 
 #: :func:`plain_end_s` times this is at least :func:`schedule_end_s` on the simulator's campaign traces (the
@@ -451,6 +455,5 @@ def plain_end_s(trace: Trace, model: StepModel, assumption: SchedulerAssumption)
     :func:`schedule_end_s`'s cost. A campaign's execution budget (fuzzer.search.pacing.ScheduleEnds) needs
     the envelope's end only where this, with PLAIN_END_ROOM, is over it."""
     cap = assumption.kv_blocks if assumption.kv_blocks is not None and not _fits(trace.requests, assumption) else None
-    served = serve(trace.requests, dict(trace.prefixes), {}, model.scaled(max(ENVELOPE_SCALES)), assumption, False,
-                   kv_blocks=cap)
-    return max(r.at_ms / 1000.0 + served[r.id].e2e_s for r in trace.requests)
+    return _last_end(trace, serve(trace.requests, dict(trace.prefixes), {}, model.scaled(max(ENVELOPE_SCALES)),
+                                  assumption, False, kv_blocks=cap))
