@@ -308,7 +308,7 @@ def test_a_max_execs_stop_runs_the_rechecks_of_its_findings_and_a_duration_stop_
 
 
 def test_latency_candidates_are_confirmed_without_the_options_of_their_trace(store):
-    """As in a campaign (fuzzer.search.confirming.without_options), whether the option was found or not:
+    """As in a campaign (fuzzer.search.causes.without_options), whether the option was found or not:
     one seen now, and one an older fleet's checkpoint queued on the trace as it ran."""
     coordinator = _coordinator(store)
     a = coordinator.targets["a"]

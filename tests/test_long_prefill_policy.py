@@ -18,11 +18,16 @@ from test_kv_bound import SIM_MODEL
 
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.capcheck import probe_cap, rests_on_no_cap
 from fuzzer.oracle.confirm import examine
+from fuzzer.oracle.judge import candidates
 from fuzzer.oracle.model import SchedulerAssumption
 from fuzzer.oracle.expectation import expect
 from fuzzer.oracle.paper import serve
+from fuzzer.search.campaign import Campaign
+from fuzzer.search.settings import Settings
 from fuzzer.sim import SimConfig, VirtualTarget
+from fuzzer.store import Store
 from fuzzer.trace import from_dict
 
 CAPPED = SchedulerAssumption(long_prefill_threshold=256)
@@ -284,3 +289,54 @@ def test_a_short_prompt_that_passed_a_long_one_in_the_frontend_shows_no_cap(thre
         assert 0 < cal.assumption.long_prefill_threshold <= 2048, cal.assumption
     else:
         assert cal.assumption.long_prefill_threshold == 0, cal.assumption
+
+
+#: A stream, a 2048-token prompt, and a 128-token one sent 30 ms after it: under a cap the short one passes.
+PASSED = _trace([{"id": "S", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 300},
+                 {"id": "L", "at_ms": 40, "prompt_tokens": 2048, "max_tokens": 2},
+                 {"id": "q", "at_ms": 70, "prompt_tokens": 128, "max_tokens": 2}])
+
+
+def test_an_inversion_judged_without_a_cap_probes_the_cap_at_the_victims_size_first():
+    """A server may cap prompts of a trace's size where calibration's two-budget probe showed no cap (issue 16's
+    seventh held-out server with every bug on: a 2048-token prompt passed by a 128-token one, as the server does
+    clean under its cap, was a confirmed ttft-outlier). The probe at the victim's size finds the cap; the campaign
+    keeps it, and the inversion is no candidate under it."""
+    config = SimConfig(long_prefill_token_threshold=256, **GPU_LIKE)
+    blind = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4),
+                                  max_model_len=config.max_model_len, measure_cap=False))
+    assert blind.assumption.long_prefill_threshold == 0 and blind.assumption.admission_stops
+    target = VirtualTarget(config, seed=4)
+    result = asyncio.run(target.execute(PASSED))
+    (candidate,) = candidates(PASSED, result, blind)
+    assert candidate.request_id == "L" and rests_on_no_cap(PASSED, result, candidate, blind) == 2048
+    probed = asyncio.run(probe_cap(target, blind, 2048))
+    assert 200 <= probed.assumption.long_prefill_threshold <= 320
+    assert "long-prefill cap measured at 2048 prompt tokens" in probed.assumption.source
+    assert candidates(PASSED, result, probed) == []
+    # A campaign on that calibration: the seed's inversion costs one probe, no confirmation, no finding.
+    store = Store.memory()
+    campaign = Campaign(target, store, Settings(seed=5, max_execs=1, idle_share=0.0), seeds=[PASSED],
+                        target_key="sim:capped", calibration=blind)
+    summary = asyncio.run(campaign.run())
+    assert summary.stats.confirmations == 0 and store.list_findings() == []
+    assert campaign.calibration.assumption.long_prefill_threshold > 0
+    stored = Calibration.from_dict(store.latest_calibration("sim:capped"))
+    assert stored.assumption.long_prefill_threshold == campaign.calibration.assumption.long_prefill_threshold
+    assert summary.stats.time_s["calibrate"] > 0
+
+
+def test_an_ordering_bug_of_long_prompts_is_no_cap_at_their_size_and_stays_a_candidate():
+    # The control: the simulator without a cap serving waiting requests newest first (vLLM PR #33522's bug):
+    # 1900 tokens are overtaken by four 128-token prompts sent 20 ms later; the probe at 1900 finds no cap.
+    config = SimConfig(**GPU_LIKE)
+    cal = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4), max_model_len=config.max_model_len))
+    trace = _trace([{"id": "S", "at_ms": 0, "prompt_tokens": 16, "max_tokens": 300},
+                    {"id": "X", "at_ms": 30, "prompt_tokens": 8000, "max_tokens": 2},
+                    {"id": "F", "at_ms": 45, "prompt_tokens": 1900, "max_tokens": 2}]
+                   + [{"id": f"q{i}", "at_ms": 65 + i, "prompt_tokens": 128, "max_tokens": 2} for i in range(4)])
+    target = VirtualTarget(config, pathologies=("lifo-admission",), seed=4)
+    result = asyncio.run(target.execute(trace))
+    (candidate,) = candidates(trace, result, cal)
+    assert candidate.request_id == "F" and rests_on_no_cap(trace, result, candidate, cal) == 1900
+    assert asyncio.run(probe_cap(target, cal, 1900)) is cal

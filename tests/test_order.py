@@ -21,7 +21,7 @@ from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.judge import candidates, judge, observe
 from fuzzer.oracle.kinds import Decision, FindingKind, Metric
 from fuzzer.oracle.model import assumption_for
-from fuzzer.oracle.order import inversions
+from fuzzer.oracle.order import CHAT_TEMPLATE_TOKENS, cap_dependent, inversions
 from fuzzer.report.markdown import Exhibit, markdown
 from fuzzer.report.repro import criterion_from_verdict
 from fuzzer.trace import Request, Trace
@@ -163,6 +163,19 @@ def test_a_capped_prefill_or_more_sequences_lets_a_smaller_later_request_pass():
     assert inversions(chat, _execution(a_first=1.5, trace=chat), capped, preempted=False) == {}
     fan = _smaller_later(n=2)
     assert inversions(fan, _execution(a_first=1.5, trace=fan), stopping, preempted=False) == {}
+
+
+def test_an_inversion_by_smaller_requests_alone_depends_on_the_cap_and_one_by_a_bigger_one_does_not():
+    stopping = _stopping()
+    smaller = _smaller_later(1024)
+    (by_smaller,) = inversions(smaller, _execution(a_first=1.5, trace=smaller), stopping, preempted=False).values()
+    assert cap_dependent(smaller, by_smaller) == 1024  # the size to probe the cap at
+    chat = _smaller_later(1024, api="chat")
+    (by_chat,) = inversions(chat, _execution(a_first=1.5, trace=chat), stopping, preempted=False).values()
+    assert cap_dependent(chat, by_chat) == 1024 + CHAT_TEMPLATE_TOKENS
+    # B has more work than A: no cap lets it pass, whatever A's size.
+    (by_bigger,) = inversions(TRACE, _execution(a_first=1.5), stopping, preempted=False).values()
+    assert cap_dependent(TRACE, by_bigger) is None
 
 
 def test_a_smaller_later_request_must_be_sent_after_the_earlier_ones_extra_tokenization():

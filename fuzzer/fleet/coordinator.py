@@ -19,7 +19,7 @@ the campaign's database: every execution is stored with the id of the target it 
   against the same trace without it (fuzzer.oracle.ablation) before the execution's latency
   candidates: a confirmation of kind ``option-slowdown``, a few times per option and target on growing
   batches (the counts are checkpointed), never once found. Latency candidates of a trace carrying
-  an option are confirmed on the trace without it (fuzzer.search.confirming.without_options).
+  an option are confirmed on the trace without it (fuzzer.search.causes.without_options).
 - With ``--duration`` every task goes with a :class:`~fuzzer.fleet.worker.TimeCap`: its worker caps
   each run as a campaign caps its executions (confirmation runs too).
 - A worker (or its node) that dies is detected when its task is collected: its target is
@@ -57,9 +57,8 @@ from fuzzer.search.confirming import (
     option_candidate,
     option_due,
     recently_rejected,
-    without_found_causes,
-    without_options,
 )
+from fuzzer.search.causes import without_found_causes, without_options
 from fuzzer.search.crashes import avoiding, tried
 from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
 from fuzzer.search.settings import ExitReason, Settings, stop_reason

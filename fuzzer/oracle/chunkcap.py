@@ -394,7 +394,8 @@ def _longest_step(trace: Trace, sent: Mapping[str, float], model: StepModel, ass
     return max((d for r in trace.requests if r.id != "cs" for _, d in paper[r.id].chunk_steps), default=0.0)
 
 
-async def chunk_cap(target: Target, cal: Calibration, longest: int, *, reported: bool = True) -> int | None:
+async def chunk_cap(target: Target, cal: Calibration, longest: int, *, reported: bool = True,
+                    prompt_tokens: int | None = None) -> int | None:
     """The long-prefill cap the target applies: prompt tokens per request per step beside others; 0 when
     the probe showed none, None when it could not tell.
 
@@ -422,11 +423,17 @@ async def chunk_cap(target: Target, cal: Calibration, longest: int, *, reported:
     takes 4; read as no cap, short requests passing long ones were two false ttft-outliers). Then (and when
     the model is too short for the probe, or a probe failed) the cap is not known: None, and the
     order check does not assume that a later request of any size waits (``admission_stops``).
+
+    ``prompt_tokens``: probe with a prompt of this many tokens instead (at least MIN_CAP_TOKENS twice): whether
+    prompts of a trace's size are capped, where the calibration's longer probe found no cap (see
+    :func:`fuzzer.oracle.order.cap_dependent`).
     """
     model, assumption = cal.model, cal.assumption
     budget = assumption.token_budget
-    prompt = min(CAP_PROBE_BUDGETS * budget, longest)
-    if prompt < (CAP_PROBE_MIN_BUDGETS if reported else 2) * budget:
+    prompt = min(prompt_tokens or CAP_PROBE_BUDGETS * budget, longest)
+    if prompt_tokens is not None and prompt < 2 * MIN_CAP_TOKENS:
+        return None  # too short for two chunks of the smallest cap looked for
+    if prompt_tokens is None and prompt < (CAP_PROBE_MIN_BUDGETS if reported else 2) * budget:
         return None  # the model is too short for a prompt of several chunks
     uncapped = math.ceil(prompt / max(1, budget - 1))
     step = model.step_s(0, 1, 16)
@@ -478,7 +485,7 @@ def _cap_of(runs: list[tuple[float, int, dict[str, float], Trace]], slow: bool, 
         return min(budget - 1, max(MIN_CAP_TOKENS, prompt // min(r[1] for r in runs)))
     ttft, _, sent, trace = min(runs, key=lambda run: run[0])  # the quicker run (tuples of dicts do not compare)
     # Counted steps are at most the prefill's (one may precede its arrival): the cap is at least prompt / fewest.
-    lo, hi = max(MIN_CAP_TOKENS, prompt // min(r[1] for r in runs)), budget - 1
+    lo, hi = max(MIN_CAP_TOKENS, prompt // min(r[1] for r in runs)), min(budget, prompt) - 1
     if (1 + BUDGET_TOLERANCE) * _probe_ttft(trace, sent, model, assumption, lo) < ttft - margin_s:
         # Even the smallest cap the steps allow does not explain it, by more than the envelope's drift: not
         # a cap (without the drift a cap of 64 tokens, the smallest looked for, was measured or not by the noise).

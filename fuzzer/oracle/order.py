@@ -187,6 +187,18 @@ def first_served(a: Request, b: Request, cap: int) -> bool:
     return a.n <= b.n and not (cap and a.prompt_tokens + _template(a, b) > cap)
 
 
+def cap_dependent(trace: Trace, inversion: Inversion) -> int | None:
+    """The victim's prompt tokens (its chat template's included) when ``inversion`` stands only where prompts of
+    that size are not capped per step: every overtaker had less work and passed it only as admissions that stop
+    forbid (:func:`first_served`), which a long-prefill cap below the victim's prompt allows by design. None when
+    an overtaker had no less work (no cap lets it pass)."""
+    planned = {r.id: r for r in trace.requests}
+    victim, overtakers = planned[inversion.victim], [planned[b] for b in inversion.overtakers]
+    if any(no_more_work(victim, b, trace.prefixes) for b in overtakers):
+        return None
+    return victim.prompt_tokens + max(_template(victim, b) for b in overtakers)
+
+
 def _template(a: Request, b: Request) -> int:
     """Tokens ``a``'s chat template may add over ``b``'s prompt (0 unless only ``a`` is a chat request)."""
     return CHAT_TEMPLATE_TOKENS if a.api == "chat" and b.api != "chat" else 0

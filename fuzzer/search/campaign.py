@@ -42,11 +42,13 @@ from fuzzer.execute.recovery import HEALTH_PROBE, backoff
 from fuzzer.execution import ExecutionResult, Outcome, Target
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.capcheck import probe_cap
 from fuzzer.oracle.confirm import let_idle
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
-from fuzzer.search.confirming import Confirmer, OutOfTime, without_found_causes
+from fuzzer.search.causes import without_found_causes
+from fuzzer.search.confirming import Confirmer, OutOfTime
 from fuzzer.search.cuts import ConfirmationTarget
 from fuzzer.search.corpus import Corpus, Entry
 from fuzzer.search.crashes import avoiding
@@ -64,9 +66,10 @@ from fuzzer.search.pacing import (
     earliest_cut_s,
     execution_budget_s,
     execution_cut_s,
+    token_work,
     unless_stopped,
 )
-from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, stop_reason
+from fuzzer.search.settings import ExitReason, Phase, Settings, Stats, Summary, listed_state, stop_reason, tupled_state
 from fuzzer.store import Store
 from fuzzer.trace import Trace
 
@@ -110,7 +113,7 @@ class Campaign:
         self.store = store
         self.settings = settings
         # Cheapest seeds first (AFL favours fast inputs): a short campaign gets through more of them.
-        self.seeds = sorted(seeds, key=_work)
+        self.seeds = sorted(seeds, key=token_work)
         self.target_key = target_key or target.name
         #: Where calibrations are stored and read (one key for every command); the target's name by default.
         self.calibration_key = calibration_key or self.target_key
@@ -163,7 +166,7 @@ class Campaign:
             state = latest["state"]
             self.rng = random.Random(latest["seed"])
             if "rng" in state:
-                self.rng.setstate(_tuple_state(state["rng"]))
+                self.rng.setstate(tupled_state(state["rng"]))
             rows = self.store.corpus_rows(self.campaign_id)
             traces = {row["trace_hash"]: self.store.get_trace(row["trace_hash"]) for row in rows}
             self.corpus = Corpus.from_dict({**state.get("corpus", {}), "entries": rows}, traces)
@@ -179,7 +182,7 @@ class Campaign:
             checkpoint=lambda: self._checkpoint(force=True), clock=self._clock, in_phase=self._in_phase,
             recover=self._wait_for_server, on_finding=self._on_finding, state=state,
             slo=Slo(**{f"{k}_ms": v for k, v in self.settings.slo_ms.items()}) if self.settings.slo_ms else None,
-            futility=self.settings.futility, kv_tokens=self.settings.limits.kv_tokens,
+            futility=self.settings.futility, kv_tokens=self.settings.limits.kv_tokens, cap_probe=self._probe_cap,
             due=lambda: (self.server_time.confirm_due(self.settings.confirm_share)
                          or closing(self._clock() - self._started, self.settings.duration_s, self.settings.closing_share,
                                     self.confirmer.waiting_cost_s())),
@@ -265,6 +268,16 @@ class Campaign:
             self._phase = previous
             if measured_from:
                 self.time_spent.add("calibrate", self._clock() - measured_from[0])
+
+    async def _probe_cap(self, calibration: Calibration, tokens: int) -> Calibration:
+        """The cap probed at ``tokens`` prompt tokens (fuzzer.oracle.capcheck), timed as calibration; a cap found is kept."""
+        self._check_time()
+        with self.time_spent.timing("calibrate", self._clock), self._in_phase(Phase.CALIBRATE):
+            probed = await unless_stopped(probe_cap(self.target, calibration, tokens), self._stop, tick=self._emit)
+        if probed.assumption.long_prefill_threshold and calibration is self.calibration:
+            self.calibration = probed
+            self.store.save_calibration(self.calibration_key, probed.to_dict())
+        return probed
 
     def _refresh_failed(self, error: TargetError) -> None:
         self._last_server_error = f"recalibration failed, the previous calibration stays: {error}"
@@ -564,7 +577,7 @@ class Campaign:
             return
         data = self.corpus.to_dict()
         state = {
-            "rng": _list_state(self.rng.getstate()),
+            "rng": listed_state(self.rng.getstate()),
             "corpus": {k: v for k, v in data.items() if k != "entries"},
             "operators": self.mutator.stats.to_dict(),
             "seeded": self._seeded,
@@ -583,18 +596,3 @@ class Campaign:
         self._dirty.clear()
         self._new_features = {}
         self._since_checkpoint = 0
-
-
-def _work(trace: Trace) -> int:
-    return sum(r.prompt_tokens + r.max_tokens * r.n for r in trace.requests)
-
-
-def _list_state(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _tuple_state(state: list) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
-

@@ -26,7 +26,7 @@ early (with their request, or an option test's with the batch): :mod:`fuzzer.sea
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Container, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -35,17 +35,9 @@ import numpy as np
 
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
-from fuzzer.oracle.ablation import (
-    OPTIONS,
-    carriers,
-    confirm_option,
-    option_size,
-    options_of,
-    others_end_s,
-    suspects,
-    without_option,
-)
+from fuzzer.oracle.ablation import carriers, confirm_option, option_size, others_end_s, suspects
 from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.capcheck import rests_on_no_cap
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind, Metric
@@ -64,7 +56,8 @@ from fuzzer.oracle.slo import Slo
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.search.crashes import crash_needs
 from fuzzer.search.cuts import confirmation_cut_s
-from fuzzer.search.mutators import without_cancellations, without_found_leaks
+from fuzzer.search.causes import without_options
+from fuzzer.search.mutators import without_cancellations
 from fuzzer.search.settings import Phase
 from fuzzer.search.slo_check import confirm_slo, first_eligible, slo_candidates
 from fuzzer.store import Store
@@ -138,6 +131,7 @@ class Confirmer:
         futility: bool = True,
         kv_tokens: int | None = None,
         due: Callable[[], bool] | None = None,
+        cap_probe: Callable[[Calibration, int], Awaitable[Calibration]] | None = None,
     ):
         self._target = target
         self._store = store
@@ -159,6 +153,9 @@ class Confirmer:
         self._kv_tokens = kv_tokens
         #: Whether the confirmation share allows a confirmation now; None: always (no queue).
         self._due = due
+        #: The calibration with the long-prefill cap probed at a prompt size (fuzzer.oracle.capcheck); None: never.
+        self._cap_probe = cap_probe
+        self._caps: dict[tuple[float, int], Calibration] = {}  # (calibration's date, prompt size) -> that
         state = state or {}
         found = store.list_findings()
         #: Signatures (and pre-signatures) already found: never confirmed again.
@@ -237,6 +234,14 @@ class Confirmer:
                    if key == warm_key else None)
             if fam is not None and self.families.pass_over(fam, sighted):
                 continue
+            if self._cap_probe is not None and (n := rests_on_no_cap(trace, result, candidate, calibration, self._policy)):
+                probed = self._caps.get((calibration.created_at, n)) or await self._cap_probe(calibration, n)
+                self._caps[(calibration.created_at, n)] = probed
+                if probed is not calibration and not any(  # overtaken by design, and not slow beyond that
+                        (c.kind, c.request_id) == (candidate.kind, candidate.request_id)
+                        for c in judge.candidates(trace, result, probed, self._policy)):
+                    continue
+                calibration = probed
             if judged is not trace:
                 self._store.put_trace(judged)  # confirmed or waiting, it is named by its hash (pending, waiting)
             if self._due is None or cold or candidate.kind in AT_ONCE or self._new_kind(candidate):
@@ -549,37 +554,6 @@ def option_candidate(trace: Trace, option: str, result: ExecutionResult | None =
     when those would have ended (``until_s``: when they did there; see :func:`confirmation_cut_s`)."""
     until_s = None if result is None else others_end_s(trace, result, option)
     return Candidate(FindingKind.OPTION_SLOWDOWN, carriers(trace, option)[0], detail=option, until_s=until_s)
-
-
-def without_found_causes(trace: Trace, found: Collection[str]) -> Trace:
-    """``trace`` as a campaign's (and a fleet's) child runs it: without what a confirmed finding already
-    explains. The disconnects whose leak is found could only find it again, each holding the next
-    execution at the idle barrier until the leaked work ends; a sampling option whose option-slowdown is
-    found slows every request beside it, so that its victims are its doing and each run takes the
-    slowdown's time (the README's main job: children of the logprobs seed ran 8.5 s, 0.3 s without)."""
-    return without_found_options(without_found_leaks(trace, found), found)
-
-
-def without_found_options(trace: Trace, found: Container[str]) -> Trace:
-    """``trace`` without each sampling option whose option-slowdown is in ``found``: where its latency
-    candidates are confirmed (the option's victims are its doing). A campaign's and a fleet's."""
-    for option in options_of(trace):
-        if option_signature(option) in found:
-            trace = without_option(trace, option)
-    return trace
-
-
-def without_options(trace: Trace) -> Trace:
-    """``trace`` without any sampling option (fuzzer.oracle.ablation.OPTIONS): where a campaign (and a fleet's
-    coordinator) confirms its latency candidates. An option changes no token work but costs its own rows real
-    time (a sampler's logprobs), which the bound does not model: heldout7's clean configuration charged each
-    logprob to its row, and beside eight choices of 20 logprobs the other requests were confirmed as eight
-    false e2e- and ttft-outliers (5-940x). A slowdown that is not the option's shows without it; one the
-    option brings everyone beyond its own rows' cost is the option test's (fuzzer.oracle.ablation)."""
-    for option in OPTIONS:
-        if any(getattr(r, option) is not None for r in trace.requests):
-            trace = without_option(trace, option)
-    return trace
 
 
 def candidate_to_dict(c: Candidate) -> dict:

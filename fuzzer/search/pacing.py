@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, TypeVar
 
@@ -281,6 +281,15 @@ class TimeSpent:
         if seconds > 0:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
+    @contextlib.contextmanager
+    def timing(self, phase: str, clock: Callable[[], float]) -> Iterator[None]:
+        """Add the block's seconds by ``clock`` under ``phase``, however it ends."""
+        start = clock()
+        try:
+            yield
+        finally:
+            self.add(phase, clock() - start)
+
     def by_phase(self, elapsed_s: float) -> dict[str, float]:
         """Seconds by phase (every phase of TIME_PHASES, in that order), ``other`` the rest of the
         campaign's time: ``elapsed_s`` of this run plus the earlier runs'."""
@@ -330,3 +339,8 @@ async def unless_stopped(work: Awaitable[T], stop: asyncio.Event, *, tick: Calla
     if task.cancelled():
         raise Stopped
     return task.result()
+
+
+def token_work(trace: Trace) -> int:
+    """The tokens ``trace`` asks the engine for (prompts, and outputs of every choice): the campaign runs cheap seeds first."""
+    return sum(r.prompt_tokens + r.max_tokens * r.n for r in trace.requests)

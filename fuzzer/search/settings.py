@@ -169,3 +169,15 @@ class Summary:
     resumed: bool
     #: Why the server could not be reached, last time (SERVER_DOWN).
     server_error: str | None = None
+
+
+def listed_state(state: tuple) -> list:
+    """A ``random.Random`` state as a checkpoint stores it (JSON lists)."""
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def tupled_state(state: list) -> tuple:
+    """A checkpoint's ``random.Random`` state as ``setstate`` takes it."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)

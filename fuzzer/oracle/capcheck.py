@@ -1,0 +1,54 @@
+"""Before an ordering inversion of a long prompt by a shorter one is confirmed: are prompts of its size capped?
+
+The order check holds a long prompt to FCFS order against a shorter one sent after it only where calibration
+found no long-prefill cap (:func:`fuzzer.oracle.order.first_served`): under a cap, the shorter one passes by
+design. Calibration probes the cap once, with a prompt of two token budgets, and a server may cap prompts of a
+trace's size while that probe shows none (a longer prompt handled otherwise, a budget misread under load).
+issue 16's seventh held-out server with every bug on measured a 4096-token budget and no cap at two
+calibrations; clean, a cap of about 455 tokens; a 2048-token prompt passed by a 128-token one, as the clean
+server serves it too, was a confirmed ttft-outlier of a 30-minute campaign (stop 60). So before such a candidate
+is confirmed, the cap probe (:func:`fuzzer.oracle.chunkcap.chunk_cap`) runs again with a prompt of the victim's
+size; a cap it measures is the engine's policy (ARCHITECTURE.md, "Oracle").
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fuzzer.execution import ExecutionResult, Target
+from fuzzer.oracle.calibrate import DEFAULT_MAX_MODEL_LEN
+from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.chunkcap import chunk_cap
+from fuzzer.oracle.evidence import preemptions
+from fuzzer.oracle.judge import Candidate
+from fuzzer.oracle.kinds import Metric
+from fuzzer.oracle.order import cap_dependent, inversions
+from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
+from fuzzer.trace import Trace
+
+
+def rests_on_no_cap(trace: Trace, result: ExecutionResult, candidate: Candidate, calibration: Calibration,
+                    policy: OraclePolicy = DEFAULT_POLICY) -> int | None:
+    """The prompt size to probe when ``candidate`` is a TTFT whose request ``result`` shows overtaken only by
+    shorter requests, judged without a cap (:func:`fuzzer.oracle.order.cap_dependent`); else None."""
+    a = calibration.assumption
+    if (candidate.metric is not Metric.TTFT or candidate.request_id is None or a.long_prefill_threshold
+            or not (a.arrival_order and a.admission_stops)):
+        return None
+    inversion = inversions(trace, result, calibration, preemptions(result) > 0, policy).get(candidate.request_id)
+    return None if inversion is None else cap_dependent(trace, inversion)
+
+
+async def probe_cap(target: Target, calibration: Calibration, tokens: int) -> Calibration:
+    """``calibration`` with the cap measured by a probe of ``tokens`` prompt tokens: a cap found is assumed; a cap
+    the probe cannot rule out leaves the order check no ground (``admission_stops`` off); none, as it was."""
+    longest = (getattr(getattr(target, "info", None), "max_model_len", None) or DEFAULT_MAX_MODEL_LEN) - 2
+    found = await chunk_cap(target, calibration, longest, prompt_tokens=tokens)
+    a = calibration.assumption
+    if found:
+        return replace(calibration, assumption=replace(
+            a, long_prefill_threshold=found, source=f"{a.source}; long-prefill cap measured at {tokens} prompt tokens"))
+    if found is None:
+        return replace(calibration, assumption=replace(
+            a, admission_stops=False, source=f"{a.source}; long-prefill cap not known at {tokens} prompt tokens"))
+    return calibration
