@@ -14,8 +14,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from test_fleet_option import _Virtual, _Worker
 from test_kv_bound import SIM_MODEL
 
+from fuzzer.fleet.targets import FleetTarget
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.capcheck import probe_cap, rests_on_no_cap
@@ -324,6 +326,20 @@ def test_an_inversion_judged_without_a_cap_probes_the_cap_at_the_victims_size_fi
     stored = Calibration.from_dict(store.latest_calibration("sim:capped"))
     assert stored.assumption.long_prefill_threshold == campaign.calibration.assumption.long_prefill_threshold
     assert summary.stats.time_s["calibrate"] > 0
+
+
+def test_a_fleet_worker_probes_the_cap_before_it_hands_such_an_inversion_over():
+    config = SimConfig(long_prefill_token_threshold=256, **GPU_LIKE)
+    blind = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4),
+                                  max_model_len=config.max_model_len, measure_cap=False))
+    worker = _Worker(FleetTarget("a", url="http://127.0.0.1:1"), _Virtual(config, seed=4), seed=1)
+    try:
+        worker.start(blind.to_dict())
+        assert worker.calibration.assumption.long_prefill_threshold == 0
+        assert worker.execute(PASSED).candidates == ()
+        assert 200 <= worker.calibration.assumption.long_prefill_threshold <= 320
+    finally:
+        worker.stop()
 
 
 def test_an_ordering_bug_of_long_prompts_is_no_cap_at_their_size_and_stays_a_candidate():

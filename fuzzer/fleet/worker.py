@@ -43,6 +43,7 @@ from fuzzer.oracle import judge
 from fuzzer.oracle.ablation import confirm_option
 from fuzzer.oracle.calibrate import reuse_or_calibrate, with_target_kv
 from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.capcheck import cap_checked, probe_cap
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.policy import OraclePolicy
@@ -115,6 +116,8 @@ class Worker:
         self.calibration: Calibration | None = None
         #: When each trace's FCFS schedule ends, under the calibration of the moment.
         self._ends = ScheduleEnds()
+        #: The calibration with the long-prefill cap probed at a prompt size (fuzzer.oracle.capcheck.cap_checked).
+        self._caps: dict[tuple[float, int], Calibration] = {}
 
     # --- tasks -----------------------------------------------------------------------
 
@@ -146,7 +149,15 @@ class Worker:
         assert self.calibration is not None
         if self.calibration.assumption.kv_blocks is None:
             self.calibration = with_target_kv(self.calibration, self._target)
-        found = judge.candidates(trace, result, self.calibration, self._policy)
+        found = []
+        for c in judge.candidates(trace, result, self.calibration, self._policy):
+            # An inversion that rests on no cap: the cap probed at its size first, as a campaign's (oracle/capcheck.py).
+            judged, stands = self._run(cap_checked(lambda cal, n: probe_cap(self._target, cal, n), self._caps, trace,
+                                                   result, c, self.calibration, self._policy))
+            if judged.assumption.long_prefill_threshold:
+                self.calibration = judged
+            if stands:
+                found.append(c)
         coverage = calibrated(trace, result, self.calibration)
         return Executed(result, tuple(candidate_to_dict(c) for c in found), coverage, time.perf_counter() - start)
 

@@ -13,21 +13,22 @@ size; a cap it measures is the engine's policy (ARCHITECTURE.md, "Oracle").
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 
 from fuzzer.execution import ExecutionResult, Target
+from fuzzer.oracle import judge
 from fuzzer.oracle.calibrate import DEFAULT_MAX_MODEL_LEN
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.chunkcap import chunk_cap
 from fuzzer.oracle.evidence import preemptions
-from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.order import cap_dependent, inversions
 from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
 from fuzzer.trace import Trace
 
 
-def rests_on_no_cap(trace: Trace, result: ExecutionResult, candidate: Candidate, calibration: Calibration,
+def rests_on_no_cap(trace: Trace, result: ExecutionResult, candidate: judge.Candidate, calibration: Calibration,
                     policy: OraclePolicy = DEFAULT_POLICY) -> int | None:
     """The prompt size to probe when ``candidate`` is a TTFT whose request ``result`` shows overtaken only by
     shorter requests, judged without a cap (:func:`fuzzer.oracle.order.cap_dependent`); else None."""
@@ -52,3 +53,22 @@ async def probe_cap(target: Target, calibration: Calibration, tokens: int) -> Ca
         return replace(calibration, assumption=replace(
             a, admission_stops=False, source=f"{a.source}; long-prefill cap not known at {tokens} prompt tokens"))
     return calibration
+
+
+async def cap_checked(probe: Callable[[Calibration, int], Awaitable[Calibration]],
+                      probed: MutableMapping[tuple[float, int], Calibration], trace: Trace, result: ExecutionResult,
+                      candidate: judge.Candidate, calibration: Calibration,
+                      policy: OraclePolicy = DEFAULT_POLICY) -> tuple[Calibration, bool]:
+    """(The calibration to judge ``candidate`` of ``result`` by, whether it still stands under it): where its inversion
+    rests on no cap (:func:`rests_on_no_cap`), ``probe`` (a :func:`probe_cap` of the caller's target) is run once per
+    prompt size and calibration (``probed`` keeps them), and the candidate stands only if the calibration it returns
+    still makes it one (overtaken by design, it may still be slow beyond that)."""
+    tokens = rests_on_no_cap(trace, result, candidate, calibration, policy)
+    if not tokens:
+        return calibration, True
+    key = (calibration.created_at, tokens)
+    probed[key] = after = probed.get(key) or await probe(calibration, tokens)
+    if after is calibration:
+        return calibration, True
+    return after, any((c.kind, c.request_id) == (candidate.kind, candidate.request_id)
+                      for c in judge.candidates(trace, result, after, policy))

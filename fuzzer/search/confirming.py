@@ -37,7 +37,7 @@ from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
 from fuzzer.oracle.ablation import carriers, confirm_option, option_size, others_end_s, suspects
 from fuzzer.oracle.calibration import Calibration
-from fuzzer.oracle.capcheck import rests_on_no_cap
+from fuzzer.oracle.capcheck import cap_checked
 from fuzzer.oracle.confirm import confirm
 from fuzzer.oracle.judge import Candidate
 from fuzzer.oracle.kinds import FindingKind, Metric
@@ -234,14 +234,11 @@ class Confirmer:
                    if key == warm_key else None)
             if fam is not None and self.families.pass_over(fam, sighted):
                 continue
-            if self._cap_probe is not None and (n := rests_on_no_cap(trace, result, candidate, calibration, self._policy)):
-                probed = self._caps.get((calibration.created_at, n)) or await self._cap_probe(calibration, n)
-                self._caps[(calibration.created_at, n)] = probed
-                if probed is not calibration and not any(  # overtaken by design, and not slow beyond that
-                        (c.kind, c.request_id) == (candidate.kind, candidate.request_id)
-                        for c in judge.candidates(trace, result, probed, self._policy)):
-                    continue
-                calibration = probed
+            if self._cap_probe is not None:
+                calibration, stands = await cap_checked(self._cap_probe, self._caps, trace, result, candidate,
+                                                        calibration, self._policy)
+                if not stands:
+                    continue  # overtaken by the engine's cap at its size, and not slow beyond that
             if judged is not trace:
                 self._store.put_trace(judged)  # confirmed or waiting, it is named by its hash (pending, waiting)
             if self._due is None or cold or candidate.kind in AT_ONCE or self._new_kind(candidate):
