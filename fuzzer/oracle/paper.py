@@ -43,7 +43,7 @@ import numpy as np
 from fuzzer.errors import ConfigError
 from fuzzer.oracle.kvblocks import KVBlocks
 from fuzzer.oracle.model import FRONTEND_SLACK_S
-from fuzzer.trace import Request, ceil_div
+from fuzzer.trace import Request
 
 if TYPE_CHECKING:
     from fuzzer.oracle.model import SchedulerAssumption, StepModel
