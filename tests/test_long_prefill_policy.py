@@ -17,6 +17,7 @@ import pytest
 from test_fleet_option import _Virtual, _Worker
 from test_kv_bound import SIM_MODEL
 
+from fuzzer.errors import TargetError
 from fuzzer.fleet.targets import FleetTarget
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.calibration import Calibration
@@ -356,3 +357,15 @@ def test_an_ordering_bug_of_long_prompts_is_no_cap_at_their_size_and_stays_a_can
     (candidate,) = candidates(trace, result, cal)
     assert candidate.request_id == "F" and rests_on_no_cap(trace, result, candidate, cal) == 1900
     assert asyncio.run(probe_cap(target, cal, 1900)) is cal
+
+
+def test_a_server_that_cannot_be_asked_for_the_probe_leaves_the_calibration_as_it_was():
+    config = SimConfig(long_prefill_token_threshold=256, **GPU_LIKE)
+    blind = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4),
+                                  max_model_len=config.max_model_len, measure_cap=False))
+
+    class Refusing(VirtualTarget):
+        async def execute(self, trace, *, cut_s=None):
+            raise TargetError("connection refused")
+
+    assert asyncio.run(probe_cap(Refusing(config, seed=4), blind, 2048)) is blind

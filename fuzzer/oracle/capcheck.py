@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 
+from fuzzer.errors import TargetError
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
 from fuzzer.oracle.calibrate import DEFAULT_MAX_MODEL_LEN
@@ -42,9 +43,13 @@ def rests_on_no_cap(trace: Trace, result: ExecutionResult, candidate: judge.Cand
 
 async def probe_cap(target: Target, calibration: Calibration, tokens: int) -> Calibration:
     """``calibration`` with the cap measured by a probe of ``tokens`` prompt tokens: a cap found is assumed; a cap
-    the probe cannot rule out leaves the order check no ground (``admission_stops`` off); none, as it was."""
+    the probe cannot rule out leaves the order check no ground (``admission_stops`` off); none, or a server that
+    could not be asked, as it was."""
     longest = (getattr(getattr(target, "info", None), "max_model_len", None) or DEFAULT_MAX_MODEL_LEN) - 2
-    found = await chunk_cap(target, calibration, longest, prompt_tokens=tokens)
+    try:
+        found = await chunk_cap(target, calibration, longest, prompt_tokens=tokens)
+    except TargetError:
+        return calibration  # the server could not be asked (down, refusing): judged as before, the campaign goes on
     a = calibration.assumption
     if found:
         return replace(calibration, assumption=replace(
