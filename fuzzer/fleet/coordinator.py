@@ -61,6 +61,7 @@ from fuzzer.search.confirming import (
 from fuzzer.search.causes import without_found_causes, without_options
 from fuzzer.search.crashes import avoiding, tried
 from fuzzer.search.mutators import Child, Limits, Mutator, NullMutator, OperatorStats
+from fuzzer.search.pacing import token_work
 from fuzzer.search.settings import ExitReason, Settings, stop_reason
 from fuzzer.store import Store
 from fuzzer.trace import Trace
@@ -112,7 +113,7 @@ class Coordinator:
         self.pool = pool
         self.store = store
         self.settings = settings
-        self.seeds = sorted(seeds, key=lambda t: sum(r.prompt_tokens + r.max_tokens * r.n for r in t.requests))
+        self.seeds = sorted(seeds, key=token_work)  # cheapest first, as a campaign runs them
         self.targets = {t.name: TargetState(t) for t in targets}
         self._clock = clock
         self._cpu_clock = cpu_clock

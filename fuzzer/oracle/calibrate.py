@@ -157,6 +157,13 @@ def with_reported_kv(assumption: SchedulerAssumption, target: Target) -> Schedul
     return assumption if kv is None else replace(assumption, kv_blocks=kv[0], block_size=kv[1])
 
 
+def longest_prompt(target: Target, max_model_len: int | None = None) -> int:
+    """The longest prompt a probe of ``target`` sends: its context (``max_model_len``, else the one the server
+    reported, else DEFAULT_MAX_MODEL_LEN, which every served model accepts) less two tokens of output."""
+    context = max_model_len or getattr(getattr(target, "info", None), "max_model_len", None)
+    return (context or DEFAULT_MAX_MODEL_LEN) - 2
+
+
 def with_target_kv(calibration: Calibration, target: Target) -> Calibration:
     """A stored calibration with the KV capacity the target reports, when it names none (one
     made before capacities were read stays KV-unaware otherwise until it goes stale)."""
@@ -211,7 +218,7 @@ async def calibrate(
         elif seats:
             assumption = replace(assumption, max_num_seqs=seats, source=f"{assumption.source}; max_num_seqs measured")
     budget = assumption.token_budget
-    longest = (max_model_len or DEFAULT_MAX_MODEL_LEN) - 2
+    longest = longest_prompt(target, max_model_len)
     # The longest-that-fits probe only where the server reported its context: 4096 is a guess.
     long = long_prefill_lengths(budget, longest, fallback=max_model_len is not None)
     lengths = sorted({min(n, budget) for n in PREFILL_LENGTHS} | set(long))

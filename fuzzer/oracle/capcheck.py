@@ -19,7 +19,7 @@ from dataclasses import replace
 from fuzzer.errors import TargetError
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.oracle import judge
-from fuzzer.oracle.calibrate import DEFAULT_MAX_MODEL_LEN
+from fuzzer.oracle.calibrate import longest_prompt
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.chunkcap import chunk_cap
 from fuzzer.oracle.evidence import preemptions
@@ -45,9 +45,8 @@ async def probe_cap(target: Target, calibration: Calibration, tokens: int) -> Ca
     """``calibration`` with the cap measured by a probe of ``tokens`` prompt tokens: a cap found is assumed; a cap
     the probe cannot rule out leaves the order check no ground (``admission_stops`` off); none, or a server that
     could not be asked, as it was."""
-    longest = (getattr(getattr(target, "info", None), "max_model_len", None) or DEFAULT_MAX_MODEL_LEN) - 2
     try:
-        found = await chunk_cap(target, calibration, longest, prompt_tokens=tokens)
+        found = await chunk_cap(target, calibration, longest_prompt(target), prompt_tokens=tokens)
     except TargetError:
         return calibration  # the server could not be asked (down, refusing): judged as before, the campaign goes on
     a = calibration.assumption
