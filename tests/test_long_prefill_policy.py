@@ -329,6 +329,49 @@ def test_an_inversion_judged_without_a_cap_probes_the_cap_at_the_victims_size_fi
     assert summary.stats.time_s["calibrate"] > 0
 
 
+def test_a_replay_probes_the_cap_before_it_confirms_such_an_inversion():
+    # `fuzz replay` (fuzzer.oracle.confirm.examine) judges several runs together: the same inversion is a
+    # confirmed finding without the probe and none with it; the verdict names the cap measured.
+    config = SimConfig(long_prefill_token_threshold=256, **GPU_LIKE)
+    blind = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4),
+                                  max_model_len=config.max_model_len, measure_cap=False))
+
+    def replayed(probing: bool):
+        target = VirtualTarget(config, seed=4)
+        probe = (lambda by, tokens: probe_cap(target, by, tokens)) if probing else None
+        return asyncio.run(examine(target, PASSED, blind, rng=np.random.default_rng(1), cap_probe=probe))
+
+    assert [v.request_id for v in replayed(False).findings] == ["L"]
+    exam = replayed(True)
+    assert exam.findings == () and exam.confirmations == ()
+    (note,) = exam.notes
+    assert note.startswith("L was passed by shorter prompts: a long-prefill cap of ") and "at 2048 prompt tokens" in note
+    (verdict,) = [v for v in exam.verdicts if v.request_id == "L"]
+    assert not verdict.is_finding and "long-prefill cap measured at 2048" in verdict.assumption
+
+
+def test_a_replay_whose_probe_cannot_tell_the_cap_leaves_that_inversion_unheld_to_order():
+    config = SimConfig(long_prefill_token_threshold=256, **GPU_LIKE)
+    blind = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4),
+                                  max_model_len=config.max_model_len, measure_cap=False))
+    asked = []
+
+    async def unknown(by, tokens):
+        asked.append(tokens)
+        return replace(by, assumption=replace(by.assumption, admission_stops=False, source="cap not known"))
+
+    target = VirtualTarget(config, seed=4)
+    exam = asyncio.run(examine(target, PASSED, blind, rng=np.random.default_rng(1), cap_probe=unknown))
+    assert asked == [2048]
+    # Judged without admission stops, that verdict only (under the cap it still misses, the bound does not
+    # know the cap: that is the campaign's too); the others as before.
+    judged_by = {v.request_id: v.assumption for v in exam.verdicts}
+    assert judged_by["L"].endswith("(cap not known)") and "admissions stop" not in judged_by["L"]
+    assert "admissions stop" in judged_by["q"]
+    assert exam.notes == ("L was passed by shorter prompts: the long-prefill cap is not known at 2048 prompt tokens "
+                          "(its order is not held to FCFS order)",)
+
+
 def test_a_fleet_worker_probes_the_cap_before_it_hands_such_an_inversion_over():
     config = SimConfig(long_prefill_token_threshold=256, **GPU_LIKE)
     blind = asyncio.run(calibrate(VirtualTarget(config, seed=4), rng=random.Random(4),

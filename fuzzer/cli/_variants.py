@@ -16,6 +16,7 @@ import numpy as np
 
 from fuzzer.errors import ConfigError, FuzzError
 from fuzzer.execute.launch import LaunchError, LaunchSpec
+from fuzzer.oracle.capcheck import probe_cap
 from fuzzer.oracle.kinds import FindingKind
 from fuzzer.oracle.verdict import Verdict
 from fuzzer.trace import Trace
@@ -124,7 +125,8 @@ async def run_configurations(
                     calibration, note = base_calibration, f"judged by the base calibration (its own failed: {e})"
                 if base_calibration is None:
                     base_calibration = calibration
-                exam = await examine(target, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
+                exam = await examine(target, trace, calibration, runs=runs, rng=np.random.default_rng(seed),
+                                     cap_probe=lambda by, tokens, target=target: probe_cap(target, by, tokens))
         except FuzzError as e:
             outcomes.append(Outcome(config, error=str(e)))
             continue

@@ -26,6 +26,7 @@ from fuzzer.errors import ConfigError
 from fuzzer.execute.adapters import ServerInfo
 from fuzzer.execution import ExecutionResult, RequestResult, Target
 from fuzzer.oracle.calibration import calibration_keys
+from fuzzer.oracle.capcheck import probe_cap
 from fuzzer.oracle import slo as slo_oracle
 from fuzzer.oracle.confirm import examine
 from fuzzer.oracle.summary import summarize
@@ -121,6 +122,7 @@ def command(trace_path, target, launch, target_file, variants, compare, runs, db
         data = _as_json(trace, info, results, seed)
         data["verdicts"] = [v.to_dict() for v in exam.verdicts]
         data["findings"] = [v.to_dict() for v in exam.findings]
+        data["cap_probes"] = list(exam.notes)
         data["metrics"] = summarize(exam.results)
         if slo is not None:
             data["slo"] = slo_json(slo, slo_runs, slo_verdicts)
@@ -132,6 +134,8 @@ def command(trace_path, target, launch, target_file, variants, compare, runs, db
                 out.print(line)
             out.print()
         out.print(_verdict_table(exam.verdicts))
+        for note in exam.notes:
+            out.print(note)
         extra = len(results) - len(exam.results)
         if extra:
             out.print(f"{extra} more execution(s) were run to confirm candidates")
@@ -168,7 +172,8 @@ async def _replay(
         if store is not None:
             target_id = store.upsert_target(identity, info.kind, info.model, info.version, dict(info.capabilities))
         recorder = _Recorder(http, store, target_id)
-        exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed))
+        exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed),
+                             cap_probe=lambda by, tokens: probe_cap(http, by, tokens))
         slo_verdicts, slo_runs = [], list(exam.results)
         if slo is not None:  # beside the scheduler verdicts, on the same runs plus a bounded few
             slo_verdicts, extra = await slo_oracle.examine(recorder, trace, exam.results, slo)

@@ -13,8 +13,8 @@ size; a cap it measures is the engine's policy (ARCHITECTURE.md, "Oracle").
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, replace
 
 from fuzzer.errors import TargetError
 from fuzzer.execution import ExecutionResult, Target
@@ -26,6 +26,7 @@ from fuzzer.oracle.evidence import preemptions
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.order import cap_dependent, inversions
 from fuzzer.oracle.policy import DEFAULT_POLICY, OraclePolicy
+from fuzzer.oracle.verdict import Verdict
 from fuzzer.trace import Trace
 
 
@@ -76,3 +77,47 @@ async def cap_checked(probe: Callable[[Calibration, int], Awaitable[Calibration]
         return calibration, True
     return after, any((c.kind, c.request_id) == (candidate.kind, candidate.request_id)
                       for c in judge.candidates(trace, result, after, policy))
+
+
+@dataclass(frozen=True)
+class Rechecked:
+    """What :func:`recheck` leaves: the verdicts, the calibration for the rest (a cap found is every verdict's) and
+    per request the one its verdict was judged by where it differs (a cap not known at its size); a line per probe."""
+
+    calibration: Calibration
+    verdicts: list[Verdict]
+    by_request: dict[str, Calibration]
+    notes: list[str]
+
+
+async def recheck(probe: Callable[[Calibration, int], Awaitable[Calibration]], trace: Trace,
+                  results: Sequence[ExecutionResult], verdicts: Sequence[Verdict], calibration: Calibration,
+                  rejudge: Callable[[Calibration], list[Verdict]], policy: OraclePolicy = DEFAULT_POLICY) -> Rechecked:
+    """:func:`cap_checked` for several runs judged together (``fuzz replay``): each TTFT verdict with a kind, seen in
+    some run, whose inversion in one of ``results`` rests on no cap, is judged again (``rejudge``) under the cap
+    ``probe`` measures at its prompt size, once per size. A cap found becomes the calibration of every verdict;
+    a cap not known, of that verdict only."""
+    out, by_request, notes = list(verdicts), {}, []
+    probed: dict[int, Calibration] = {}
+    for i in range(len(out)):
+        v = out[i]
+        if v.kind is None or v.metric is not Metric.TTFT or v.request_id is None or not v.reproduced:
+            continue
+        candidate = judge.Candidate(v.kind, v.request_id, v.metric)
+        tokens = next((n for r in results if (n := rests_on_no_cap(trace, r, candidate, calibration, policy))), None)
+        if not tokens:
+            continue
+        after = probed[tokens] = probed.get(tokens) or await probe(calibration, tokens)
+        if after is calibration:
+            continue
+        cap = after.assumption.long_prefill_threshold
+        if cap:
+            calibration, out = after, rejudge(after)
+            notes.append(f"{v.request_id} was passed by shorter prompts: a long-prefill cap of {cap} tokens measured "
+                         f"at {tokens} prompt tokens (the order check does not hold it to FCFS order)")
+        else:
+            again = {w.request_id: w for w in rejudge(after) if w.request_id}
+            out[i], by_request[v.request_id] = again.get(v.request_id, v), after
+            notes.append(f"{v.request_id} was passed by shorter prompts: the long-prefill cap is not known at {tokens} "
+                         "prompt tokens (its order is not held to FCFS order)")
+    return Rechecked(calibration, out, by_request, notes)

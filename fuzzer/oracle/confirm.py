@@ -25,6 +25,7 @@ import numpy as np
 from fuzzer.execution import ExecutionResult, Outcome, Target
 from fuzzer.oracle.ablation import confirm_option, suspects
 from fuzzer.oracle.calibration import Calibration
+from fuzzer.oracle.capcheck import recheck
 from fuzzer.oracle.judge import (
     Candidate,
     RequestReport,
@@ -297,6 +298,8 @@ class Examination:
     verdicts: tuple[Verdict, ...]
     #: Verdicts that came from confirmation re-runs (they replace the first judgement).
     confirmations: tuple[Verdict, ...] = field(default=())
+    #: A line per long-prefill cap probed again at an inversion's prompt size (fuzzer.oracle.capcheck.recheck).
+    notes: tuple[str, ...] = field(default=())
 
     @property
     def findings(self) -> tuple[Verdict, ...]:
@@ -317,11 +320,24 @@ async def examine(
     rng: np.random.Generator,
     policy: OraclePolicy = DEFAULT_POLICY,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    cap_probe: Callable[[Calibration, int], Awaitable[Calibration]] | None = None,
 ) -> Examination:
-    """Execute ``trace`` ``runs`` times, judge every request, confirm the undecided candidates."""
+    """Execute ``trace`` ``runs`` times, judge every request, confirm the undecided candidates. With ``cap_probe``
+    (:func:`fuzzer.oracle.capcheck.probe_cap` on ``target``), an inversion of a long prompt by shorter ones judged
+    with no long-prefill cap is judged again under the cap probed at its size first, as a campaign's are."""
     results = tuple([await target.execute(trace) for _ in range(runs)])
-    verdicts = [_placed(v, results, v.request_id) if v.is_finding and v.kind is FindingKind.ITL_STALL else v
-                for v in judge(trace, results, calibration, rng=rng, policy=policy)]
+
+    def judged(by: Calibration) -> list[Verdict]:
+        return [_placed(v, results, v.request_id) if v.is_finding and v.kind is FindingKind.ITL_STALL else v
+                for v in judge(trace, results, by, rng=rng, policy=policy)]
+
+    verdicts = judged(calibration)
+    by_request: dict[str, Calibration] = {}
+    notes: list[str] = []
+    if cap_probe is not None:
+        checked = await recheck(cap_probe, trace, results, verdicts, calibration, judged, policy)
+        calibration, verdicts, by_request, notes = (checked.calibration, checked.verdicts, checked.by_request,
+                                                    checked.notes)
     confirmed: list[Verdict] = []
     seen: set[str] = set()
     # A trace that took the server down every run: the crash is the finding, and confirming a
@@ -339,7 +355,8 @@ async def examine(
         seen.add(v.signature or "")
         cand = Candidate(v.kind, v.request_id, v.metric, v.effect,
                          after_idle=v.kind is FindingKind.COLD_START or any(after_idle(r, policy) for r in results))
-        better = await confirm(target, trace, cand, calibration, rng=rng, policy=policy, sleep=sleep)
+        better = await confirm(target, trace, cand, by_request.get(v.request_id or "", calibration), rng=rng,
+                               policy=policy, sleep=sleep)
         confirmed.append(better)
         verdicts[i] = better
     if not crashing:
@@ -348,4 +365,4 @@ async def examine(
             tested = await confirm_option(target, trace, option, policy=policy)
             confirmed.append(tested)
             verdicts.append(tested)
-    return Examination(results, tuple(verdicts), tuple(confirmed))
+    return Examination(results, tuple(verdicts), tuple(confirmed), tuple(notes))
