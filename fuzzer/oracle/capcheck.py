@@ -113,6 +113,7 @@ async def recheck(probe: Callable[[Calibration, int], Awaitable[Calibration]], t
         cap = after.assumption.long_prefill_threshold
         if cap:
             calibration, out = after, rejudge(after)
+            by_request.clear()  # every verdict is judged under the cap now, as a campaign's calibration takes it
             notes.append(f"{v.request_id} was passed by shorter prompts: a long-prefill cap of {cap} tokens measured "
                          f"at {tokens} prompt tokens (the order check does not hold it to FCFS order)")
         else:
