@@ -122,9 +122,9 @@ def test_a_short_campaign_weighs_server_time_against_its_execution_budget():
     from fuzzer.search.corpus import CHEAP_S
     from fuzzer.search.pacing import cheap_s, execution_budget_s
 
-    # The README's 3-minute job: a 9 s budget, so 3 s is cheap; 10 minutes and more keep CHEAP_S.
-    assert cheap_s(180.0) == execution_budget_s(180.0) / 3 == 3.0
-    assert cheap_s(600.0) == cheap_s(1800.0) == cheap_s(None) == CHEAP_S
+    # A 90-second job: a 4.5 s budget, so 1.5 s is cheap; the README's 3-minute job and longer keep CHEAP_S.
+    assert cheap_s(90.0) == execution_budget_s(90.0) / 3 == 1.5
+    assert cheap_s(180.0) == cheap_s(600.0) == cheap_s(1800.0) == cheap_s(None) == CHEAP_S == 3.0
     c = Corpus()
     slow = c.add(generate(random.Random(1)), [cov("a")])
     fast = c.add(generate(random.Random(2)), [cov("b")])
@@ -137,6 +137,7 @@ def test_a_short_campaign_weighs_server_time_against_its_execution_budget():
             slow.n_fuzz = fast.n_fuzz = 0
         return picks.count(fast.id) / len(picks)
 
-    # 6 s against 1 s: (1 + 0.6) / (1 + 0.1) at 10 s, (1 + 2) / (1 + 1/3) at 3 s.
-    assert c.energy(fast, 1.0, 3.0) / c.energy(slow, 6.0, 3.0) > 2.2 > 1.5 > c.energy(fast, 1.0) / c.energy(slow, 6.0)
-    assert fast_share(cheap_s(180.0)) > fast_share(cheap_s(1800.0)) + 0.08
+    # 6 s against 1 s: (1 + 0.6) / (1 + 0.1) at 10 s, (1 + 2) / (1 + 1/3) at 3 s, (1 + 4) / (1 + 2/3) at 1.5 s.
+    assert c.energy(fast, 1.0, 10.0) / c.energy(slow, 6.0, 10.0) < 1.5 < 2.2 < c.energy(fast, 1.0) / c.energy(slow, 6.0)
+    assert c.energy(fast, 1.0, 1.5) / c.energy(slow, 6.0, 1.5) > 2.9
+    assert fast_share(cheap_s(90.0)) > fast_share(cheap_s(1800.0)) + 0.02

@@ -35,11 +35,14 @@ FAVOURED_ENERGY = 4.0
 STALE_AFTER = 20  # picks without a single kept child
 STALE_ENERGY = 0.25
 # AFL favours fast inputs; here an entry's energy is divided by 1 + its expected server time
-# over this many seconds (when the campaign can tell it): a 45 s trace is picked about a fifth as
+# over this many seconds (when the campaign can tell it): a 45 s trace is picked about a twelfth as
 # often as a 1 s one. Havoc and the shapes grow traces, and each child of a long one is long too:
 # with every bug on, the held-out server's 30-minute campaign ran 27 fuzz executions of 21.5 s
-# on average (traces of up to 48 requests and 80k tokens), half of its earlier count.
-CHEAP_S = 10.0
+# on average (traces of up to 48 requests and 80k tokens), half of its earlier count. 10 s until
+# stop 63: the README's main job for 30 minutes (seed 1, side by side) then ran fuzz executions of
+# 7.1 s on average and 252 executions in all; at 3 s, 5.4 s and 324, with the same findings
+# (benchmarks/README.md, stop 63).
+CHEAP_S = 3.0
 
 
 @dataclass

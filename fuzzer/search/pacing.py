@@ -104,10 +104,11 @@ def execution_budget_s(duration_s: float | None) -> float | None:
 
 
 #: In a short campaign an entry's server time is weighed against this share of one execution's budget
-#: when it is below CHEAP_S (fuzzer.search.corpus): in the README's 3-minute job (a 9 s budget) a 6 s
-#: trace costs two thirds of what one execution may, and its children as much; weighed against 3 s
-#: instead of 10 s, the job ran 53 and 59 executions where it ran 46 and 55 (seeds 1 and 2, benchmarks/README.md,
-#: stop 41). Campaigns of 10 minutes or more are unchanged.
+#: when it is below CHEAP_S (fuzzer.search.corpus): in a 90-second job (a 4.5 s budget) a 3 s trace
+#: costs two thirds of what one execution may, and its children as much. In the README's 3-minute job
+#: (a 9 s budget) this share gave 3 s where CHEAP_S was 10 s, and the job ran 53 and 59 executions where it
+#: ran 46 and 55 (seeds 1 and 2, benchmarks/README.md, stop 41); since CHEAP_S is 3 s, only campaigns
+#: shorter than 3 minutes weigh against less.
 CHEAP_BUDGET_SHARE = 1 / 3
 
 
