@@ -274,7 +274,7 @@ def _fitted(probes):
 
 def _slower_after_all_started(probes, extra_s):
     """The long batches' probes with every gap once all of a batch decode ``extra_s`` longer."""
-    from fuzzer.oracle.probes import Probe, Probes
+    from fuzzer.oracle.probes import Probe
 
     out = []
     by_run: dict = {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 
-import pytest
 from conftest import CORPUS
 from ground_truth import GroundTruth, seeds_without
 
