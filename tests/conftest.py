@@ -8,7 +8,7 @@ import pytest
 
 from fuzzer import trace as tf
 from fuzzer.store import Store
-from interrupt_on_sigterm import pytest_configure  # noqa: F401 - SIGTERM tears fixtures down
+from interrupt_on_sigterm import pytest_configure, pytest_runtest_setup  # noqa: F401 - SIGTERM tears fixtures down
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "corpus"

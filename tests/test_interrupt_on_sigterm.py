@@ -13,7 +13,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 # A test whose fixture starts a child in a session of its own (as the real-server fixtures do)
-# and stops it in its teardown; the test then waits to be signalled.
+# and stops it in its teardown; the test then waits to be signalled. The test before it puts the
+# default handler back, as a library's own handler would replace the plugin's (ray.init does).
 INNER = '''
 import os, signal, subprocess, time
 from pathlib import Path
@@ -26,6 +27,9 @@ def child():
     yield proc
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+def test_a_library_puts_its_own_handler_in():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as ray.init puts in its own
 
 def test_waits(child):
     time.sleep(120)

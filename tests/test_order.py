@@ -252,6 +252,27 @@ def test_the_repro_script_judges_the_inversion():
     assert _script_main.judge_order(crit, victim, {"A": victim, "B": res("B", 0.15, 1.4)})[0] is False
     # An overtaker sent too soon after the victim may have reached the server first: not tested.
     assert _script_main.judge_order(crit, victim, {"A": victim, "B": res("B", 0.11, 0.5)})[0] is None
+    # A victim that ended ok with no text in its stream (a random model's invisible tokens) tests nothing;
+    # one that failed before its first token does not reproduce the inversion.
+    silent = res("A", 0.1, None)
+    assert _script_main.judge_order(crit, silent, {"A": silent, "B": res("B", 0.15, 0.85)})[0] is None
+    hung = dict(silent, outcome="hang")
+    assert _script_main.judge_order(crit, hung, {"A": hung, "B": res("B", 0.15, 0.85)})[0] is False
+
+
+def test_the_repro_script_does_not_count_a_victim_with_no_text_as_not_reproduced():
+    """llama-server with a random model sent `short` 16 tokens and no text (CI, stop 63): the run tests nothing."""
+    from dataclasses import asdict
+
+    from fuzzer.report.repro import Criterion, _script_main
+
+    crit = asdict(Criterion(kind="ttft-outlier", request_id="A", metric="ttft", expected_s=0.01))
+    base = {"id": "A", "sent_s": 0.0, "ttft_s": None, "token_times_s": [], "e2e_s": 1.0, "outcome": "ok",
+            "status": 200, "detail": ""}
+    verdict, words = _script_main.judge_run(crit, [base], None, 0.05, 0.0)
+    assert verdict is None and "no text" in words
+    assert _script_main.judge_run(crit, [dict(base, outcome="http-error")], None, 0.05, 0.0)[0] is False
+    assert _script_main.judge_run(crit, [dict(base, ttft_s=0.2, token_times_s=[0.2])], None, 0.05, 0.0)[0] is True
 
 
 def test_a_timeout_that_fcfs_queueing_explains_is_not_a_hang():

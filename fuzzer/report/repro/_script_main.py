@@ -74,6 +74,8 @@ def judge_run(criterion, results, server, limit_s, leak_wait_s):
             return None, "%s was rejected (HTTP %s): %s" % (victim["id"], victim["status"], victim["detail"][:80])
         value = metric_value(victim, criterion["metric"])
         name = METRIC_NAMES.get(criterion["metric"], criterion["metric"])
+        if value is None and victim["outcome"] == "ok":  # no text in its stream (a model's invisible tokens)
+            return None, "%s ended ok but its stream carried no text to time its %s by" % (victim["id"], name)
         if value is None:
             return False, "%s measured no %s (%s)" % (victim["id"], name, victim["outcome"])
         hit = value >= limit_s
@@ -128,6 +130,8 @@ def judge_order(criterion, victim, by_id):
     request the finding names, sent at least reach_s after the victim (FCFS serves the victim first)."""
     if victim["outcome"] == "rejected":
         return None, "%s was rejected (HTTP %s): %s" % (victim["id"], victim["status"], victim["detail"][:80])
+    if victim["ttft_s"] is None and victim["outcome"] == "ok":
+        return None, "%s ended ok but its stream carried no text to time its first token by" % victim["id"]
     if victim["ttft_s"] is None:
         return False, "%s got no first token (%s)" % (victim["id"], victim["outcome"])
     first = victim["sent_s"] + victim["ttft_s"]
