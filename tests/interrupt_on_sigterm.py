@@ -36,5 +36,5 @@ def pytest_configure(config):  # noqa: ARG001 - pytest's hook signature
 def pytest_runtest_setup(item):  # noqa: ARG001 - pytest's hook signature
     # Code under test may set its own: ray.init's handler calls sys.exit, which pytest counts as one test's
     # failure and runs on. Put ours back before each test.
-    if _installed and threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not _interrupt:
+    if _installed and signal.getsignal(signal.SIGTERM) is not _interrupt:  # tests run in the main thread
         _install()

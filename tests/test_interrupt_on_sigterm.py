@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reliability_support import alive, wait_gone
 
 HERE = Path(__file__).resolve().parent
 
@@ -34,15 +35,6 @@ def test_a_library_puts_its_own_handler_in():
 def test_waits(child):
     time.sleep(120)
 '''
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
 def _terminate_inner_run(tmp_path: Path, plugin: bool) -> int:
@@ -74,10 +66,7 @@ def _terminate_inner_run(tmp_path: Path, plugin: bool) -> int:
 @pytest.mark.slow
 def test_sigterm_tears_the_fixtures_down_and_stops_their_children(tmp_path):
     child = _terminate_inner_run(tmp_path, plugin=True)
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
+    assert wait_gone(child)
 
 
 @pytest.mark.slow
@@ -85,9 +74,9 @@ def test_without_the_plugin_sigterm_leaves_the_child_running(tmp_path):
     """The control: what the plugin prevents does happen without it."""
     child = _terminate_inner_run(tmp_path, plugin=False)
     try:
-        assert _alive(child)
+        assert alive(child)
     finally:
-        if _alive(child):
+        if alive(child):
             os.killpg(child, 9)
 
 

@@ -60,6 +60,14 @@ def threshold_s(criterion, override_ms):
     return max(criterion["factor"] * expected, expected + criterion["margin_s"])
 
 
+def unmeasured(victim, name):
+    """The verdict of a run whose victim has no ``name`` to judge: a victim that ended ok had no text in its
+    stream (a model's invisible tokens), so the run tests nothing; one that failed does not reproduce."""
+    if victim["outcome"] == "ok":
+        return None, "%s ended ok but its stream carried no text to time its %s by" % (victim["id"], name)
+    return False, "%s measured no %s (%s)" % (victim["id"], name, victim["outcome"])
+
+
 def judge_run(criterion, results, server, limit_s, leak_wait_s):
     """(verdict, words): verdict True (reproduced), False (not) or None (this run tests nothing)."""
     kind = criterion["kind"]
@@ -74,10 +82,8 @@ def judge_run(criterion, results, server, limit_s, leak_wait_s):
             return None, "%s was rejected (HTTP %s): %s" % (victim["id"], victim["status"], victim["detail"][:80])
         value = metric_value(victim, criterion["metric"])
         name = METRIC_NAMES.get(criterion["metric"], criterion["metric"])
-        if value is None and victim["outcome"] == "ok":  # no text in its stream (a model's invisible tokens)
-            return None, "%s ended ok but its stream carried no text to time its %s by" % (victim["id"], name)
         if value is None:
-            return False, "%s measured no %s (%s)" % (victim["id"], name, victim["outcome"])
+            return unmeasured(victim, name)
         hit = value >= limit_s
         return hit, "%s %s %.1f ms %s %.1f ms" % (victim["id"], name, value * 1000, ">=" if hit else "<", limit_s * 1000)
     if kind in FAILURE_OUTCOMES:
@@ -130,10 +136,8 @@ def judge_order(criterion, victim, by_id):
     request the finding names, sent at least reach_s after the victim (FCFS serves the victim first)."""
     if victim["outcome"] == "rejected":
         return None, "%s was rejected (HTTP %s): %s" % (victim["id"], victim["status"], victim["detail"][:80])
-    if victim["ttft_s"] is None and victim["outcome"] == "ok":
-        return None, "%s ended ok but its stream carried no text to time its first token by" % victim["id"]
     if victim["ttft_s"] is None:
-        return False, "%s got no first token (%s)" % (victim["id"], victim["outcome"])
+        return unmeasured(victim, "first token")
     first = victim["sent_s"] + victim["ttft_s"]
     seen = []
     for name in criterion["overtakers"]:
