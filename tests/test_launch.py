@@ -88,6 +88,43 @@ def test_a_port_in_use_is_one_line(tmp_path):
     _one_line_error(result, f"port {port} is already in use on 127.0.0.1")
 
 
+def test_a_chosen_port_taken_before_the_server_binds_it_is_chosen_again(monkeypatch):
+    # The race two campaigns on one machine run: the port was free when chosen and another
+    # process holds it when the server binds. A bound socket that does not listen is such a holder:
+    # the pre-check's connect finds nothing there, the server's bind fails.
+    import fuzzer.execute.launch as launch
+
+    mark = marker()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        taken = holder.getsockname()[1]
+        chosen = iter([taken])
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: next(chosen, None) or real())
+
+        async def main() -> int:
+            async with ManagedServer(LaunchSpec.parse(sim_command(mark))) as server:
+                with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                    assert r.status == 200
+                assert server.starts == 2  # the first start failed to bind, the second is up
+                return server.port
+
+        port = asyncio.run(main())
+    assert port != taken
+    assert wait_until(lambda: not servers_with(mark), 5.0), servers_with(mark)
+
+
+def test_a_chosen_port_always_taken_is_one_clear_error(monkeypatch):
+    import fuzzer.execute.launch as launch
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        taken = holder.getsockname()[1]
+        monkeypatch.setattr(launch, "free_port", lambda: taken)
+        with pytest.raises(LaunchError, match=f"port {taken} is already in use: the launched server could not"):
+            asyncio.run(ManagedServer(LaunchSpec.parse(sim_command(marker()))).start())
+
+
 def test_target_and_launch_exclude_each_other(tmp_path):
     result = CliRunner().invoke(cli, ["calibrate", "--target", "http://127.0.0.1:1", "--launch", "x {port}"])
     _one_line_error(result, "--target and --launch each say which server to use")

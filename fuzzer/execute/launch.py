@@ -49,6 +49,15 @@ class LaunchError(TargetError):
     """The server the fuzzer was asked to start cannot be started or never became ready."""
 
 
+class PortTaken(LaunchError):
+    """The launched server could not listen on its port: another process holds it."""
+
+
+#: How many free ports a first start tries when the one it chose is taken before the server
+#: binds it (the kernel hands the same ephemeral port to another process's connection or server).
+PORT_TRIES = 3
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """How to start one server configuration."""
@@ -208,11 +217,24 @@ class ManagedServer:
         """Start the server and wait until its ready URL answers 200; returns its base URL."""
         if self._proc is not None:
             raise LaunchError("this server is already started")
-        if self.port is None:
+        if self.port is not None:
+            if port_in_use(self.port):
+                raise LaunchError(f"port {self.port} is already in use on 127.0.0.1 (another server?); "
+                                  f"stop it or let the fuzzer choose one with {PLACEHOLDER}")
+            return await self._start_once()
+        # A port we chose is free when chosen, not when the server binds it: on a taken one, another.
+        for attempt in range(PORT_TRIES):
             self.port = free_port()
-        elif port_in_use(self.port):
-            raise LaunchError(f"port {self.port} is already in use on 127.0.0.1 (another server?); "
-                              f"stop it or let the fuzzer choose one with {PLACEHOLDER}")
+            if port_in_use(self.port):  # another server took it already; its answer is not ours
+                continue
+            try:
+                return await self._start_once()
+            except PortTaken:
+                if attempt == PORT_TRIES - 1:
+                    raise
+        raise LaunchError(f"no free port on 127.0.0.1 after {PORT_TRIES} tries; let the server use a fixed one")
+
+    async def _start_once(self) -> str:
         self._open_log()
         self._log.flush()
         self._log_from = os.fstat(self._log.fileno()).st_size  # tail() reads this life's lines only
@@ -251,21 +273,24 @@ class ManagedServer:
         while True:
             status = self._proc.poll()
             if status is not None:
-                raise LaunchError(self._exited_early(status))
+                raise self._exited_early(status)
             if await asyncio.to_thread(_answers, ready):
+                if self._proc.poll() is not None:  # the answer came from another server on this port
+                    raise self._exited_early(self._proc.returncode)
                 return
             if time.monotonic() >= deadline:
                 raise LaunchError(f"the launched server was not ready at {ready} within {self.spec.timeout_s:g} s"
                                   f"{self._last_line()}")
             await asyncio.sleep(READY_POLL_S)
 
-    def _exited_early(self, status: int) -> str:
+    def _exited_early(self, status: int) -> LaunchError:
         lines = self.tail(20)
         if any("address already in use" in ln.lower() or "port" in ln.lower() and "in use" in ln.lower()
                for ln in lines):
-            return f"port {self.port} is already in use: the launched server could not listen on it{self._last_line()}"
+            return PortTaken(f"port {self.port} is already in use: the launched server could not listen on it"
+                             f"{self._last_line()}")
         how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
-        return f"the launched server {how} before it was ready{self._last_line()}"
+        return LaunchError(f"the launched server {how} before it was ready{self._last_line()}")
 
     def _last_line(self) -> str:
         lines = self.tail(1)
