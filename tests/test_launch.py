@@ -125,6 +125,39 @@ def test_a_chosen_port_always_taken_is_one_clear_error(monkeypatch):
             asyncio.run(ManagedServer(LaunchSpec.parse(sim_command(marker()))).start())
 
 
+NO_HEALTH = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_server_without_a_health_route_is_ready_once_it_lists_its_models(tmp_path):
+    script = tmp_path / "no_health.py"
+    script.write_text(NO_HEALTH)
+    mark = marker()
+
+    async def main() -> None:
+        spec = LaunchSpec.parse(f"{PY} {script} {{port}} {mark}", timeout_s=20)
+        async with ManagedServer(spec) as server:
+            with urllib.request.urlopen(server.url + "/v1/models", timeout=5) as r:
+                assert r.status == 200
+        # A ready URL the user named is theirs: a 404 there is not ready.
+        named = LaunchSpec.parse(f"{PY} {script} {{port}} {mark}", ready_url="http://127.0.0.1:{port}/ready",
+                                 timeout_s=2)
+        with pytest.raises(LaunchError, match="was not ready at http://127.0.0.1:[0-9]+/ready within 2 s"):
+            await ManagedServer(named).start()
+
+    asyncio.run(main())
+    assert wait_until(lambda: not servers_with(mark), 5.0), servers_with(mark)
+
+
 def test_target_and_launch_exclude_each_other(tmp_path):
     result = CliRunner().invoke(cli, ["calibrate", "--target", "http://127.0.0.1:1", "--launch", "x {port}"])
     _one_line_error(result, "--target and --launch each say which server to use")

@@ -37,11 +37,15 @@ from fuzzer.errors import TargetError
 
 PLACEHOLDER = "{port}"
 DEFAULT_READY_PATH = "/health"
+#: Where readiness is asked next when a server answers the default ready URL with 404 or 405 (an
+#: OpenAI-compatible server without a /health route still lists its models once it can serve).
+FALLBACK_READY_PATH = "/v1/models"
 #: A large model takes minutes to load.
 DEFAULT_READY_TIMEOUT_S = 600.0
 #: How long the server may take to exit after SIGTERM before its group is killed.
 STOP_TIMEOUT_S = 10.0
 READY_POLL_S = 0.25
+DEFAULT_READY_URL = "http://127.0.0.1:{port}" + DEFAULT_READY_PATH
 LAUNCH_PREFIX = "launch:"
 
 
@@ -65,7 +69,7 @@ class LaunchSpec:
     command: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
     #: Answers 200 once the server can take requests; ``{port}`` allowed.
-    ready_url: str = "http://127.0.0.1:{port}" + DEFAULT_READY_PATH
+    ready_url: str = DEFAULT_READY_URL
     timeout_s: float = DEFAULT_READY_TIMEOUT_S
     #: Where the server's stdout and stderr go; a temporary file when None.
     log_file: str | None = None
@@ -274,7 +278,7 @@ class ManagedServer:
             status = self._proc.poll()
             if status is not None:
                 raise self._exited_early(status)
-            if await asyncio.to_thread(_answers, ready):
+            if await asyncio.to_thread(self._ready, ready):
                 if self._proc.poll() is not None:  # the answer came from another server on this port
                     raise self._exited_early(self._proc.returncode)
                 return
@@ -282,6 +286,14 @@ class ManagedServer:
                 raise LaunchError(f"the launched server was not ready at {ready} within {self.spec.timeout_s:g} s"
                                   f"{self._last_line()}")
             await asyncio.sleep(READY_POLL_S)
+
+    def _ready(self, url: str) -> bool:
+        """Whether ``url`` answers 2xx; at the default ready URL, a server that answers it 404 or 405
+        (no /health route) is ready once FALLBACK_READY_PATH answers 2xx."""
+        status = _status(url)
+        if status in (404, 405) and self.spec.ready_url == DEFAULT_READY_URL:
+            return _answers(url.removesuffix(DEFAULT_READY_PATH) + FALLBACK_READY_PATH)
+        return status is not None and 200 <= status < 300
 
     def _exited_early(self, status: int) -> LaunchError:
         lines = self.tail(20)
@@ -401,9 +413,17 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _answers(url: str) -> bool:
+def _status(url: str) -> int | None:
+    """The HTTP status ``url`` answers with; None when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=2.0) as response:  # noqa: S310 - a loopback URL we built
-            return 200 <= response.status < 300
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except (urllib.error.URLError, OSError, ValueError):
-        return False
+        return None
+
+
+def _answers(url: str) -> bool:
+    status = _status(url)
+    return status is not None and 200 <= status < 300
