@@ -227,16 +227,16 @@ class ManagedServer:
                                   f"stop it or let the fuzzer choose one with {PLACEHOLDER}")
             return await self._start_once()
         # A port we chose is free when chosen, not when the server binds it: on a taken one, another.
-        for attempt in range(PORT_TRIES):
+        taken = LaunchError(f"no free port on 127.0.0.1 in {PORT_TRIES} tries")
+        for _ in range(PORT_TRIES):
             self.port = free_port()
             if port_in_use(self.port):  # another server took it already; its answer is not ours
                 continue
             try:
                 return await self._start_once()
-            except PortTaken:
-                if attempt == PORT_TRIES - 1:
-                    raise
-        raise LaunchError(f"no free port on 127.0.0.1 after {PORT_TRIES} tries; let the server use a fixed one")
+            except PortTaken as e:
+                taken = e
+        raise taken
 
     async def _start_once(self) -> str:
         self._open_log()
@@ -292,7 +292,7 @@ class ManagedServer:
         (no /health route) is ready once FALLBACK_READY_PATH answers 2xx."""
         status = _status(url)
         if status in (404, 405) and self.spec.ready_url == DEFAULT_READY_URL:
-            return _answers(url.removesuffix(DEFAULT_READY_PATH) + FALLBACK_READY_PATH)
+            status = _status(url.removesuffix(DEFAULT_READY_PATH) + FALLBACK_READY_PATH)
         return status is not None and 200 <= status < 300
 
     def _exited_early(self, status: int) -> LaunchError:
@@ -422,8 +422,3 @@ def _status(url: str) -> int | None:
         return e.code
     except (urllib.error.URLError, OSError, ValueError):
         return None
-
-
-def _answers(url: str) -> bool:
-    status = _status(url)
-    return status is not None and 200 <= status < 300
