@@ -168,7 +168,7 @@ def test_the_fleet_tests_an_option_as_a_campaign_does_and_its_checkpoint_keeps_t
     largest tested there, never twice at once on one target; a test that came back SAME is no rejection
     (the counts decide); a resumed fleet takes the counts up."""
     coordinator = _coordinator(store)
-    a, b = coordinator.targets["a"], coordinator.targets["b"]
+    a = coordinator.targets["a"]
     target = PaperTarget(seed=3)
     _run(coordinator, "a", _seeded_batch(), target)
     [task] = a.confirm
