@@ -9,6 +9,7 @@ import pytest
 from conftest import CORPUS
 
 from fuzzer import trace as tf
+from fuzzer.execution import Outcome
 from fuzzer.oracle.policy import OraclePolicy
 from fuzzer.search.campaign import Campaign
 from fuzzer.search.mutators import Limits
@@ -294,6 +295,13 @@ async def test_executions_whose_client_starved_are_counted_and_the_summary_says_
     assert stats.client_stalls == 0 and stats.worst_client_stall_s == 0.0
 
 
+def _sleep_on(target):
+    """A sleep that moves ``target``'s clock (the campaign's backoff waits, on virtual time)."""
+    async def sleep(s):
+        target.now += s
+    return sleep
+
+
 class _Dies(_Clocked):
     """As _Clocked, but after ``alive`` executions every request is refused (a server that exited)."""
 
@@ -317,12 +325,7 @@ async def test_a_server_that_stays_down_stops_the_campaign_after_its_patience_wi
     # campaign waited 724 s for it and searched nothing. Now it waits recover_patience_s and stops.
     store = Store.memory()
     target = _Dies(VirtualTarget(seed=3), alive=20)
-    slept = []
-
-    async def sleep(s):
-        slept.append(s)
-        target.now += s
-
+    sleep = _sleep_on(target)
     settings = Settings(seed=7, duration_s=3600.0, idle_share=0.0, recover_patience_s=120.0)
     campaign = Campaign(target, store, settings, seeds=[seed_trace], target_key="sim:test",
                         clock=lambda: target.now, sleep=sleep)
@@ -359,3 +362,51 @@ async def test_a_long_wait_ticks_until_its_work_is_done():
     result = await unless_stopped(asyncio.sleep(0.35, result="done"), asyncio.Event(), tick=lambda: ticks.append(1),
                                   every_s=0.1)
     assert result == "done" and 2 <= len(ticks) <= 4
+
+
+class _EngineDies(_Dies):
+    """As _Dies, but the execution in which the server dies answers every request with an error event (vLLM
+    0.32's CPU engine: its API server streams ``EngineDeadError`` to every open request, then exits)."""
+
+    async def execute(self, trace, *, cut_s=None):
+        if self.runs == self.alive:
+            self.runs += 1
+            result = await _Clocked.execute(self, trace, cut_s=cut_s)
+            dead = "error event in stream: EngineCore encountered an issue"
+            return replace(result, idle_after=None, requests=[
+                replace(r, outcome=Outcome.HTTP_ERROR, http_status=200, detail=dead, ttft_s=None, token_times_s=(),
+                        e2e_s=None) for r in result.requests])
+        return await super().execute(trace, cut_s=cut_s)
+
+
+async def test_a_server_down_when_the_duration_ends_keeps_its_candidate_and_the_summary_says_so(seed_trace):
+    from fuzzer.cli.campaign import server_down_hint
+
+    # vLLM 0.32's CPU build (stop 65, a --target campaign of benchmarks/vllm/truth.sh): the engine died in an
+    # execution, the API server exited, and the campaign waited 363 s for it until its --duration ended. Its
+    # summary said "duration reached" and nothing of the server, and the failure's candidate was dropped.
+    store = Store.memory()
+    target = _EngineDies(VirtualTarget(seed=3), alive=12)
+    sleep = _sleep_on(target)
+    settings = Settings(seed=7, duration_s=400.0, idle_share=0.0)
+    summary = await Campaign(target, store, settings, seeds=[seed_trace], target_key="sim:test",
+                             clock=lambda: target.now, sleep=sleep).run()
+    assert summary.reason is ExitReason.DURATION and summary.stats.server == "down"
+    assert "connection refused" in summary.server_error  # said whenever the server is down at the end
+    assert summary.stats.pending == 1
+    hint = server_down_hint(summary)
+    assert "connection refused" in hint and "1 candidate(s) it was confirming stay pending" in hint
+    assert "run the same command to confirm them" in hint
+    from fuzzer.cli.status import _stats
+    status = _stats(store, "fuzz.db", clock=lambda: 0.0)
+    assert status["candidates_pending"] == 1 and status["server"] == "down"  # `fuzz status` says it too
+    [(trace_hash, pending)] = [(p["trace_hash"], p) for p in store.latest_campaign()["state"]["pending"]]
+    assert pending["kind"] in ("error", "crash")
+    dead_run = store.execution_rows(campaign_id=summary.campaign_id)[-1]
+    assert dead_run["trace_hash"] == trace_hash
+    # The same command, once the server is back, confirms what was pending first.
+    target.alive = 10**6
+    again = await Campaign(target, store, replace(settings, duration_s=None, max_execs=summary.stats.executions + 2),
+                           seeds=[seed_trace], target_key="sim:test", clock=lambda: target.now, sleep=sleep).run()
+    assert again.stats.server == "up" and not store.latest_campaign()["state"]["pending"]
+    assert server_down_hint(again) is None

@@ -328,6 +328,18 @@ def client_stall_hint(s: Stats) -> str:
             "on the server's busiest processes; README, \"vLLM on any machine\")")
 
 
+def server_down_hint(summary: Summary) -> str | None:
+    """What to do about a server that was down when the campaign stopped for another reason (its deadline,
+    Ctrl-C); None when it was up, or when it stopped for being down (that one ends in its own error)."""
+    if summary.server_error is None or summary.reason is ExitReason.SERVER_DOWN:
+        return None
+    pending = summary.stats.pending
+    return (f"warning: the server was down when the campaign stopped ({summary.server_error}); "
+            + (f"{pending} candidate(s) it was confirming stay pending; " if pending else "")
+            + "its log says why it went down. Restart it (or run with --launch, and the fuzzer restarts it) and run "
+            + "the same command to " + ("confirm them" if pending else "resume"))
+
+
 def _print_summary(summary: Summary, db_path: str) -> None:
     out = _console.out
     s = summary.stats
@@ -348,6 +360,8 @@ def _print_summary(summary: Summary, db_path: str) -> None:
         out.print(f"  candidates waiting for the confirmation share: {s.waiting} (resuming the campaign confirms them, best first, as its share allows)")
     if s.too_long:
         out.print(f"  mutants passed over as longer than their share of --duration: {s.too_long}")
+    if (down := server_down_hint(summary)) is not None:
+        _console.err.print(down)
     if s.client_stalls:
         out.print(client_stall_hint(s))
     for finding_id, kind in summary.new_findings:

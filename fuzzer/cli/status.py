@@ -94,6 +94,10 @@ def _stats(store: Store, db_path: str, clock: Callable[[], float] = time.time) -
                                   "worst_s": round(saved.get("worst_client_stall_s", 0.0), 3)}
     if saved.get("waiting"):  # candidates the confirmation share held back (a resumed campaign confirms them)
         stats["candidates_waiting"] = saved["waiting"]
+    if saved.get("pending"):  # candidates a stop interrupted (a resumed campaign confirms them first)
+        stats["candidates_pending"] = saved["pending"]
+    if saved.get("server") == "down":  # down when the campaign last saved its state
+        stats["server"] = "down"
     if saved.get("since_last_find_s") is not None:
         stats["last_find_s_before_update"] = round(saved["since_last_find_s"])
     return stats

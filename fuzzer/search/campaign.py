@@ -227,8 +227,9 @@ class Campaign:
             self._checkpoint(status="stopped", force=True)
         stats = self.stats()
         self._on_stats(stats)
+        down = reason is ExitReason.SERVER_DOWN or self._server == "down"  # Summary.server_error says when
         return Summary(self.campaign_id, reason or ExitReason.INTERRUPTED, stats, tuple(self.confirmer.new_findings),
-                       resumed, self._last_server_error if reason is ExitReason.SERVER_DOWN else None)
+                       resumed, (self._last_server_error or "no answer") if down else None)
 
     def _should_stop(self) -> ExitReason | None:
         down_s = None if self._down_since is None else self._clock() - self._down_since
@@ -335,8 +336,9 @@ class Campaign:
             except TargetError as e:
                 self._last_server_error = str(e)
                 await self._wait_for_server()
-                if (stop := self._should_stop()) is not None:  # down too long: a confirmation keeps its candidate
-                    raise (OutOfTime if stop is ExitReason.SERVER_DOWN else Stopped) from None
+                # Down too long, or the deadline came while waiting: a confirmation keeps its candidate pending.
+                if self._should_stop() is not None:
+                    raise (OutOfTime if self._out_of_time() else Stopped) from None
 
     async def _confirmation_run(self, trace: Trace, cut_s: float | None = None) -> ExecutionResult:
         """One run of a confirmation: refused past the deadline, else stored as a campaign execution."""
@@ -566,7 +568,7 @@ class Campaign:
             since_last_find_s=None if self.confirmer.last_find is None else self._clock() - self.confirmer.last_find,
             server=self._server, time_s=self.time_spent.by_phase(elapsed), too_long=self.too_long,
             client_stalls=self.client_stalls, worst_client_stall_s=self.worst_client_stall_s,
-            waiting=len(self.confirmer.waiting),
+            waiting=len(self.confirmer.waiting), pending=len(self.confirmer.pending),
         )
 
     def _emit(self) -> None:

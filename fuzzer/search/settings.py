@@ -149,6 +149,9 @@ class Stats:
     worst_client_stall_s: float = 0.0
     #: Latency candidates waiting for the confirmation share (fuzzer.search.confirming).
     waiting: int = 0
+    #: Candidates whose confirmation a stop interrupted (a deadline, Ctrl-C, a server down): the same command
+    #: confirms them first.
+    pending: int = 0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "time_s": dict(self.time_s)}
@@ -167,7 +170,8 @@ class Summary:
     #: Findings recorded in this run (id, kind).
     new_findings: tuple[tuple[int, str], ...]
     resumed: bool
-    #: Why the server could not be reached, last time (SERVER_DOWN).
+    #: Why the server could not be reached, last time, when it was down at the stop (SERVER_DOWN, or a deadline
+    #: or Ctrl-C that came while the campaign waited for it).
     server_error: str | None = None
 
 
