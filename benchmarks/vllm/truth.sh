@@ -9,7 +9,8 @@
 # tiny random-weight Llama of tests/vllm_cpu/make_model.py; planted ones load a scheduler of
 # tests/vllm_cpu/planted.py. One calibration (stock server, --repeats 1) is measured first and
 # reused by every later command: replays share its database, each campaign starts from a copy
-# of it. So every server is judged by a calibration of the clean engine (the planted classes change only which request a step
+# of it (a second one, of the campaigns' launch command, benchmarks/vllm/serve.sh: campaigns
+# launch their server, so one that dies is started again). So every server is judged by a calibration of the clean engine (the planted classes change only which request a step
 # serves, not what a step costs). Logs, the database and JSON outputs go to OUT_DIR.
 #
 # Environment: VPY (the vLLM venv's python; default: .ci/vllm-server.sh's), FUZZ (default
@@ -36,6 +37,10 @@ MODEL="$OUT/tiny-llama"
 
 NCPU="$(nproc)"
 SERVER_CPUS="${SERVER_CPUS:-$([ "$NCPU" -gt 1 ] && echo "0-$((NCPU - 2))" || echo all)}"
+# The campaigns launch their server (benchmarks/vllm/serve.sh), so the fuzzer restarts it when it dies
+# (vLLM 0.32's CPU engine dies on a seeded request whose prefill is chunked) and learns what crashed it.
+export VPY MODEL SERVER_CPUS
+LAUNCH="bash $ROOT/benchmarks/vllm/serve.sh {port}"
 pin_engine() {  # every process of the server's group but the API server, every thread
     [ "$SERVER_CPUS" = all ] && return 0
     local pid
@@ -79,6 +84,9 @@ for step in "${STEPS[@]}"; do
         start_server stock
         fuzz calibrate --target "$URL" --server vllm --db "$DB" --repeats 1 --json >"$OUT/calibration-$(date -u +%H%M).json"
         stop_server
+        # The campaigns' launch command (stock and planted alike: the class comes from SCHEDULER_CLS).
+        SCHEDULER_CLS="" fuzz calibrate --launch "$LAUNCH" --server vllm --db "$DB" --repeats 1 --json \
+            >"$OUT/calibration-launch-$(date -u +%H%M).json"
         sqlite3 "$DB" "PRAGMA wal_checkpoint(TRUNCATE);" >/dev/null 2>&1 || true
         cp "$DB" "$OUT/calibrated.db" ;;
     planted-replays)
@@ -97,18 +105,14 @@ for step in "${STEPS[@]}"; do
         done ;;
     planted-campaigns)
         for cls in ${PLANTED:-HolLongestFirst LifoAdmission DecodeStarvation}; do
-            start_server "$cls" "$cls"
             cp "$OUT/calibrated.db" "$OUT/campaign-$cls.db"
-            fuzz campaign --target "$URL" --server vllm --db "$OUT/campaign-$cls.db" --seed "${SEED:-1}" \
-                --duration "${CAMPAIGN_PLANTED:-10m}" >"$OUT/campaign-$cls.log" 2>&1 || true
-            stop_server
+            SCHEDULER_CLS="$cls" fuzz campaign --launch "$LAUNCH" --server vllm --db "$OUT/campaign-$cls.db" \
+                --seed "${SEED:-1}" --duration "${CAMPAIGN_PLANTED:-10m}" >"$OUT/campaign-$cls.log" 2>&1 || true
         done ;;
     stock-campaign)
-        start_server stock
         cp "$OUT/calibrated.db" "$OUT/campaign-stock.db"
-        fuzz campaign --target "$URL" --server vllm --db "$OUT/campaign-stock.db" --seed "${SEED:-1}" \
-            --duration "${CAMPAIGN_STOCK:-20m}" >"$OUT/campaign-stock.log" 2>&1 || true
-        stop_server ;;
+        SCHEDULER_CLS="" fuzz campaign --launch "$LAUNCH" --server vllm --db "$OUT/campaign-stock.db" \
+            --seed "${SEED:-1}" --duration "${CAMPAIGN_STOCK:-20m}" >"$OUT/campaign-stock.log" 2>&1 || true ;;
     stock-corpus)
         start_server stock
         for trace in "$ROOT"/corpus/*.json; do
