@@ -29,4 +29,5 @@ if [ "${SERVER_CPUS:-all}" != all ]; then  # every process of this group but the
         [ "$pid" = "$api" ] || [ "$pid" = "$$" ] || taskset -a -p -c "$SERVER_CPUS" "$pid" >/dev/null 2>&1 || true
     done
 fi
+echo "serve.sh: ready"  # truth.sh's start_server waits for this line
 wait "$api"

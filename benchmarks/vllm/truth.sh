@@ -37,17 +37,12 @@ MODEL="$OUT/tiny-llama"
 
 NCPU="$(nproc)"
 SERVER_CPUS="${SERVER_CPUS:-$([ "$NCPU" -gt 1 ] && echo "0-$((NCPU - 2))" || echo all)}"
-# The campaigns launch their server (benchmarks/vllm/serve.sh), so the fuzzer restarts it when it dies
-# (vLLM 0.32's CPU engine dies on a seeded request whose prefill is chunked) and learns what crashed it.
+# Every server is benchmarks/vllm/serve.sh's (the engine pinned to SERVER_CPUS once it answers). The campaigns
+# launch theirs, so the fuzzer restarts it when it dies (vLLM 0.32's CPU engine dies on a seeded request whose
+# prefill is chunked) and learns what crashed it.
 export VPY MODEL SERVER_CPUS
 LAUNCH="bash $ROOT/benchmarks/vllm/serve.sh {port}"
-pin_engine() {  # every process of the server's group but the API server, every thread
-    [ "$SERVER_CPUS" = all ] && return 0
-    local pid
-    for pid in $(pgrep -g "$SERVER_PGID"); do
-        [ "$pid" = "$SERVER_PGID" ] || taskset -a -p -c "$SERVER_CPUS" "$pid" >/dev/null || true
-    done
-}
+READY="serve.sh: ready"
 
 SERVER_PGID=""
 stop_server() {
@@ -61,15 +56,11 @@ stop_server() {
 trap stop_server EXIT INT TERM
 
 start_server() {  # start_server NAME [SCHEDULER_CLASS]
-    local name="$1" cls="${2:-}" extra=()
-    [ -n "$cls" ] && extra=(--scheduler-cls "planted.$cls")
-    PYTHONPATH="$ROOT/tests/vllm_cpu" HF_HUB_OFFLINE=1 setsid "$VPY" -m vllm.entrypoints.openai.api_server \
-        --model "$MODEL" --served-model-name tiny-llama --host 127.0.0.1 --port "$PORT" \
-        --dtype bfloat16 --enforce-eager --kv-cache-memory-bytes 64M --max-model-len 8192 "${extra[@]}" \
-        >"$OUT/server-$name.log" 2>&1 &
+    local name="$1"
+    SCHEDULER_CLS="${2:-}" setsid bash "$ROOT/benchmarks/vllm/serve.sh" "$PORT" >"$OUT/server-$name.log" 2>&1 &
     SERVER_PGID=$!
-    for _ in $(seq 1 240); do
-        if curl -sf "$URL/health" >/dev/null; then pin_engine; echo "$(date -u +%T) server $name ready"; return 0; fi
+    for _ in $(seq 1 240); do  # serve.sh says it once the server answers and its engine is pinned
+        if grep -q "^$READY" "$OUT/server-$name.log"; then echo "$(date -u +%T) server $name ready"; return 0; fi
         kill -0 "$SERVER_PGID" 2>/dev/null || { echo "server $name exited; see $OUT/server-$name.log"; exit 2; }
         sleep 1
     done

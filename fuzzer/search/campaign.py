@@ -227,9 +227,8 @@ class Campaign:
             self._checkpoint(status="stopped", force=True)
         stats = self.stats()
         self._on_stats(stats)
-        down = reason is ExitReason.SERVER_DOWN or self._server == "down"  # Summary.server_error says when
         return Summary(self.campaign_id, reason or ExitReason.INTERRUPTED, stats, tuple(self.confirmer.new_findings),
-                       resumed, (self._last_server_error or "no answer") if down else None)
+                       resumed, (self._last_server_error or "no answer") if self._server == "down" else None)
 
     def _should_stop(self) -> ExitReason | None:
         down_s = None if self._down_since is None else self._clock() - self._down_since
