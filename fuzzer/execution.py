@@ -184,6 +184,18 @@ class ExecutionResult:
         return tuple(r for r in self.requests if r.outcome.failed)
 
 
+#: The prefix of the warning an HTTP target adds when the server it could not see return to idle after an
+#: execution then refused a connection (fuzzer.execute.http): it went down during the execution, whatever its
+#: requests saw. vLLM 0.32's CPU engine died in a --target campaign: its API server streamed an error event to
+#: every open request (HTTP 200) and exited, so no request met a refused connection.
+SERVER_GONE = "server gone"
+
+
+def server_gone(result: "ExecutionResult") -> str | None:
+    """The warning of ``result`` that says its server stopped accepting connections (``SERVER_GONE``), or None."""
+    return next((w for w in result.warnings if w.startswith(SERVER_GONE)), None)
+
+
 #: After the last request ended, a server may take this many decode steps to return to idle before the
 #: execution counts as a leak, and never less than the executor's floor (5 s): a host slowed by other work
 #: slows the server's aborts and frees as much as its steps, while a leaked stream of the leak shapes'

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from paper_target import PaperTarget
 
-from fuzzer.execution import MetricSample, Outcome
+from fuzzer.execution import SERVER_GONE, MetricSample, Outcome
 from fuzzer.oracle.calibrate import calibrate
 from fuzzer.oracle.confirm import confirm, examine
 from fuzzer.oracle.judge import (
@@ -418,6 +418,15 @@ def test_a_server_that_went_down_is_a_crash():
     result = _warm(fail={"big0": Outcome.CONNECTION_ERROR}).run(BURST)
     assert not crashed(result)
     assert [c.kind for c in candidates(BURST, result, _calibration())] == [FindingKind.ERROR]
+    # Error events to every request, then the server refused connections (vLLM's engine died under --target):
+    # one crash, neither the errors nor a leak (a dead server does not return to idle).
+    errors = _warm(fail={r.id: Outcome.HTTP_ERROR for r in BURST.requests}).run(BURST)
+    busy = dataclasses.replace(errors, idle_after=False)
+    gone = dataclasses.replace(busy, warnings=(f"{SERVER_GONE}: it refused a connection after the execution (...)",))
+    assert crashed(gone) and not crashed(busy)
+    found = candidates(BURST, gone, _calibration())
+    assert [c.kind for c in found] == [FindingKind.CRASH] and found[0].detail.startswith(SERVER_GONE)
+    assert FindingKind.LEAK in [c.kind for c in candidates(BURST, busy, _calibration())]
 
 
 def test_what_one_execution_shows_of_each_failure_kind():

@@ -13,7 +13,8 @@ detects the server kind, asks which features it accepts, picks a prompt counter
 4. sends request *i* at ``t0 + at_ms`` on an absolute schedule, stamping the
    actual send (dispatch lateness = sent - scheduled), and reads each stream
    with a ``perf_counter`` stamp per network read;
-5. after the last request, checks that the server returns to idle.
+5. after the last request, checks that the server returns to idle; one that does not and then refuses a
+   connection went down (:data:`fuzzer.execution.SERVER_GONE`: a crash whatever its requests saw).
 
 Failures are data (:class:`fuzzer.execution.Outcome`); only a target that cannot
 be used at all raises :class:`fuzzer.errors.TargetError`. Every task an execution
@@ -49,7 +50,9 @@ from fuzzer.execute.metrics import (
     wait_idle,
 )
 from fuzzer.execute.sse import StreamAccount, short, usage_counts
-from fuzzer.execution import ExecutionResult, MetricSample, Outcome, RequestResult, kv_held, leak_window_s, step_pace_s
+from fuzzer.execute.recovery import refuses_connections
+from fuzzer.execution import SERVER_GONE, ExecutionResult, MetricSample, Outcome, RequestResult, kv_held
+from fuzzer.execution import leak_window_s, step_pace_s
 from fuzzer.trace import MAX_REQUESTS, Request, Trace
 
 #: No byte from the server for this long is a hang (the request's outcome is TIMEOUT).
@@ -374,6 +377,8 @@ class HttpTarget:
         if after is not None and not after.reached:
             after = await self._settles_at_pace(info, results, ended_at, after, kv_before)
         idle_after = None if after is None else after.reached
+        if idle_after is False and (refused := await refuses_connections(self.base_url)) is not None:
+            warnings.append(f"{SERVER_GONE}: it refused a connection after the execution ({refused})")
         if idle_after is False and busy(after.last) == 0 and kv_held(kv_before, after.last.get("kv_usage")):
             warnings.append(f"with no request running or waiting, the server still reported "
                             f"{after.last['kv_usage']:.1%} of its KV cache in use at the end of the leak window "

@@ -10,12 +10,18 @@ one clear error (its progress is already saved, so the same command resumes).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Awaitable, Callable, Iterator
+
+from yarl import URL
 
 from fuzzer.errors import TargetError
 from fuzzer.execution import ExecutionResult, Target
 from fuzzer.trace import Request, Trace
 
+#: How long the check that a server still listens (:func:`refuses_connections`) waits for a connection.
+REFUSED_PROBE_S = 2.0
 #: Waiting for a server that went down: first wait, growth factor, longest wait.
 BACKOFF_FIRST_S = 1.0
 BACKOFF_FACTOR = 2.0
@@ -75,3 +81,19 @@ class PatientTarget:
 
     async def aclose(self) -> None:  # the caller owns the wrapped target
         return None
+
+
+async def refuses_connections(base_url: str) -> str | None:
+    """Why a new connection to the server at ``base_url`` was refused (it no longer listens: it went down), or
+    None: one it accepts, or does not answer within REFUSED_PROBE_S (busy, wedged), is still there."""
+    url = URL(base_url)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(url.host, url.port), REFUSED_PROBE_S)
+    except (ConnectionRefusedError, ConnectionResetError) as error:
+        return f"{type(error).__name__}: {error}"
+    except (OSError, asyncio.TimeoutError):
+        return None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None

@@ -34,7 +34,7 @@ import numpy as np
 
 from fuzzer.execute.http import SPEED_CHECK
 from fuzzer.execute.managed import server_death
-from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult, left_over
+from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult, left_over, server_gone
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.evidence import bounds, preemptions, queued_out, thrash
 from fuzzer.oracle.expectation import Expectation
@@ -213,7 +213,7 @@ def shows_failure(kind: FindingKind, result: ExecutionResult, request_id: str | 
     if kind is FindingKind.CRASH:
         return crashed(result)
     if kind is FindingKind.LEAK:  # a server that died cannot return to idle: that is the crash
-        return result.idle_after is False and server_death(result) is None
+        return result.idle_after is False and not crashed(result)
     return any(failure_kind(r.outcome) is kind and request_id in (None, r.request_id) for r in result.requests)
 
 
@@ -221,9 +221,11 @@ def crashed(result: ExecutionResult) -> bool:
     """The server went down: connection errors from some request on, and none answered after.
 
     A single reset followed by answered requests is an ``error``, not a crash. A launched
-    server whose process died during the execution (``--launch``) crashed whatever the requests saw.
+    server whose process died during the execution (``--launch``), or a server that refused a
+    connection once it had not returned to idle after it (``SERVER_GONE``), crashed whatever the
+    requests saw.
     """
-    if server_death(result) is not None:
+    if server_death(result) is not None or server_gone(result) is not None:
         return True
     failed = [r.outcome is Outcome.CONNECTION_ERROR for r in sorted(result.requests, key=lambda r: r.sent_s)]
     if not any(failed):
@@ -275,7 +277,7 @@ def candidates(
     out: list[Candidate] = []
     down = shows_failure(FindingKind.CRASH, result)
     if down:
-        out.append(Candidate(FindingKind.CRASH, detail=server_death(result)
+        out.append(Candidate(FindingKind.CRASH, detail=server_death(result) or server_gone(result)
                              or "connection errors from some request on, none answered after"))
     if shows_failure(FindingKind.LEAK, result):
         held = left_over(result)
@@ -284,7 +286,8 @@ def candidates(
     latency = []
     by_id = {r.request_id: r for r in result.requests}
     for rep in observe(trace, result, calibration, policy):
-        if rep.failure is not None and not (down and rep.outcome is Outcome.CONNECTION_ERROR):
+        # A crash's errors (refused, reset, the error events of an engine that died) are the crash's symptoms.
+        if rep.failure is not None and not (down and rep.failure is FindingKind.ERROR):
             out.append(Candidate(rep.failure, rep.request_id, detail=rep.outcome.value))
         slow = [o for o in rep.observations.values() if o.flagged]
         if slow:
@@ -336,9 +339,9 @@ def _execution_verdicts(trace: Trace, results: Sequence[ExecutionResult]) -> lis
     for kind in (FindingKind.CRASH, FindingKind.LEAK):
         k = sum(shows_failure(kind, r) for r in results)
         if k:
-            # A launched server's death quotes the last lines of its log (the last run that killed it).
-            deaths = [d for r in results if (d := server_death(r)) is not None] if kind is FindingKind.CRASH else []
-            detail = deaths[-1] if deaths else ""
+            # A launched server's death quotes its log's last lines (the last run that killed it); a gone one, how.
+            deaths = [d for r in results if (d := server_death(r) or server_gone(r))]
+            detail = deaths[-1] if deaths and kind is FindingKind.CRASH else ""
             out.append(count_verdict(kind, None, k, len(results), signature(kind, trace), detail=detail))
     return out
 
