@@ -29,13 +29,11 @@ import json
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
 CHAT_TEMPLATE_TOKENS = 5
-#: How long after a ``dies`` request's error event the server stops listening.
-GO_DOWN_AFTER_S = 0.05
 MODEL = "test-model"
 
 
@@ -61,8 +59,8 @@ class ServerState:
     #: A request still counts as running this long after it ended (a server slow to free it).
     linger_s: float = 0.0
     tokenize_calls: int = 0
-    #: Stops the server listening and drops its connections (set by ``running``).
-    go_down: Callable[[], None] | None = None
+    #: Stops the server listening and drops its connections but the one given (set by ``running``).
+    go_down: Callable[[Any], Awaitable[None]] | None = None
     #: (num_gpu_blocks, block_size) for a vllm:cache_config_info line; None: no such line.
     kv_config: tuple[int, int] | None = None
     #: The vllm:kv_cache_usage_perc reported (0-1); None: no such line.
@@ -157,9 +155,9 @@ def make_app(state: ServerState) -> web.Application:
                         await resp.write(b"this is not sse\n\n")
                         break
                     if kind in ("errevent", "dies") and i == 1:
-                        await resp.write(b'data: {"error": {"message": "engine died", "code": 500}}\n\n')
                         if kind == "dies" and state.go_down is not None:
-                            asyncio.get_running_loop().call_later(GO_DOWN_AFTER_S, state.go_down)
+                            await state.go_down(request.transport)  # gone before the client hears of it
+                        await resp.write(b'data: {"error": {"message": "engine died", "code": 500}}\n\n')
                         break
                     await resp.write(_chunk(chat, "tok", "length" if i == n_out - 1 else None))
                     if entry.first_token_t is None:
@@ -246,21 +244,15 @@ async def running(state: ServerState | None = None) -> AsyncIterator[tuple[str, 
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    downs: list[asyncio.Task] = []
 
-    def drop_connections() -> None:
+    async def go_down(keep) -> None:
+        await site.stop()  # new connections are refused
         for handler in list(runner.server.connections if runner.server else ()):
-            if handler.transport is not None:
+            if handler.transport is not None and handler.transport is not keep:
                 handler.transport.abort()
 
-    async def go_down() -> None:
-        drop_connections()
-        await site.stop()  # new connections are refused
-        drop_connections()
-
-    state.go_down = lambda: downs.append(asyncio.ensure_future(go_down()))
+    state.go_down = go_down
     try:
         yield f"http://127.0.0.1:{port}", state
     finally:
-        await asyncio.gather(*downs, return_exceptions=True)
         await runner.cleanup()

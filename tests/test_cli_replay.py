@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import threading
@@ -30,6 +31,12 @@ TRACE = {
 @pytest.fixture(scope="module")
 def server():
     """The test server in its own thread and loop, since the CLI runs its own asyncio.run."""
+    with _served() as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _served():
     ready = threading.Event()
     box = {}
 
@@ -53,6 +60,14 @@ def server():
     thread.join(10)
 
 
+def _calibrated(path, *urls):
+    calibration = asyncio.run(calibrate(PaperTarget(), rng=random.Random(0)))
+    with Store.open(path) as store:
+        for url in urls:
+            store.save_calibration(url, calibration.to_dict())
+    return path
+
+
 @pytest.fixture(scope="module")
 def calibrated_db(server, tmp_path_factory):
     """A database holding a calibration for the test server, so replay does not measure one first.
@@ -61,12 +76,7 @@ def calibrated_db(server, tmp_path_factory):
     test server answers within a few milliseconds, well inside its bounds.
     """
     url, _ = server
-    calibration = asyncio.run(calibrate(PaperTarget(), rng=random.Random(0)))
-    path = tmp_path_factory.mktemp("cal") / "cal.db"
-    with Store.open(path) as store:
-        store.save_calibration(url, calibration.to_dict())
-        store.save_calibration("sim:none", calibration.to_dict())
-    return path
+    return _calibrated(tmp_path_factory.mktemp("cal") / "cal.db", url, "sim:none")
 
 
 @pytest.fixture
@@ -146,6 +156,25 @@ def test_an_unreachable_target_is_one_line_and_exit_2(trace_file, unused_tcp_por
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot reach http://127.0.0.1:")
+
+
+def test_a_trace_that_takes_an_unmanaged_server_down_says_so_in_one_line(tmp_path):
+    # vLLM 0.32's CPU engine, `fuzz replay --target` of the seeded trace that crashes it (stop 66): its first run took
+    # the server down, and the replay ended with "error: POST .../tokenize failed: ..." and nothing of the crash.
+    dies = {"name": "dies", "requests": [{"id": "dies_a", "at_ms": 0, "prompt_tokens": 8, "max_tokens": 4},
+                                         {"id": "ok_b", "at_ms": 5, "prompt_tokens": 8, "max_tokens": 4}]}
+    path = tmp_path / "dies.json"
+    path.write_text(json.dumps(dies))
+    with _served() as (url, _):
+        db = _calibrated(tmp_path / "dies.db", url)
+        result = CliRunner().invoke(cli, ["replay", str(path), "--target", url, "--runs", "3", "--db", str(db)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert lines[0].startswith("error: the trace took the server down in run 1 (server gone: it refused a connection")
+    assert "a crash candidate, not confirmed" in lines[0] and "the 1 run(s) made are stored in --db" in lines[0]
+    with Store.open(db, create=False) as store:
+        assert len(store.execution_rows()) == 1  # what ran is kept
 
 
 def test_without_target_replay_starts_the_simulator_in_its_own_process(db):

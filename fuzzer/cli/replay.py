@@ -22,13 +22,15 @@ from fuzzer.cli._slo import goodput_option, parse_slo, slo_json, slo_lines
 from fuzzer.cli._launch import launch_options, resolve
 from fuzzer.cli._variants import compare_option, parse_variants, variant_option
 from fuzzer.cli._target import API_KEY_ENV, open_target, sim_key
-from fuzzer.errors import ConfigError
+from fuzzer.errors import ConfigError, TargetError
+from fuzzer.execute.managed import server_death
 from fuzzer.execute.adapters import ServerInfo
-from fuzzer.execution import ExecutionResult, RequestResult, Target
+from fuzzer.execution import ExecutionResult, RequestResult, Target, server_gone
 from fuzzer.oracle.calibration import calibration_keys
 from fuzzer.oracle.capcheck import probe_cap
 from fuzzer.oracle import slo as slo_oracle
 from fuzzer.oracle.confirm import examine
+from fuzzer.oracle.judge import crashed
 from fuzzer.oracle.summary import summarize
 from fuzzer.store import Store
 from fuzzer.trace import Trace
@@ -172,13 +174,28 @@ async def _replay(
         if store is not None:
             target_id = store.upsert_target(identity, info.kind, info.model, info.version, dict(info.capabilities))
         recorder = _Recorder(http, store, target_id)
-        exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed),
-                             cap_probe=lambda by, tokens: probe_cap(http, by, tokens))
+        try:
+            exam = await examine(recorder, trace, calibration, runs=runs, rng=np.random.default_rng(seed),
+                                 cap_probe=lambda by, tokens: probe_cap(http, by, tokens))
+        except TargetError as error:
+            raise TargetError(went_down(recorder.results, error, stored=store is not None)) from None
         slo_verdicts, slo_runs = [], list(exam.results)
         if slo is not None:  # beside the scheduler verdicts, on the same runs plus a bounded few
             slo_verdicts, extra = await slo_oracle.examine(recorder, trace, exam.results, slo)
             slo_runs += extra
         return info, exam, recorder.results, slo_verdicts, slo_runs
+
+
+def went_down(results: list[ExecutionResult], error: TargetError, *, stored: bool) -> str:
+    """What to say when the server could not be reached for a run: after a run that took it down (a trace that
+    crashes an unmanaged server cannot be re-run until someone starts it again), that run's crash."""
+    if not results or not crashed(results[-1]):
+        return str(error)
+    why = server_death(results[-1]) or server_gone(results[-1]) or "connection errors from some request on"
+    kept = f"; the {len(results)} run(s) made are stored in --db" if stored else ""
+    return (f"the trace took the server down in run {len(results)} ({why}), so it could not be run again ({error}): "
+            f"a crash candidate, not confirmed. Start the server again and replay, or replay with --launch so the "
+            f"fuzzer restarts it{kept}")
 
 
 class _Recorder:
