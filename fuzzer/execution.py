@@ -184,16 +184,18 @@ class ExecutionResult:
         return tuple(r for r in self.requests if r.outcome.failed)
 
 
-#: The prefix of the warning an HTTP target adds when the server it could not see return to idle after an
-#: execution then refused a connection (fuzzer.execute.http): it went down during the execution, whatever its
-#: requests saw. vLLM 0.32's CPU engine died in a --target campaign: its API server streamed an error event to
-#: every open request (HTTP 200) and exited, so no request met a refused connection.
+#: The prefixes of the warnings that say the server went down during an execution, whatever its requests saw:
+#: a launched server's process died (fuzzer.execute.managed, with its log's last lines), or a server that did not
+#: return to idle after the execution then refused a connection (fuzzer.execute.http). vLLM 0.32's CPU engine died
+#: in a --target campaign: its API server streamed an error event to every open request (HTTP 200) and exited, so
+#: no request met a refused connection.
+SERVER_DIED = "server died"
 SERVER_GONE = "server gone"
 
 
-def server_gone(result: "ExecutionResult") -> str | None:
-    """The warning of ``result`` that says its server stopped accepting connections (``SERVER_GONE``), or None."""
-    return next((w for w in result.warnings if w.startswith(SERVER_GONE)), None)
+def server_down(result: "ExecutionResult") -> str | None:
+    """The warning of ``result`` that says its server went down (a death's, with its log, first), or None."""
+    return next((w for prefix in (SERVER_DIED, SERVER_GONE) for w in result.warnings if w.startswith(prefix)), None)
 
 
 #: After the last request ended, a server may take this many decode steps to return to idle before the

@@ -560,7 +560,7 @@ async def test_a_server_that_stops_listening_after_error_events_is_gone_and_that
     # vLLM 0.32's CPU engine died in a --target campaign (stop 65): its API server sent every open request an error
     # event and exited, so no request met a refused connection, and the run was judged an error (and a leak: a dead
     # server does not return to idle). The executor now checks that a server which did not settle still listens.
-    from fuzzer.execution import server_gone
+    from fuzzer.execution import server_down
     from fuzzer.oracle.judge import crashed, shows_failure
     from fuzzer.oracle.kinds import FindingKind
 
@@ -568,10 +568,10 @@ async def test_a_server_that_stops_listening_after_error_events_is_gone_and_that
         async with HttpTarget(url, rng=random.Random(0), timeout_s=1.0, idle_timeout_s=1.0,
                               idle_after_timeout_s=0.5) as t:
             hung = await t.execute(trace(req("hang_1"), req("ok_1")))  # not idle after, but still listening
-            assert hung.idle_after is False and server_gone(hung) is None and not crashed(hung)
+            assert hung.idle_after is False and server_down(hung) is None and not crashed(hung)
             assert shows_failure(FindingKind.LEAK, hung)
             dead = await t.execute(trace(req("dies_1")))
     assert [r.outcome for r in dead.requests] == [Outcome.HTTP_ERROR]  # no request met a refused connection
     assert dead.idle_after is False
-    assert "refused a connection after the execution" in (server_gone(dead) or "")
+    assert "refused a connection after the execution" in (server_down(dead) or "")
     assert crashed(dead) and not shows_failure(FindingKind.LEAK, dead)  # the crash, not a leak of it

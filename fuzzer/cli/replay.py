@@ -23,9 +23,8 @@ from fuzzer.cli._launch import launch_options, resolve
 from fuzzer.cli._variants import compare_option, parse_variants, variant_option
 from fuzzer.cli._target import API_KEY_ENV, open_target, sim_key
 from fuzzer.errors import ConfigError, TargetError
-from fuzzer.execute.managed import server_death
 from fuzzer.execute.adapters import ServerInfo
-from fuzzer.execution import ExecutionResult, RequestResult, Target, server_gone
+from fuzzer.execution import ExecutionResult, RequestResult, Target, server_down
 from fuzzer.oracle.calibration import calibration_keys
 from fuzzer.oracle.capcheck import probe_cap
 from fuzzer.oracle import slo as slo_oracle
@@ -191,7 +190,7 @@ def went_down(results: list[ExecutionResult], error: TargetError, *, stored: boo
     crashes an unmanaged server cannot be re-run until someone starts it again), that run's crash."""
     if not results or not crashed(results[-1]):
         return str(error)
-    why = server_death(results[-1]) or server_gone(results[-1]) or "connection errors from some request on"
+    why = server_down(results[-1]) or "connection errors from some request on"
     kept = f"; the {len(results)} run(s) made are stored in --db" if stored else ""
     return (f"the trace took the server down in run {len(results)} ({why}), so it could not be run again ({error}): "
             f"a crash candidate, not confirmed. Start the server again and replay, or replay with --launch so the "

@@ -23,14 +23,13 @@ from typing import Awaitable, Callable
 from fuzzer.errors import FuzzError, TargetError
 from fuzzer.execute.launch import ManagedServer
 from fuzzer.execute.recovery import HEALTH_PROBE, backoff
-from fuzzer.execution import ExecutionResult, Outcome, Target
+from fuzzer.execution import SERVER_DIED, ExecutionResult, Outcome, Target
 from fuzzer.trace import Trace
 
 #: Deaths within WINDOW_S before the server counts as crash-looping: LaunchSpec.max_restarts.
 WINDOW_S = 600.0
 #: Log lines quoted in an execution that killed the server.
 LOG_LINES = 20
-SERVER_DIED = "server died"
 SERVER_WEDGED = "server wedged"
 #: How long the probe of a server that may be wedged waits for its one token.
 WEDGE_PROBE_S = 15.0
@@ -40,11 +39,6 @@ def wedged_run(result: ExecutionResult) -> bool:
     """Whether no request of ``result`` got a byte of its reply and one timed out (the server may be wedged)."""
     return any(r.outcome is Outcome.TIMEOUT for r in result.requests) and not any(
         r.outcome is Outcome.OK or r.first_event_s is not None for r in result.requests)
-
-
-def server_death(result: ExecutionResult) -> str | None:
-    """The note a ManagedTarget added when the server died during ``result`` (its log's last lines), or None."""
-    return next((w for w in result.warnings if w.startswith(SERVER_DIED)), None)
 
 
 class CrashLoop(FuzzError):

@@ -33,8 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fuzzer.execute.http import SPEED_CHECK
-from fuzzer.execute.managed import server_death
-from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult, left_over, server_gone
+from fuzzer.execution import FAILURE_KIND, ExecutionResult, Outcome, RequestResult, left_over, server_down
 from fuzzer.oracle.calibration import Calibration
 from fuzzer.oracle.evidence import bounds, preemptions, queued_out, thrash
 from fuzzer.oracle.expectation import Expectation
@@ -222,10 +221,10 @@ def crashed(result: ExecutionResult) -> bool:
 
     A single reset followed by answered requests is an ``error``, not a crash. A launched
     server whose process died during the execution (``--launch``), or a server that refused a
-    connection once it had not returned to idle after it (``SERVER_GONE``), crashed whatever the
-    requests saw.
+    connection once it had not returned to idle after it, crashed whatever the requests saw
+    (:func:`fuzzer.execution.server_down`).
     """
-    if server_death(result) is not None or server_gone(result) is not None:
+    if server_down(result) is not None:
         return True
     failed = [r.outcome is Outcome.CONNECTION_ERROR for r in sorted(result.requests, key=lambda r: r.sent_s)]
     if not any(failed):
@@ -277,7 +276,7 @@ def candidates(
     out: list[Candidate] = []
     down = shows_failure(FindingKind.CRASH, result)
     if down:
-        out.append(Candidate(FindingKind.CRASH, detail=server_death(result) or server_gone(result)
+        out.append(Candidate(FindingKind.CRASH, detail=server_down(result)
                              or "connection errors from some request on, none answered after"))
     if shows_failure(FindingKind.LEAK, result):
         held = left_over(result)
@@ -340,8 +339,8 @@ def _execution_verdicts(trace: Trace, results: Sequence[ExecutionResult]) -> lis
         k = sum(shows_failure(kind, r) for r in results)
         if k:
             # A launched server's death quotes its log's last lines (the last run that killed it); a gone one, how.
-            deaths = [d for r in results if (d := server_death(r) or server_gone(r))]
-            detail = deaths[-1] if deaths and kind is FindingKind.CRASH else ""
+            deaths = [d for r in results if (d := server_down(r))] if kind is FindingKind.CRASH else []
+            detail = deaths[-1] if deaths else ""
             out.append(count_verdict(kind, None, k, len(results), signature(kind, trace), detail=detail))
     return out
 
