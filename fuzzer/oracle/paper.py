@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fuzzer.errors import ConfigError
+from fuzzer.oracle.decoding import decode_run
 from fuzzer.oracle.kvblocks import KVBlocks
 from fuzzer.oracle.model import FRONTEND_SLACK_S
 from fuzzer.trace import Request
@@ -57,9 +58,6 @@ MAX_MODEL_STEPS = 1_000_000
 #: core's abort). Generous, so a server that takes a little longer is not held to a faster abort.
 ABORT_AFTER_S = 0.05
 
-# A stretch of pure decode steps with no end in sight (nobody decoding, a request that can
-# never be admitted) is computed this many steps at a time, so memory stays small.
-_DECODE_RUN_MAX = 65_536
 
 
 @dataclass(frozen=True)
@@ -228,7 +226,7 @@ def schedule(
     after the first arrival, so one that comes a little later waits out that step.
 
     Stretches of pure decoding (nothing to prefill, nothing admissible, no arrival, no
-    request finishing) are computed for many steps at once by :func:`_decode_run`; the
+    request finishing) are computed for many steps at once by :func:`fuzzer.oracle.decoding.decode_run`; the
     result is the same, float for float, as stepping them one by one.
 
     ``kv_blocks``: the KV capacity (see the module's docstring); None, unlimited.
@@ -355,7 +353,7 @@ def schedule(
             # abort, or the shared frontend taking the thread: its decodes wait too).
             stops = [x for x in (aborts[0] if aborts else None, busy[0][0] if busy and not sends_only else None)
                      if x is not None]
-            t, last_dt, done = _decode_run(
+            t, last_dt, done = decode_run(
                 t, last_dt, decoding, decode_seqs, context, waiting, running, pending, model,
                 lookahead=lookahead, max_steps=MAX_MODEL_STEPS - steps, kv=kv, stop_at=min(stops, default=None),
                 held=held,
@@ -475,86 +473,6 @@ def _retire(running: list[Job], t: float, kv: KVBlocks | None = None) -> None:
         running.remove(j)
         if kv is not None:
             kv.release(j)
-
-
-def _decode_run(
-    t: float,
-    last_dt: float,
-    decoding: list[Job],
-    decode_seqs: int,
-    context: int,
-    waiting: deque[Job],
-    running: list[Job],
-    pending: deque[Job],
-    model: StepModel,
-    *,
-    lookahead: bool,
-    max_steps: int,
-    kv: KVBlocks | None = None,
-    stop_at: float | None = None,
-    held: float = 0.0,
-) -> tuple[float, float, int]:
-    """Take the pure-decode steps from ``t`` on at once; returns (t, last_dt, steps taken).
-
-    The run stops after the step in which the first decoding request gets its last
-    token, or before the step at whose start the next arrival would be admitted to the
-    waiting queue, or before the step at whose start ``stop_at`` has come (a client's abort, the shared frontend's turn),
-    whichever comes first (at least one step is taken: the caller found none admissible at ``t``). Step k has the context of step 0 plus k tokens of every
-    decoding sequence; the times are accumulated in order, exactly as step-by-step. With
-    ``kv``, it also stops before the first step whose decodes need more blocks than are free.
-    ``held``: how long the shared frontend held the thread just before (it lengthens the first gap).
-    """
-    left = min((j.out - j.tokens for j in decoding), default=None)
-    count = min(max_steps, _DECODE_RUN_MAX if left is None else left)
-    if kv is not None and decoding:
-        count = kv.decode_steps(decoding, count)
-    # overhead + prefill x 0 + decode: the same float operations, in the same order, as step_s.
-    base = model.overhead_s + model.prefill_token_s * 0 + model.decode_seq_s * decode_seqs
-    contexts = np.arange(count, dtype=np.float64)
-    contexts *= decode_seqs
-    contexts += context
-    dts = base + model.context_token_s * contexts
-    ends = np.cumsum(np.concatenate(([t], dts)))[1:]  # sequential: ends[k] = ends[k-1] + dts[k]
-    if pending:
-        # Step k >= 1 starts at ends[k-1]; the next arrival joins the queue there when it is
-        # due (with lookahead: due within the previous step's length).
-        due = ends[:-1] + dts[:-1] if lookahead and running else ends[:-1]
-        late = np.flatnonzero(pending[0].ready_s <= due)
-        if late.size:
-            count = int(late[0]) + 1
-            dts, ends = dts[:count], ends[:count]
-    if stop_at is not None:
-        gone = np.flatnonzero(stop_at <= ends[:-1])  # the first step boundary at or after it
-        if gone.size:
-            count = int(gone[0]) + 1
-            dts, ends = dts[:count], ends[:count]
-    longest = float(dts.max())
-    for j in (*waiting, *running):
-        j.max_step = max(j.max_step, longest)
-    if held:  # the thread was held before the first of these steps: between two of each stream's tokens
-        for j in decoding:
-            j.max_step = max(j.max_step, float(dts[0]) + held)
-    if pending:
-        # An arrival is exposed to every step that ends after it arrives.
-        rising = bool(dts.min() > 0)
-        tail_max = np.maximum.accumulate(dts[::-1])[::-1]
-        for j in pending:
-            if rising:
-                k = int(np.searchsorted(ends, j.ready_s, side="right"))
-                exposed = float(tail_max[k]) if k < count else None
-            else:  # a fitted model with negative costs: step ends need not rise
-                mask = ends > j.ready_s
-                exposed = float(dts[mask].max()) if mask.any() else None
-            if exposed is None:
-                break
-            j.max_step = max(j.max_step, exposed)
-    times = ends.tolist()
-    for j in decoding:
-        j.tokens += count
-        j.token_times.extend(times)
-        if kv is not None:
-            kv.hold(j, j.prompt + j.tokens - 1)
-    return times[-1], float(dts[-1]), count
 
 
 def _abort(t: float, pending: deque[Job], waiting: deque[Job], running: list[Job], kv: KVBlocks | None) -> None:
