@@ -58,6 +58,7 @@ def expect(
     variants.append(paper_schedule(trace, model.with_frontend_slack(), assumption, result, lookahead=True, window=0.0))
     if any(r.n > 1 for r in trace.requests):
         variants += [_fanout(trace, m, assumption, result) for m in (model, *(model.scaled(k) for k in ENVELOPE_SCALES))]
+        variants.append(_fanout(trace, model, assumption, result, forks=True))
     loaded = paper_schedule(trace, model, assumption, result)
     out: dict[str, Expectation] = {}
     for r in trace.requests:
@@ -79,9 +80,11 @@ def expect(
     return out
 
 
-def _fanout(trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None):
+def _fanout(trace: Trace, model: StepModel, assumption: SchedulerAssumption, result: ExecutionResult | None,
+            forks: bool = False):
     """Every choice of a request with n > 1 a request of its own, right behind it, that computes the
-    prompt (lookahead, window 0); the request ends with its last choice."""
+    prompt (lookahead, window 0); the request ends with its last choice. ``forks``: choices 1.. join the
+    queue when choice 0 gets its first token, behind every request that came before."""
     sent = {r.request_id: r.sent_s for r in result.requests} if result is not None else {}
     jobs = [
         _Job(id=r.id if k == 0 else f"{r.id}~{k}", arrival_s=sent.get(r.id, r.at_ms / 1000.0), prompt=r.prompt_tokens,
@@ -89,7 +92,11 @@ def _fanout(trace: Trace, model: StepModel, assumption: SchedulerAssumption, res
              out=r.cancel_after_tokens or r.max_tokens, n=1)
         for r in trace.requests for k in range(r.n)
     ]
-    done = {j.id: j.paper(model) for j in _schedule(jobs, model, assumption, lookahead=True, window=0.0)}
+    later = {}
+    if forks:
+        for j in [j for j in jobs if "~" in j.id]:
+            later.setdefault(j.id.split("~")[0], []).append(j)
+    done = {j.id: j.paper(model) for j in _schedule(jobs, model, assumption, lookahead=True, window=0.0, forks=later)}
     out = {}
     for r in trace.requests:
         first, others = done[r.id], [done[f"{r.id}~{k}"] for k in range(1, r.n)]
@@ -153,11 +160,15 @@ def _cacheable(job: _Job, block: int) -> int:
 
 
 def _schedule(
-    jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, lookahead: bool = False, window: float = 1.0
+    jobs: list[_Job], model: StepModel, a: SchedulerAssumption, *, lookahead: bool = False, window: float = 1.0,
+    forks: Mapping[str, list[_Job]] | None = None,
 ) -> list[_Job]:
+    """``forks``: job id -> jobs that join the queue only when it gets its first token."""
+    forks = dict(forks or {})
     for j in jobs:
         j.ready_s = j.arrival_s + model.frontend_s(j.prompt)
-    order = sorted(jobs, key=lambda j: j.ready_s)
+    held = [id(w) for ws in forks.values() for w in ws]
+    order = sorted([j for j in jobs if id(j) not in held], key=lambda j: j.ready_s)
     pending = deque(order)
     waiting: deque[_Job] = deque()
     running: list[_Job] = []
@@ -220,6 +231,10 @@ def _schedule(
             if j.computed >= j.prompt:
                 j.tokens = 1
                 j.token_times.append(t)
+                for w in forks.pop(j.id, []):
+                    w.ready_s = t
+                    later = [k for k, p in enumerate(pending) if p.ready_s > t]
+                    pending.insert(later[0] if later else len(pending), w)
         for j in [j for j in running if j.prefilled and j.tokens >= j.out]:
             j.finish_s = t
             running.remove(j)

@@ -201,6 +201,23 @@ def test_a_streamed_choice_admitted_after_choice_0_is_a_gap_its_max_itl_bound_ho
     assert expect(quiet, MODEL, seats)["pair"].max_itl_s < fanned  # no stream: no gap seen
 
 
+def test_choices_forked_after_choice_0s_first_token_queue_behind_requests_that_came_before_it():
+    # heldout6, clean (stop 66): an engine that forks n after the prompt's prefill (SGLang) queued a
+    # 4-choice stream's later choices behind a 2048-token prompt sent 0.5 s after the request but before
+    # choice 0's first token: 0.45 s gaps in its stream, 3x the bound that queued every choice at
+    # arrival. Two confirmed false itl-stalls on a clean server.
+    trace = Trace(requests=(
+        _req("long", 0, 64, out=120),
+        Request(id="pair", at_ms=1, prompt_tokens=64, max_tokens=40, n=2),
+        _req("late", 100, 64, out=120),  # after the pair arrived, before choice 0 gets a seat
+    ))
+    one = SchedulerAssumption(max_num_seqs=1)
+    at_arrival = reference._fanout(trace, MODEL, one, None)["pair"].choice_wait_s
+    forked = reference._fanout(trace, MODEL, one, None, forks=True)["pair"].choice_wait_s
+    assert forked > at_arrival + 100 * MODEL.overhead_s  # choice 1 also waits out all of `late`
+    assert expect(trace, MODEL, one)["pair"].max_itl_s >= forked
+
+
 def test_max_num_seqs_holds_later_requests_until_a_slot_frees():
     trace = Trace(requests=(_req("a", 0, 100, out=10), _req("b", 0, 100, out=10)))
     one = paper_schedule(trace, MODEL, SchedulerAssumption(max_num_seqs=1))

@@ -213,6 +213,7 @@ def schedule(
     sends_only: bool = False,
     one_long: bool = False,
     fanout: bool = False,
+    forks: bool = False,
     partial_hits: bool = False,
     whole: bool = False,
     cap_alone: bool = False,
@@ -262,7 +263,11 @@ def schedule(
     computes the prompt (waves of one choice, queued behind choice 0), as an engine does that
     splits ``n`` into child requests which share only prefix blocks already computed: the held-out
     vLLM-like server prefilled an n=8 request's 256-token prompt eight times in one step. vLLM v1
-    splits ``n`` too, but shares a prompt repeated within a batch.
+    splits ``n`` too, but shares a prompt repeated within a batch. ``forks`` (with ``fanout``): the later
+    choices join the queue only when choice 0 gets its first token, behind every request that came
+    before, as an engine does that forks ``n`` after the prompt's prefill (SGLang): on heldout6, clean, a
+    4-choice request's later choices waited for a seat behind a 2048-token prompt sent 0.5 s after them
+    but before choice 0's first token (0.45 s gaps in its stream, 3x the bound that queued them at arrival).
 
     ``whole``: chunked prefill off (vLLM's ``--no-enable-chunked-prefill``, a budget of at least the
     context): a waiting request is admitted only when its whole uncached prompt fits what the step's
@@ -278,7 +283,8 @@ def schedule(
     kv = (KVBlocks(kv_blocks, a.block_size, a.token_budget, whole_readmission=a.prefix_caching,
                    chunk=a.long_prefill_threshold) if kv_blocks is not None else None)
     waves = _waves(jobs, 1 if fanout else a.max_num_seqs)
-    queued = [w for j in jobs for w in (j, *waves.get(id(j), ()))]
+    forked = dict(waves) if forks else {}  # id(job) -> its later choices not yet forked (``forks``)
+    queued = list(jobs) if forks else [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     free = -math.inf
     busy: deque[list[float]] = deque()  # the frontend's busy periods, [start, end], when it shares the engine's thread
     for j in sorted(jobs, key=lambda j: j.arrival_s):  # stable: same-instant requests keep trace order
@@ -434,6 +440,12 @@ def schedule(
             if j.computed >= j.prompt + j.recompute:
                 j.tokens += 1
                 j.token_times.append(out_t)
+                for w in forked.pop(id(j), ()):  # ``forks``: its later choices join the queue now
+                    w.ready_s = out_t
+                    if w.abort_s is not None and w.abort_s <= out_t:
+                        w.finish_s = out_t  # its client left before the fork
+                        continue
+                    pending.insert(next((k for k, p in enumerate(pending) if p.ready_s > out_t), len(pending)), w)
         _retire(running, out_t, kv)
     for j in jobs:
         for w in waves.get(id(j), ()):
