@@ -16,6 +16,7 @@ from fuzzer.errors import ConfigError
 from fuzzer.execute.adapters import ADAPTERS
 from fuzzer.execution import ExecutionResult, Outcome, RequestResult
 from fuzzer.oracle.expectation import expect, idle_expectation, paper_schedule
+from fuzzer.oracle.paper import serve as paper_serve
 from fuzzer.oracle.kinds import Metric
 from fuzzer.oracle.model import (
     ENVELOPE_SCALES,
@@ -216,6 +217,22 @@ def test_choices_forked_after_choice_0s_first_token_queue_behind_requests_that_c
     forked = reference._fanout(trace, MODEL, one, None, forks=True)["pair"].choice_wait_s
     assert forked > at_arrival + 100 * MODEL.overhead_s  # choice 1 also waits out all of `late`
     assert expect(trace, MODEL, one)["pair"].max_itl_s >= forked
+
+
+def test_an_engine_that_computes_an_n_prompt_first_queues_every_choice_behind_requests_that_came_meanwhile():
+    # SGLang (TokenizerManager._handle_batch_request): an n > 1 request's prompt is sent first with
+    # max_new_tokens=0 and awaited, then its n copies are sent: choice 0 queues twice.
+    trace = Trace(requests=(
+        Request(id="pair", at_ms=0, prompt_tokens=64, max_tokens=40, n=2),
+        _req("late", 1, 64, out=120),  # arrives while the pair's prompt is computed
+    ))
+    one = SchedulerAssumption(max_num_seqs=1)
+    primed = paper_serve(trace.requests, {}, {}, MODEL, one, True, window=0.0, fanout=True, primes=True)
+    assert primed["pair"].ttft_s > primed["late"].e2e_s  # the seat went to `late` before any choice
+    assert primed["pair"].cached_tokens == 0 and len(primed["pair"].token_times_s) == 40  # one choice's stream
+    sglang = dataclasses.replace(one, primes_choices=True)
+    assert expect(trace, MODEL, sglang)["pair"].ttft_s >= primed["pair"].ttft_s
+    assert expect(trace, MODEL, one)["pair"].ttft_s < primed["pair"].ttft_s / 2  # vLLM: choice 0 at arrival
 
 
 def test_max_num_seqs_holds_later_requests_until_a_slot_frees():

@@ -274,6 +274,10 @@ _SGLANG = Adapter(
         # prefilled, for up to 4 s by design. On paper such a request is served to its end; what the
         # server keeps doing for a client gone shows only as a leak.
         "aborts_on_disconnect": False,
+        # TokenizerManager._handle_batch_request (n > 1 is parallel sampling, never a single request): the
+        # prompt is sent first as a copy with max_new_tokens=0 and awaited ("Cache the common prefix for
+        # parallel sampling"), then the n copies are sent; choice 0 queues twice (SchedulerAssumption.primes_choices).
+        "primes_choices": True,
     },
     tokenize_path="/tokenize",
     tokenize_body=_openai_tokenize_body,

@@ -233,10 +233,11 @@ def _expect(
             if fifo and model.frontend_token_s > 0:
                 variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
                                       fifo_frontend=True, shared_frontend=True, fanout=True))
-            # The later choices forked once choice 0 has its first token, behind whoever came before (SGLang's
-            # n > 1; heldout6, clean: 0.45 s gaps in a 4-choice stream, 3x the bound that queued them at arrival).
+            # The later choices forked once choice 0 has its first token, behind whoever came before (heldout6,
+            # clean: 0.45 s gaps in a 4-choice stream, 3x the bound that queued them at arrival); or every choice
+            # queued once the prompt is computed alone (SGLang: SchedulerAssumption.primes_choices).
             variants.append(serve(requests, prefixes, sent, model, assumption, True, window=0.0, kv_blocks=cap,
-                                  fifo_frontend=fifo, fanout=True, forks=True))
+                                  fifo_frontend=fifo, fanout=True, forks=True, primes=assumption.primes_choices))
         if (assumption.frontend_fifo and not assumption.admission_stops and not assumption.long_prefill_threshold
                 and assumption.token_budget > DEFAULT_TOKEN_BUDGET
                 and sum(r.prompt_tokens for r in requests) > assumption.token_budget):

@@ -212,6 +212,12 @@ class SchedulerAssumption:
     #: observed end that freed one (fuzzer.oracle.evidence.waited_for_slot), as with a measured count.
     #: heldout11 runs 64 of the documented 256.
     seats_seen: int = 0
+    #: The engine computes the prompt of a request asking for n > 1 choices once, in a request of its own,
+    #: and only then queues the n choices, behind every request that came meanwhile (SGLang's
+    #: ``TokenizerManager._handle_batch_request``: a copy with ``max_new_tokens=0`` is sent and awaited, then
+    #: n copies are sent, each hitting the prompt's cache). The bound then also holds that schedule
+    #: (fuzzer.oracle.paper, ``primes``): choice 0's first token too comes after a second wait in the queue.
+    primes_choices: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token_budget", "max_num_seqs", "block_size"):
@@ -248,7 +254,8 @@ class SchedulerAssumption:
             f"{f' (or {self.low_budget}, as the server showed)' if self.low_budget else ''}, max_num_seqs={self.max_num_seqs}"
             f"{f' ({self.seats_seen} seen; maybe no more)' if self.seats_seen else ''}, "
             f"block_size={self.block_size}, prefix caching {'on' if self.prefix_caching else 'off'}{kv}{cap}, "
-            f"{order} ({self.source})"
+            f"{order}{', an n > 1 prompt computed first, then its choices queued' if self.primes_choices else ''}"
+            f" ({self.source})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,6 +275,7 @@ class SchedulerAssumption:
             "admission_stops": self.admission_stops,
             "low_budget": self.low_budget,
             "seats_seen": self.seats_seen,
+            "primes_choices": self.primes_choices,
         }
 
     @classmethod
@@ -332,4 +340,5 @@ def assumption_for(
     return SchedulerAssumption(**{**found, **overrides}, source=source, arrival_order=arrival_order, frontend_fifo=True,
                                preempted_first=preempted_first, slot_cache=bool(defaults.get("slot_cache")),
                                aborts_on_disconnect=bool(defaults.get("aborts_on_disconnect")),
-                               admission_stops=arrival_order and bool(defaults.get("admission_stops")))
+                               admission_stops=arrival_order and bool(defaults.get("admission_stops")),
+                               primes_choices=bool(defaults.get("primes_choices")))

@@ -214,6 +214,7 @@ def schedule(
     one_long: bool = False,
     fanout: bool = False,
     forks: bool = False,
+    primes: bool = False,
     partial_hits: bool = False,
     whole: bool = False,
     cap_alone: bool = False,
@@ -265,9 +266,12 @@ def schedule(
     vLLM-like server prefilled an n=8 request's 256-token prompt eight times in one step. vLLM v1
     splits ``n`` too, but shares a prompt repeated within a batch. ``forks`` (with ``fanout``): the later
     choices join the queue only when choice 0 gets its first token, behind every request that came
-    before, as an engine does that forks ``n`` after the prompt's prefill (SGLang): on heldout6, clean, a
-    4-choice request's later choices waited for a seat behind a 2048-token prompt sent 0.5 s after them
-    but before choice 0's first token (0.45 s gaps in its stream, 3x the bound that queued them at arrival).
+    before, as an engine does that forks ``n`` after choice 0's prefill: on heldout6, clean, a 4-choice
+    request's later choices waited for a seat behind a 2048-token prompt sent 0.5 s after them but
+    before choice 0's first token (0.45 s gaps in its stream, 3x the bound that queued them at arrival).
+    ``primes`` (implies ``forks``): choice 0 too; the prompt is first computed by a request of its own
+    (one token, never sent), then all ``n`` choices join the queue, each hitting the prompt's full
+    blocks (SGLang, ``SchedulerAssumption.primes_choices``); the stream's first token is its first choice's.
 
     ``whole``: chunked prefill off (vLLM's ``--no-enable-chunked-prefill``, a budget of at least the
     context): a waiting request is admitted only when its whole uncached prompt fits what the step's
@@ -282,7 +286,15 @@ def schedule(
     """
     kv = (KVBlocks(kv_blocks, a.block_size, a.token_budget, whole_readmission=a.prefix_caching,
                    chunk=a.long_prefill_threshold) if kv_blocks is not None else None)
-    waves = _waves(jobs, 1 if fanout else a.max_num_seqs)
+    primed: dict[int, list[Job]] = {}  # ``primes``: id(job) -> its choices, queued once it computed the prompt
+    for j in jobs if primes else ():
+        if j.n > 1:
+            full = (j.prompt - 1) // a.block_size * a.block_size if a.prefix_caching else 0
+            primed[id(j)] = [Job(id=j.id, arrival_s=j.arrival_s, prompt=j.prompt, group=None, prefix=0, out=j.out,
+                                 n=1, forced_cached=full, abort_s=j.abort_s) for _ in range(j.n)]
+            j.n, j.out = 1, 1
+    waves = {**_waves(jobs, 1 if fanout else a.max_num_seqs), **primed}
+    forks = forks or primes
     forked = dict(waves) if forks else {}  # id(job) -> its later choices not yet forked (``forks``)
     queued = list(jobs) if forks else [w for j in jobs for w in (j, *waves.get(id(j), ()))]
     free = -math.inf
@@ -448,6 +460,10 @@ def schedule(
                     pending.insert(next((k for k, p in enumerate(pending) if p.ready_s > out_t), len(pending)), w)
         _retire(running, out_t, kv)
     for j in jobs:
+        if id(j) in primed:  # the prompt's own request sent nothing: the stream is its choices'
+            j.n, j.out = 0, primed[id(j)][0].out
+            j.token_times = min((w.token_times for w in primed[id(j)] if w.token_times), key=lambda ts: ts[0],
+                                default=[])
         for w in waves.get(id(j), ()):
             j.n += w.n
             j.finish_s = max(j.finish_s or 0.0, w.finish_s or 0.0)
