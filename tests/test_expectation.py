@@ -233,6 +233,8 @@ def test_an_engine_that_computes_an_n_prompt_first_queues_every_choice_behind_re
     sglang = dataclasses.replace(one, primes_choices=True)
     assert expect(trace, MODEL, sglang)["pair"].ttft_s >= primed["pair"].ttft_s
     assert expect(trace, MODEL, one)["pair"].ttft_s < primed["pair"].ttft_s / 2  # vLLM: choice 0 at arrival
+    alone = idle_expectation(64, 40, MODEL, sglang, n=2)
+    assert alone.idle_ttft_s >= idle_expectation(64, 40, MODEL, one, n=2).idle_ttft_s + MODEL.overhead_s  # two steps
 
 
 def test_max_num_seqs_holds_later_requests_until_a_slot_frees():

@@ -433,7 +433,8 @@ def idle_expectation(
 @functools.lru_cache(maxsize=4096)
 def _idle(prompt: int, out: int, model: StepModel, assumption: SchedulerAssumption, cached: int, n: int) -> Expectation:
     job = Job(id="alone", arrival_s=0.0, prompt=prompt, group=None, prefix=0, out=out, n=n, forced_cached=cached)
-    done = schedule([job], model, assumption)[0].paper(model)
+    # On an engine that computes an n > 1 prompt alone first (SGLang), so does an idle one.
+    done = schedule([job], model, assumption, primes=assumption.primes_choices)[0].paper(model)
     ttft, itl, e2e = done.ttft_s, done.max_itl_s, done.e2e_s
     return Expectation("alone", ttft, itl, e2e, ttft, itl, e2e, cached)
 
