@@ -203,7 +203,7 @@ def test_a_streamed_choice_admitted_after_choice_0_is_a_gap_its_max_itl_bound_ho
 
 
 def test_choices_forked_after_choice_0s_first_token_queue_behind_requests_that_came_before_it():
-    # heldout6, clean (stop 66): an engine that forks n after the prompt's prefill (SGLang) queued a
+    # heldout6, clean (stop 66): an engine that forks n after choice 0's first token queued a
     # 4-choice stream's later choices behind a 2048-token prompt sent 0.5 s after the request but before
     # choice 0's first token: 0.45 s gaps in its stream, 3x the bound that queued every choice at
     # arrival. Two confirmed false itl-stalls on a clean server.

@@ -28,6 +28,7 @@ class Job(Protocol):
     max_step: float
     token_times: list[float]
 
+
 # A stretch of pure decode steps with no end in sight (nobody decoding, a request that can
 # never be admitted) is computed this many steps at a time, so memory stays small.
 _DECODE_RUN_MAX = 65_536
