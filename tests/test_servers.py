@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -136,6 +137,22 @@ async def test_probe_reports_a_refused_api_key():
     app.router.add_post("/v1/completions", refuse)
     async with serving(app) as url, aiohttp.ClientSession() as session:
         with pytest.raises(TargetError, match="refused the API key"):
+            await adapters.probe_capabilities(session, url, adapters.adapter("openai"), None, headers={})
+
+
+async def test_probe_names_a_server_that_never_answers(monkeypatch):
+    # heldout7 started with --long-prefill-token-threshold 0 accepts connections and never answers: the probe said
+    # "HTTP 0: TimeoutError: " (an empty exception text) where it can say what happened.
+    monkeypatch.setattr(adapters, "PROBE_TIMEOUT_S", 0.3)
+
+    async def never(request):
+        await asyncio.sleep(1.5)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", never)
+    async with serving(app) as url, aiohttp.ClientSession() as session:
+        with pytest.raises(TargetError, match=r"did not answer a plain completion: no answer within 0.3 s"):
             await adapters.probe_capabilities(session, url, adapters.adapter("openai"), None, headers={})
 
 

@@ -388,6 +388,8 @@ async def probe_capabilities(
     status, text = await _post(session, base_url + adapter.completions_path, _probe_body(model, {}), headers)
     if status in (401, 403):
         raise TargetError(f"{base_url} refused the API key (HTTP {status}); set it in the environment variable the CLI names")
+    if status == 0:  # accepted the connection, then no answer (a wedged engine, a setting it cannot run with)
+        raise TargetError(f"{base_url} did not answer a plain completion: {text[:160]}; its log may say why")
     if not 200 <= status < 300:
         raise TargetError(f"{base_url} cannot serve a plain completion (HTTP {status}): {text[:160]}")
     caps["completions"] = True
@@ -449,5 +451,7 @@ async def _post(
             url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
         ) as resp:
             return resp.status, (await resp.read()).decode("utf-8", "replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except asyncio.TimeoutError:
+        return 0, f"no answer within {PROBE_TIMEOUT_S:g} s"
+    except aiohttp.ClientError as e:
         return 0, f"{e.__class__.__name__}: {e}"
