@@ -388,7 +388,7 @@ async def probe_capabilities(
     status, text = await _post(session, base_url + adapter.completions_path, _probe_body(model, {}), headers)
     if status in (401, 403):
         raise TargetError(f"{base_url} refused the API key (HTTP {status}); set it in the environment variable the CLI names")
-    if status == 0:  # accepted the connection, then no answer (a wedged engine, a setting it cannot run with)
+    if status == 0:  # no HTTP answer: a timeout (a wedged engine, a setting it cannot run with) or a dropped connection
         raise TargetError(f"{base_url} did not answer a plain completion: {text[:160]}; its log may say why")
     if not 200 <= status < 300:
         raise TargetError(f"{base_url} cannot serve a plain completion (HTTP {status}): {text[:160]}")
